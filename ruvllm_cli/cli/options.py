@@ -1,0 +1,34 @@
+"""Option types and decorators shared by several commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ruvllm_cli.errors import UsageError
+from ruvllm_cli.quantization import CHOICES, Quantization, parse_quantization
+
+
+class QuantizationType(click.ParamType):
+    name = CHOICES
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Quantization:
+        try:
+            return parse_quantization(value)
+        except UsageError as error:
+            self.fail(f"{error.message} ({error.hint})", param, ctx)
+
+
+QUANTIZATION = QuantizationType()
+DEVICE = click.Choice(["auto", "cpu", "cuda", "mps"], case_sensitive=False)
+
+
+def quantization_option(default: str | None = None, help_extra: str = "") -> Any:
+    return click.option("-q", "--quantization", type=QUANTIZATION, default=default,
+                        help=f"Weight quantization ({CHOICES}).{help_extra}")
+
+
+def device_option() -> Any:
+    return click.option("--device", type=DEVICE, default="auto", show_default=True,
+                        help="Where to run the model: CUDA, then MPS, then CPU when auto.")

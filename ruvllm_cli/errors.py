@@ -1,0 +1,49 @@
+"""Errors a user can cause, each with a one-line message and an optional hint.
+
+The CLI maps every `RuvllmError` to `Error: <message>` on stderr (plus the hint)
+and its `exit_code`; the server maps them to OpenAI-style error bodies.
+"""
+
+from __future__ import annotations
+
+
+class RuvllmError(Exception):
+    """Base class: a failure the user can understand and act on."""
+
+    exit_code = 1
+    http_status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class UsageError(RuvllmError):
+    exit_code = 2
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(RuvllmError):
+    """A model name that is no local path, alias or Hugging Face id."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+
+
+class NotDownloadedError(RuvllmError):
+    """A known model that is not (completely) in the cache."""
+
+
+class DownloadError(RuvllmError):
+    """Network, auth, revision or disk trouble while fetching a model."""
+
+
+class ModelLoadError(RuvllmError):
+    """A directory that is no model, an unsupported architecture, too little memory."""
+
+
+class CacheError(RuvllmError):
+    """The cache directory cannot be used."""

@@ -1,0 +1,32 @@
+"""Where ruvllm keeps its files: one resolver for the cache and config directories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+APP_NAME = "ruvllm"
+CACHE_ENV = "RUVLLM_CACHE_DIR"
+CONFIG_ENV = "RUVLLM_CONFIG_DIR"
+
+
+def resolve_cache_dir(option: str | os.PathLike | None = None) -> Path:
+    """`--cache-dir` beats `RUVLLM_CACHE_DIR`, which beats the platform user cache dir."""
+    if option:
+        return Path(option).expanduser().resolve()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir(APP_NAME))
+
+
+def resolve_config_dir() -> Path:
+    """`RUVLLM_CONFIG_DIR`, else the platform user config dir (user aliases live here)."""
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir(APP_NAME))

@@ -1,0 +1,43 @@
+"""Quantization names (light: no torch). The engine maps them to load-time paths."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from ruvllm_cli.errors import UsageError
+
+
+class Quantization(str, Enum):
+    Q4_K_M = "q4k"
+    Q8_0 = "q8"
+    F16 = "f16"
+    F32 = "none"
+
+    @property
+    def label(self) -> str:
+        return {"q4k": "Q4_K_M", "q8": "Q8_0", "f16": "F16", "none": "F32"}[self.value]
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Average weight bytes per parameter, including block scales."""
+        return {"q4k": 4.85 / 8, "q8": 8.5 / 8, "f16": 2.0, "none": 4.0}[self.value]
+
+
+_NAMES = {
+    "q4k": Quantization.Q4_K_M, "q4_k": Quantization.Q4_K_M, "q4_k_m": Quantization.Q4_K_M,
+    "q4": Quantization.Q4_K_M,
+    "q8": Quantization.Q8_0, "q8_0": Quantization.Q8_0,
+    "f16": Quantization.F16, "fp16": Quantization.F16,
+    "none": Quantization.F32, "f32": Quantization.F32, "fp32": Quantization.F32,
+}
+CHOICES = "q4k|q8|f16|none"
+
+
+def parse_quantization(name: str | Quantization) -> Quantization:
+    """Case-insensitive: q4k|q4_k|q4_k_m|q4, q8|q8_0, f16|fp16, none|f32|fp32."""
+    if isinstance(name, Quantization):
+        return name
+    try:
+        return _NAMES[name.strip().lower()]
+    except KeyError:
+        raise UsageError(f"unknown quantization '{name}'", f"choose one of {CHOICES}") from None
