@@ -1,0 +1,110 @@
+"""Paged attention behind the transformers attention interface.
+
+Registered as the attention implementation "ruvllm_paged", so the stock model
+classes (Llama, Qwen2, Mistral, Phi-3, ...) run unchanged: each attention layer
+hands us its post-RoPE query/key/value for the step's packed tokens; we write the
+new keys and values into the block pool and attend over each request's blocks.
+Decode tokens (one per request) are attended in one padded batch; prompt chunks
+each in one causal call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "ruvllm_paged"
+
+
+class PagedKVCache:
+    """Per-layer key and value pools of shape [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, num_kv_heads, head_dim)
+        # Zeroed, not empty: padded decode slots read stale rows with weight 0, and
+        # uninitialised memory could hold NaN (0 * NaN = NaN).
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class PrefillSegment:
+    start: int                                # offset of the chunk in the packed step
+    length: int                               # tokens in the chunk
+    context_len: int                          # tokens already in the cache before it
+    slots: torch.Tensor | None = None         # slots of all context_len + length tokens
+    mask: torch.Tensor | None = None          # [length, context_len + length] bool
+
+
+@dataclass
+class StepMetadata:
+    """What every attention layer needs for one step; built once by the model runner."""
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor                # [T] slot of each packed token
+    num_decodes: int = 0                      # the first num_decodes tokens are single-token queries
+    decode_slots: torch.Tensor | None = None  # [B, L] slots of each decode's context
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] bool, None when no padding
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            ruvllm_step: StepMetadata | None = None, **_: object
+                            ) -> tuple[torch.Tensor, None]:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]."""
+    assert ruvllm_step is not None, "the ruvllm_paged attention needs the engine's step metadata"
+    step = ruvllm_step
+    layer = module.layer_idx
+    k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
+    k_cache.index_copy_(0, step.slot_mapping, key[0].transpose(0, 1))
+    v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1))
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+    if step.num_decodes:
+        out[:step.num_decodes] = _decode_attention(query, k_cache, v_cache, step, scaling)
+    for seg in step.prefills:
+        out[seg.start:seg.start + seg.length] = _prefill_attention(
+            query, key, value, k_cache, v_cache, seg, scaling)
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      step: StepMetadata, scaling: float | None) -> torch.Tensor:
+    q = query[0, :, :step.num_decodes].transpose(0, 1).unsqueeze(2)          # [B, Hq, 1, D]
+    k = k_cache[step.decode_slots].transpose(1, 2)                           # [B, Hkv, L, D]
+    v = v_cache[step.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return o[:, :, 0]                                                        # [B, Hq, D]
+
+
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
+                       scaling: float | None) -> torch.Tensor:
+    q = query[:, :, seg.start:seg.start + seg.length]                        # [1, Hq, n, D]
+    gqa = query.shape[1] != key.shape[1]
+    if seg.context_len == 0:
+        k = key[:, :, seg.start:seg.start + seg.length]
+        v = value[:, :, seg.start:seg.start + seg.length]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
+        k = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)                  # [1, Hkv, L, D]
+        v = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=gqa)
+    return o[0].transpose(0, 1)                                              # [n, Hq, D]
+
+
+def register() -> str:
+    """Register the paged attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,27 @@
+"""Engine configuration (frozen): block size, batch bounds, KV memory, device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ruvllm_cli.quantization import Quantization
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "auto"
+    quantization: Quantization = Quantization.F16
+    block_size: int = 16
+    max_num_seqs: int = 16                   # --max-concurrent
+    max_num_batched_tokens: int | None = None  # per-step token budget; device default when None
+    max_model_len: int | None = None         # prompt + output; min(model context, 4096) when None
+    kv_cache_memory: int | None = None       # bytes for the KV pool (--kv-cache-memory)
+    kv_cache_fraction: float = 0.25          # else this share of free memory, capped by need
+    enable_prefix_caching: bool = True
+
+    def token_budget(self, device_type: str) -> int:
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        # On a CPU a step of 1024 tokens already runs the matmuls at full speed, and a
+        # smaller budget keeps decodes from stalling behind a long prompt.
+        return 1024 if device_type == "cpu" else 8192

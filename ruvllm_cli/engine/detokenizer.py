@@ -1,0 +1,79 @@
+"""Incremental, UTF-8-safe detokenization and stop-string matching for streams."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Prompt tokens kept as left context: some tokenizers (SentencePiece) decode a
+# token's leading space differently at the start of a sequence.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one token at a time into text deltas, holding back incomplete characters."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence, or nothing visible yet
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
+
+
+class StopMatcher:
+    """Finds stop strings in the generated text, holding back a tail that could
+    still become one, so a stream never shows part of a stop string."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(stop)
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add new text; return (text safe to emit now, whether a stop string was hit).
+        After a hit the text is final: later deltas are ignored."""
+        if self.stopped:
+            return "", True
+        self.text += delta
+        if not self.stop:
+            return self._emit(len(self.text)), False
+        search_from = max(0, self.emitted - self.longest)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+            return self._emit(len(self.text)), True
+        return self._emit(len(self.text) - self._partial_tail()), False
+
+    def flush(self) -> str:
+        """At the end of the stream the held-back tail is plain text."""
+        if self.stopped:
+            return ""
+        return self._emit(len(self.text))
+
+    def _partial_tail(self) -> int:
+        for size in range(min(self.longest - 1, len(self.text)), 0, -1):
+            tail = self.text[-size:]
+            if any(s.startswith(tail) for s in self.stop):
+                return size
+        return 0
+
+    def _emit(self, end: int) -> str:
+        end = max(end, self.emitted)
+        piece = self.text[self.emitted:end]
+        self.emitted = end
+        return piece

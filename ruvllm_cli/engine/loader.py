@@ -1,0 +1,146 @@
+"""Loads a transformers model and tokenizer from a local directory onto a device."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ruvllm_cli.engine import attention
+from ruvllm_cli.errors import ModelLoadError
+from ruvllm_cli.quantization import Quantization
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    quantization: Quantization
+    load_seconds: float
+    weight_bytes: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    quantization_path: str  # which load-time path was taken, for the notice line
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def select_device(name: str = "auto") -> torch.device:
+    """auto: CUDA, then MPS, then CPU. A forced device that is missing is an error."""
+    name = name.lower()
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: no CUDA device is available", "use --device cpu or auto")
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ModelLoadError("--device mps: MPS is not available here", "use --device cpu or auto")
+    return torch.device(name)
+
+
+def dtype_for(quantization: Quantization, device: torch.device) -> torch.dtype:
+    """`none` is float32; `f16` is float16 on accelerators and bfloat16 on a CPU; the
+    quantized types keep 16-bit activations."""
+    if quantization is Quantization.F32:
+        return torch.float32
+    return torch.bfloat16 if device.type == "cpu" else torch.float16
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a directory")
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is not a model directory (no config.json)",
+                             "download the model first: ruvllm download MODEL")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"cannot read {config_file}: {error}") from None
+
+
+def _check_memory(path: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse early, with a clear message, a model that cannot fit."""
+    import psutil
+
+    weight_files = list(path.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in weight_files)
+    if not on_disk:
+        return
+    needed = on_disk * 4 // 2 if dtype == torch.float32 else on_disk  # bf16 files grow in fp32
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = psutil.virtual_memory().available
+    if needed > free:
+        raise ModelLoadError(f"not enough memory: the weights need about {needed / 2**30:.1f} GiB, "
+                             f"{free / 2**30:.1f} GiB is free on {device.type}",
+                             "try --quantization q4k or q8, or a smaller model")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def load_model(path: str | Path, device: str = "auto",
+               quantization: Quantization = Quantization.F16) -> LoadedModel:
+    """Load model + tokenizer from a local directory, with the paged attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from ruvllm_cli.engine.quantize import quantize_model
+
+    path = Path(path).expanduser()
+    _read_config(path)
+    target = select_device(device)
+    dtype = dtype_for(quantization, target)
+    _check_memory(path, target, dtype)
+    hf_logging.disable_progress_bar()  # our own output says what is happening
+    started = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention.register(), device_map=None)
+    except ValueError as error:
+        raise ModelLoadError(f"unsupported model in {path}: {str(error).splitlines()[0]}") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot load the model in {path}: {str(error).splitlines()[0]}") from None
+    model.to(target).eval()
+    quant_path = quantize_model(model, quantization, target)
+    load_seconds = time.perf_counter() - started
+    return LoadedModel(model=model, tokenizer=tokenizer, device=target, dtype=dtype,
+                       quantization=quantization, load_seconds=load_seconds,
+                       weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
+                       max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
+                       quantization_path=quant_path)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers really take (tied weights once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = tensor.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.numel() * tensor.element_size()
+    return total

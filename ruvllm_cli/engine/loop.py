@@ -1,0 +1,175 @@
+"""Runs an LLMEngine in a background thread and streams each request's outputs.
+
+Callers (chat, benchmark: plain iterators; the server: async iterators) submit
+requests from any thread; only the engine thread touches the engine. torch releases
+the GIL in its kernels, so an asyncio server stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+
+from ruvllm_cli.engine.engine import LLMEngine
+from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.sampling import SamplingParams
+
+_STOP = object()
+
+
+class RequestStream:
+    """One request's outputs, in order, ending with a `finished` output."""
+
+    def __init__(self, loop: "EngineLoop", request_id: str, aio: asyncio.AbstractEventLoop | None) -> None:
+        self.request_id = request_id
+        self._engine_loop = loop
+        self._aio = aio
+        self._sync: queue.Queue[RequestOutput] = queue.Queue()
+        self._async: asyncio.Queue[RequestOutput] | None = asyncio.Queue() if aio else None
+        self.finished = False
+
+    def _deliver(self, output: RequestOutput) -> None:  # engine thread
+        if self._aio is not None and self._async is not None:
+            try:
+                self._aio.call_soon_threadsafe(self._async.put_nowait, output)
+            except RuntimeError:
+                pass  # the caller's event loop is gone: nobody is listening any more
+        else:
+            self._sync.put(output)
+
+    def cancel(self) -> None:
+        """Stop generating; the stream still ends with a final `cancelled` output."""
+        if not self.finished:
+            self._engine_loop.abort(self.request_id)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            output = self._sync.get()
+            self.finished = output.finished
+            yield output
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        assert self._async is not None, "create the stream with submit_async for async iteration"
+        while not self.finished:
+            output = await self._async.get()
+            self.finished = output.finished
+            yield output
+
+
+class EngineLoop:
+    """The engine thread: applies submitted commands, then steps while there is work."""
+
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._on_step = on_step
+        self._thread = threading.Thread(target=self._run, name="ruvllm-engine", daemon=True)
+        self._error: BaseException | None = None
+        self._thread.start()
+
+    # ---- submission (any thread) -------------------------------------------------
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               cache_salt: str | None = None) -> RequestStream:
+        return self._submit(prompt, params, cache_salt, None)
+
+    def submit_async(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     cache_salt: str | None = None) -> RequestStream:
+        return self._submit(prompt, params, cache_salt, asyncio.get_running_loop())
+
+    def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None, cache_salt: str | None,
+                aio: asyncio.AbstractEventLoop | None) -> RequestStream:
+        if self._error is not None:
+            raise RuntimeError("the engine thread has failed") from self._error
+        done = threading.Event()
+        result: dict[str, Any] = {}
+
+        def add() -> None:
+            try:
+                request = self.engine.add_request(prompt, params, cache_salt=cache_salt)
+                stream = RequestStream(self, request.request_id, aio)
+                self._streams[request.request_id] = stream
+                result["stream"] = stream
+            except BaseException as error:  # noqa: BLE001 - handed back to the caller
+                result["error"] = error
+            done.set()
+
+        self._commands.put(add)
+        done.wait()
+        if "error" in result:
+            raise result["error"]
+        return result["stream"]
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._deliver(self.engine.abort(request_id)))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread and return its result (for stats, checks)."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(self.engine)
+            except BaseException as error:  # noqa: BLE001
+                box["error"] = error
+            done.set()
+
+        self._commands.put(run)
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def shutdown(self) -> None:
+        """Cancel what is left, and stop the thread."""
+        self._commands.put(_STOP)
+        self._thread.join()
+
+    # ---- the engine thread -------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished
+                if not self._drain(block):
+                    break
+                if self.engine.has_unfinished:
+                    for output in self.engine.step():
+                        self._deliver(output)
+                    if self._on_step:
+                        self._on_step(self.engine)
+        except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
+            self._error = error
+            self._fail_all(error)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply pending commands; False when asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                for request_id in list(self._streams):
+                    self._deliver(self.engine.abort(request_id))
+                return False
+            command()
+
+    def _deliver(self, output: RequestOutput | None) -> None:
+        if output is None:
+            return
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        stream._deliver(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream._deliver(RequestOutput(request_id=request_id, token_ids=[], text="", finished=True,
+                                          finish_reason="error", error=f"engine failure: {error}"))
+        self._streams.clear()

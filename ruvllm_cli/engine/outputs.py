@@ -1,0 +1,33 @@
+"""What the engine hands back for a request after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ruvllm_cli.engine.request import RequestTimings
+from ruvllm_cli.engine.sampler import TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]                 # tokens generated in this step (usually one)
+    text: str                            # text that became safe to show in this step
+    finished: bool = False
+    finish_reason: str | None = None     # stop | length | cancelled | error
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: RequestTimings | None = None
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    batched_tokens: int = 0              # all tokens through the model, summed over steps
+    last_step_tokens: int = 0
+    preemptions: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0

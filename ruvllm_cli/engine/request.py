@@ -1,0 +1,90 @@
+"""One request's state as it moves waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ruvllm_cli.engine.sampling import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock timestamps (time.perf_counter) of a request's life."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """Prompt ids, sampling parameters, generated ids, block table and progress.
+
+    `num_computed_tokens` counts the tokens whose KV is in the cache; each step lets
+    it catch up with `all_token_ids`, which covers chunked prefill, prefix hits and
+    recompute after preemption in one rule.
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    generator: Any = None  # torch.Generator when the request has a seed
+    detokenizer: Any = None
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.timings.finished = time.perf_counter()

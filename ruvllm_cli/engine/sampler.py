@@ -1,0 +1,97 @@
+"""Next-token sampling as a chain of small pure functions over a logits batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ruvllm_cli.engine.request import Request
+from ruvllm_cli.engine.sampling import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+def apply_penalties(row: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                    params: SamplingParams) -> torch.Tensor:
+    """Repetition penalty over prompt and output (as transformers does); presence and
+    frequency penalties over the output only (as OpenAI defines them)."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                values * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output_ids, device=row.device).unique(return_counts=True)
+        row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+    return row
+
+
+def filter_top_k(row: torch.Tensor, k: int) -> torch.Tensor:
+    if 0 < k < row.shape[-1]:
+        kth = torch.topk(row, k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    return row
+
+
+def filter_top_p(row: torch.Tensor, p: float) -> torch.Tensor:
+    if p >= 1.0:
+        return row
+    sorted_logits, order = torch.sort(row, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    # Keep the smallest set whose mass reaches p (the token crossing p stays in).
+    drop = cumulative - sorted_logits.softmax(-1) >= p
+    return row.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+
+
+def filter_min_p(row: torch.Tensor, min_p: float) -> torch.Tensor:
+    if min_p <= 0.0:
+        return row
+    probs = row.softmax(-1)
+    return row.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    if params.greedy:
+        return int(row.argmax())
+    row = row / params.temperature
+    row = filter_min_p(filter_top_p(filter_top_k(row, params.top_k), params.top_p), params.min_p)
+    probs = row.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(logprobs_row, k)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(logprobs_row[token_id]), top)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One next token per row of `logits` [S, V], with the row's request's parameters."""
+    logits = logits.float()
+    if all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests):
+        return logits.argmax(-1).tolist(), [None] * len(requests)
+    want_logprobs = any(r.params.logprobs is not None for r in requests)
+    raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob | None] = []
+    for i, request in enumerate(requests):
+        params = request.params
+        row = logits[i]
+        if params.needs_history:
+            row = apply_penalties(row.clone(), request.prompt_ids, request.output_ids, params)
+            for processor in params.logits_processors:
+                row = processor(request.output_ids, row)
+        token = sample_row(row, params, request.generator)
+        tokens.append(token)
+        logprobs.append(top_logprobs(raw_logprobs[i], token, params.logprobs)
+                        if raw_logprobs is not None and params.logprobs is not None else None)
+    return tokens, logprobs

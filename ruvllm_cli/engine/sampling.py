@@ -1,0 +1,63 @@
+"""Per-request sampling parameters (light: no torch at import time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ruvllm_cli.errors import UsageError
+
+# A logits processor sees the ids generated so far and the next-token logits row
+# (a 1-D float tensor) and returns the row to sample from: the hook for grammar masks.
+LogitsProcessor = Callable[[Sequence[int], Any], Any]
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(s for s in self.stop if s)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be 0 (off) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be between 0 and 1"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise UsageError(f"{name} {rule} (got {getattr(self, name)})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """True when sampling must look at the tokens so far (penalties, processors)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logits_processors))

@@ -1,0 +1,36 @@
+"""Incremental detokenization (UTF-8 safe) and stop strings held back while partial."""
+
+from ruvllm_cli.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+
+
+def test_stream_equals_full_decode_including_multibyte(loaded):
+    tok = loaded.tokenizer
+    text = "Hello wörld, 日本語 and emoji 🎉🚀 done."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids=tok.encode("Say:", add_special_tokens=False))
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_matcher_holds_back_a_partial_stop():
+    m = StopMatcher(["END"])
+    assert m.feed("abc E") == ("abc ", False)
+    assert m.feed("N") == ("", False)
+    assert m.feed("D tail") == ("", True)
+    assert m.text == "abc "
+
+
+def test_stop_matcher_releases_a_false_alarm_and_flushes():
+    m = StopMatcher(["END"])
+    assert m.feed("xE") == ("x", False)
+    assert m.feed("Nx") == ("ENx", False)
+    assert m.feed("EN") == ("", False)
+    assert m.flush() == "EN"
+
+
+def test_stop_split_over_many_deltas_and_earliest_wins():
+    m = StopMatcher(["world", "lo w"])
+    out = [m.feed(c) for c in "hello world"]
+    assert "".join(o[0] for o in out) == "hel"
+    assert any(hit for _, hit in out)

@@ -1,0 +1,198 @@
+"""The engine against transformers' own generate(): token identity, batching, preemption,
+chunked prefill, prefix caching, cancellation, seeds, stop conditions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ruvllm_cli.engine.model_runner import kv_bytes_per_block
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.errors import UsageError
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def prompts_of_lengths(lengths, vocab=500, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+PROMPTS = prompts_of_lengths([3, 9, 16, 17, 31, 48, 70, 130])
+
+
+@pytest.fixture(scope="module")
+def expected(greedy_reference):
+    return [greedy_reference(p, NEW_TOKENS) for p in PROMPTS]
+
+
+def run_all(engine, prompts, params=GREEDY, check=True):
+    requests = [engine.add_request(p, params) for p in prompts]
+    results = {r.request_id: [] for r in requests}
+    while engine.has_unfinished:
+        for out in engine.step():
+            results[out.request_id] += out.token_ids
+        if check:
+            engine.check_integrity()
+    return [results[r.request_id] for r in requests]
+
+
+def test_together_matches_generate(make_engine, expected):
+    engine = make_engine()
+    assert run_all(engine, PROMPTS) == expected
+    engine.block_manager.check_integrity([])
+
+
+def test_chunked_prefill_matches_generate(make_engine, expected):
+    engine = make_engine(max_num_batched_tokens=20)
+    assert run_all(engine, PROMPTS) == expected
+    assert engine.stats.steps > NEW_TOKENS + 130 // 20  # prompts really were split
+
+
+def test_preemption_matches_generate(make_engine, loaded, expected):
+    per_block = kv_bytes_per_block(loaded.model.config, loaded.dtype, 16)
+    engine = make_engine(kv_cache_memory=14 * per_block)  # far less than 8 requests need
+    assert engine.block_manager.num_blocks == 14
+    assert run_all(engine, PROMPTS) == expected
+    assert engine.stats.preemptions > 0
+
+
+def test_one_after_another_matches_generate(make_engine, expected):
+    engine = make_engine()
+    assert [run_all(engine, [p])[0] for p in PROMPTS] == expected
+
+
+def test_prefix_cache_on_and_off_give_identical_tokens(make_engine, expected):
+    shared = prompts_of_lengths([64], seed=5)[0]
+    prompts = [shared + p for p in PROMPTS]
+    off = make_engine(enable_prefix_caching=False)
+    on = make_engine()
+    first = run_all(off, prompts)
+    run_all(on, prompts[:1])                  # warms the cache with the shared prefix
+    second = run_all(on, prompts[1:])
+    assert [first[0]] + second == first
+    assert on.block_manager.stats.hits >= 7 * 64
+
+
+def test_batching_runs_far_fewer_steps_than_tokens(make_engine):
+    engine = make_engine()
+    run_all(engine, PROMPTS, check=False)
+    total = len(PROMPTS) * NEW_TOKENS
+    assert engine.stats.steps <= NEW_TOKENS + 2
+    assert engine.stats.steps * 4 < total
+
+
+def test_same_seed_same_sample_while_sharing_a_batch(make_engine):
+    engine = make_engine()
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    prompt = PROMPTS[4]
+    requests = [engine.add_request(prompt, sampled), engine.add_request(PROMPTS[1], others),
+                engine.add_request(prompt, sampled), engine.add_request(PROMPTS[6], others)]
+    got = {r.request_id: [] for r in requests}
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    a, _, b, _ = (got[r.request_id] for r in requests)
+    assert a == b and len(a) == 16
+    alone = make_engine()
+    assert run_all(alone, [prompt], sampled) == [a]   # and whatever else is in the batch
+
+
+def test_cancel_frees_blocks_and_others_finish_unchanged(make_engine, expected):
+    engine = make_engine()
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    got = {r.request_id: [] for r in requests}
+    victim = requests[3]
+    for _ in range(5):
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    final = engine.abort(victim.request_id)
+    assert final.finished and final.finish_reason == "cancelled"
+    assert victim.block_table == []
+    engine.check_integrity()
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    for i, r in enumerate(requests):
+        if r is not victim:
+            assert got[r.request_id] == expected[i]
+    engine.block_manager.check_integrity([])
+
+
+def test_max_tokens_and_eos_finish_reasons(make_engine, loaded):
+    engine = make_engine()
+    eos = loaded.eos_token_ids[0]
+    length = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert (len(length.token_ids), length.finish_reason) == (5, "length")
+    first = length.token_ids[0]
+    stop = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=5, temperature=0.0,
+                                                        stop_token_ids=(first,)))[0]
+    assert (stop.token_ids, stop.finish_reason) == ([first], "stop")
+    assert eos in loaded.eos_token_ids
+
+
+def test_stop_string_cuts_text_and_finishes(make_engine):
+    engine = make_engine()
+    free = engine.generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    text = free.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = engine.generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                       stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[:text.find(stop)]
+
+
+def test_logprobs_are_reported_with_alternatives(make_engine):
+    engine = make_engine()
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3,
+                                                       ignore_eos=True))[0]
+    assert len(out.logprobs) == 4
+    for tokid, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tokid and lp.logprob <= 0.0
+        assert len(lp.top) == 3 and lp.top[0][0] == tokid   # greedy picks the most likely
+
+
+def test_bad_prompts_are_usage_errors(make_engine):
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(UsageError):
+        engine.add_request([], GREEDY)
+    with pytest.raises(UsageError):
+        engine.add_request(list(range(3, 70)), GREEDY)
+    with pytest.raises(UsageError):
+        engine.add_request([10**7], GREEDY)
+
+
+def test_generation_stops_at_the_context_limit(make_engine):
+    engine = make_engine(max_model_len=40)
+    out = engine.generate([PROMPTS[4]], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(PROMPTS[4]) + len(out.token_ids) == 40
+
+
+def test_randomized_stress_keeps_integrity(make_engine, loaded):
+    """Many overlapping prompts, cancellations and a tiny pool: integrity after every step."""
+    rng = random.Random(7)
+    per_block = kv_bytes_per_block(loaded.model.config, loaded.dtype, 16)
+    engine = make_engine(kv_cache_memory=12 * per_block, max_num_batched_tokens=64, max_num_seqs=8)
+    stems = prompts_of_lengths([40, 33, 20], seed=11)
+    live = []
+    for step in range(300):
+        if rng.random() < 0.5:
+            prompt = rng.choice(stems)[: rng.randrange(1, 40)] + prompts_of_lengths([rng.randrange(1, 30)],
+                                                                                  seed=step)[0]
+            params = SamplingParams(max_tokens=rng.randrange(1, 60), temperature=rng.choice([0.0, 0.8]),
+                                    ignore_eos=True)
+            live.append(engine.add_request(prompt, params, cache_salt=rng.choice([None, "t1"])).request_id)
+        if live and rng.random() < 0.1:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        finished = {o.request_id for o in engine.step() if o.finished}
+        live = [r for r in live if r not in finished]
+        engine.check_integrity()
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+    engine.block_manager.check_integrity([])
+    assert engine.stats.preemptions > 0 and engine.block_manager.stats.evictions > 0

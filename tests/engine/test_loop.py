@@ -1,0 +1,67 @@
+"""Streaming through the engine thread: sync and async iterators, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.errors import UsageError
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def loop(make_engine):
+    engine_loop = EngineLoop(make_engine())
+    yield engine_loop
+    engine_loop.shutdown()
+
+
+def test_sync_stream_yields_every_token_then_a_final_output(loop):
+    stream = loop.submit([5, 6, 7, 8], PARAMS)
+    outputs = list(stream)
+    assert sum(len(o.token_ids) for o in outputs) == 12
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].finish_reason == "length"
+    assert outputs[0].timings.first_token is not None
+
+
+def test_stream_matches_the_engine_alone(loop, make_engine):
+    expected = make_engine().generate([[9, 10, 11]], PARAMS)[0]
+    outputs = list(loop.submit([9, 10, 11], PARAMS))
+    assert [t for o in outputs for t in o.token_ids] == expected.token_ids
+    assert "".join(o.text for o in outputs) == expected.text
+
+
+def test_async_streams_run_concurrently_and_cancel_alone(loop):
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def consume(stream, cancel_after=None):
+        tokens = []
+        async for out in stream:
+            tokens += out.token_ids
+            if cancel_after is not None and len(tokens) >= cancel_after:
+                stream.cancel()
+                cancel_after = None
+            last = out
+        return tokens, last.finish_reason
+
+    async def main():
+        streams = [loop.submit_async([20 + i, 30, 40], long if i == 0 else PARAMS) for i in range(4)]
+        return await asyncio.gather(consume(streams[0], cancel_after=3), *(consume(s) for s in streams[1:]))
+
+    results = asyncio.run(main())
+    tokens, reason = results[0]
+    assert reason == "cancelled" and 3 <= len(tokens) < 200
+    assert all(r == "length" and len(t) == 12 for t, r in results[1:])
+    loop.call(lambda engine: engine.block_manager.check_integrity([]))
+    steps = loop.call(lambda engine: engine.stats.steps)
+    assert steps < 12 + 10  # the four streams shared their steps
+
+
+def test_bad_request_raises_in_the_caller(loop):
+    with pytest.raises(UsageError):
+        loop.submit([], PARAMS)
