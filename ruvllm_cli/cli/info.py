@@ -1,0 +1,242 @@
+"""`ruvllm info`: what is known about a model, where it is cached, and what it needs in memory.
+
+Needs no network: it reads the registry, the cache and the model's own files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+
+from ruvllm_cli.cli.context import app_context, global_options
+from ruvllm_cli.cli.output import Output
+from ruvllm_cli.errors import ModelLoadError
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
+from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, KVShape, estimate_memory, format_bytes
+from ruvllm_cli.registry.model_config import (ModelShape, count_parameters, count_parameters_from_safetensors,
+                                              read_model_config)
+from ruvllm_cli.registry.registry import ModelRef, resolve_model
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+KIND_LABELS = {"local": "local path", "registry": "registry alias", "hub": "Hugging Face id"}
+
+
+# ---------------------------------------------------------------- gathering
+
+def _file_records(directory: Path) -> list[dict[str, Any]]:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return [{"name": str(p.relative_to(directory)), "size": p.stat().st_size} for p in files]
+
+
+def _storage(path: Path, files: list[dict[str, Any]]) -> dict[str, Any]:
+    weights = [f["name"] for f in files if f["name"].lower().endswith(WEIGHT_SUFFIXES)]
+    return {"path": str(path), "files": files, "size_bytes": sum(f["size"] for f in files),
+            "weights": weights}
+
+
+def local_storage(path: Path) -> dict[str, Any]:
+    if path.is_file():
+        return {**_storage(path.parent, [{"name": path.name, "size": path.stat().st_size}]),
+                "path": str(path), "format": "gguf"}
+    storage = _storage(path, _file_records(path))
+    suffixes = {Path(name).suffix.lower() for name in storage["weights"]}
+    fmt = next((f for f in (".safetensors", ".gguf", ".bin", ".pt", ".pth") if f in suffixes), None)
+    return {**storage, "format": fmt.lstrip(".") if fmt else "no weights"}
+
+
+def download_record(model: DownloadedModel) -> dict[str, Any]:
+    files = [{"name": f.name, "size": f.size} for f in model.files]
+    return {**_storage(model.path, files), "repo_id": model.repo_id, "revision": model.revision,
+            "commit": model.commit, "quantization": model.quantization,
+            "downloaded_at": model.downloaded_at}
+
+
+def find_downloads(ref: ModelRef, cache: ModelCache) -> list[DownloadedModel]:
+    """Complete downloads of the model's repo (at its revision, if one was asked) or of its GGUF repo."""
+    gguf_repo = ref.entry.gguf_repo if ref.entry else None
+    found = []
+    for model in cache.downloaded():
+        repo = model.repo_id.lower()
+        if ref.repo_id and repo == ref.repo_id.lower():
+            if ref.revision is None or ref.revision in (model.revision, model.commit) \
+                    or model.commit.startswith(ref.revision):
+                found.append(model)
+        elif gguf_repo and repo == gguf_repo.lower():
+            found.append(model)
+    return found
+
+
+def _config_dir(ref: ModelRef, downloads: list[DownloadedModel]) -> Path | None:
+    """Where a config.json can be read: the local dir, else the first download that has one."""
+    candidates = [ref.local_path] if ref.local_path and ref.local_path.is_dir() else []
+    candidates += [d.path for d in downloads]
+    return next((c for c in candidates if (c / "config.json").is_file()), None)
+
+
+def parameter_count(ref: ModelRef, shape: ModelShape | None, directory: Path | None) -> tuple[int | None, str | None]:
+    """Safetensors headers beat the config's shape, which beats the registry's figure."""
+    if directory is not None:
+        try:
+            counted = count_parameters_from_safetensors(directory)
+        except ModelLoadError:
+            counted = None
+        if counted:
+            return counted, "safetensors headers"
+    if shape is not None:
+        return count_parameters(shape), "config.json shape"
+    if ref.entry and ref.entry.params is not None:
+        return ref.entry.params, "registry"
+    return None, None
+
+
+def memory_table(params: int | None, kv_shape: KVShape | None) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    return {q.value: estimate_memory(params, q, kv_shape, DEFAULT_CONTEXT) for q in Quantization}
+
+
+def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
+    """Everything `info` shows, as JSON-ready data."""
+    downloads = [] if ref.kind == "local" else find_downloads(ref, cache)
+    directory = _config_dir(ref, downloads)
+    shape, config_error = None, None
+    if directory:
+        try:
+            shape = read_model_config(directory)
+        except ModelLoadError as error:  # show what else is known rather than nothing
+            config_error = error.message
+    params, source = parameter_count(ref, shape, directory)
+    kv_shape = shape or (ref.entry.kv_shape if ref.entry else None)
+    return {
+        "model": name,
+        "kind": ref.kind,
+        "repo_id": ref.repo_id,
+        "revision": ref.revision,
+        "registry": ref.entry.to_dict() if ref.entry else None,
+        "config": shape.to_dict() if shape else None,
+        "config_path": str(directory / "config.json") if directory else None,
+        "config_error": config_error,
+        "local": local_storage(ref.local_path) if ref.local_path else None,
+        "downloaded": bool(downloads),
+        "downloads": [download_record(d) for d in downloads],
+        "parameters": params,
+        "parameter_source": source,
+        "memory": memory_table(params, kv_shape),
+        "memory_context": DEFAULT_CONTEXT,
+    }
+
+
+# ---------------------------------------------------------------- rendering
+
+def _kv(out: Output, title: str, rows: list[tuple[str, Any]]) -> None:
+    shown = [(field, escape(str(value))) for field, value in rows if value not in (None, "")]
+    out.table(["Field", "Value"], shown, title=title)
+
+
+def _number(value: int | None) -> str | None:
+    return f"{value:,}" if value is not None else None
+
+
+def _render_model(out: Output, data: dict[str, Any]) -> None:
+    entry = data["registry"] or {}
+    sampling = entry.get("sampling")
+    source = ("user alias" if entry.get("user") else "built-in") if entry else None
+    rows = [
+        ("Model", data["model"]), ("Resolved as", KIND_LABELS[data["kind"]]),
+        ("Repo", data["repo_id"]), ("Revision", data["revision"]), ("Name", entry.get("name")),
+        ("Architecture", entry.get("architecture")), ("Parameters (registry)", _number(entry.get("params"))),
+        ("Context length", _number(entry.get("context_length"))), ("Use case", entry.get("use_case")),
+        ("Recommended quantization", entry.get("recommended_quantization")),
+        ("Sampling", ", ".join(f"{k}={v}" for k, v in sampling.items()) if sampling else None),
+        ("GGUF repo", entry.get("gguf_repo")),
+        ("GGUF files", ", ".join(f"{q}: {f}" for q, f in entry.get("gguf_files", {}).items()) or None),
+        ("Notes", entry.get("notes")), ("Source", source),
+    ]
+    _kv(out, "Model", rows)
+
+
+def _render_config(out: Output, data: dict[str, Any]) -> None:
+    config = data["config"]
+    if data["config_error"]:
+        out.warn(f"config.json could not be read: {data['config_error']}")
+    if not config:
+        return
+    rows = [("Architecture", config["architecture"]), ("Model type", config["model_type"]),
+            ("Hidden size", _number(config["hidden_size"])), ("Layers", config["num_layers"]),
+            ("Attention heads", config["num_heads"]), ("KV heads", config["num_kv_heads"]),
+            ("Head dim", config["head_dim"]), ("Intermediate size", _number(config["intermediate_size"])),
+            ("Vocabulary", _number(config["vocab_size"])), ("Context length", _number(config["context_length"])),
+            ("Tied embeddings", "yes" if config["tie_word_embeddings"] else "no"),
+            ("Dtype", config["torch_dtype"])]
+    _kv(out, f"Config ({data['config_path']})", rows)
+
+
+def _render_storage(out: Output, title: str, storage: dict[str, Any], extra: list[tuple[str, Any]]) -> None:
+    weights = ", ".join(storage["weights"]) or "none found"
+    rows = [*extra, ("Path", storage["path"]), ("Files", len(storage["files"])),
+            ("Size", format_bytes(storage["size_bytes"])), ("Weights", weights)]
+    _kv(out, title, rows)
+
+
+def _render_cache(out: Output, data: dict[str, Any]) -> None:
+    if data["local"]:
+        _render_storage(out, "Local files", data["local"], [("Format", data["local"]["format"])])
+        return
+    for download in data["downloads"]:
+        extra = [("Repo", download["repo_id"]), ("Revision", download["revision"]),
+                 ("Commit", download["commit"]), ("Quantization", download["quantization"] or None),
+                 ("Downloaded", download["downloaded_at"])]
+        _render_storage(out, "Cache", download, extra)
+    if not data["downloads"]:
+        target = data["model"]
+        out.print(f"Not downloaded. Get it with: ruvllm download {escape(target)}")
+
+
+def _render_memory(out: Output, data: dict[str, Any]) -> None:
+    memory = data["memory"]
+    if memory is None:
+        out.print("Memory estimates: unknown until the model's config.json is available "
+                  "(download it, or use a registry alias).")
+        return
+    rows = [(m["label"] + f" ({q})", format_bytes(m["weights_bytes"]), format_bytes(m["kv_cache_bytes"]),
+             format_bytes(m["overhead_bytes"]), format_bytes(m["total_bytes"])) for q, m in memory.items()]
+    caption = (f"{data['parameters']:,} parameters, from the {data['parameter_source']}; "
+               f"KV cache for {data['memory_context']:,} tokens")
+    out.table(["Quantization", "Weights", "KV cache", "Overhead", "Total"], rows,
+              title="Memory estimates", caption=escape(caption))
+
+
+def render(out: Output, data: dict[str, Any]) -> None:
+    _render_model(out, data)
+    _render_config(out, data)
+    _render_cache(out, data)
+    _render_memory(out, data)
+
+
+@click.command("info")
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the same data as JSON on stdout.")
+@global_options
+def command(model: str, as_json: bool) -> None:
+    """Show MODEL's details, where it is cached, and memory estimates per quantization.
+
+    MODEL is a registry alias, a Hugging Face id (org/name[@revision]) or a local path.
+
+    \b
+    Examples:
+      ruvllm info qwen
+      ruvllm info Qwen/Qwen2.5-0.5B-Instruct --json
+      ruvllm info ./my-model
+    """
+    app = app_context()
+    out = app.output()
+    ref = resolve_model(model)
+    data = describe(model, ref, ModelCache(app.cache_dir))
+    if as_json:
+        out.json(data)
+    else:
+        render(out, data)

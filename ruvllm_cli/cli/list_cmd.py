@@ -1,0 +1,167 @@
+"""`ruvllm list`: the registry's models (with memory estimates), or the downloaded ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from ruvllm_cli.cli.context import app_context, global_options
+from ruvllm_cli.cli.output import Output
+from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
+from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, estimate_memory, format_bytes
+from ruvllm_cli.registry.registry import ModelEntry, load_registry
+
+MEMORY_CAPTION = (f"Memory: weights at the recommended quantization + KV cache for {DEFAULT_CONTEXT:,} "
+                  "tokens + runtime overhead.")
+
+
+def format_params(params_b: float | None) -> str:
+    if params_b is None:
+        return "-"
+    return f"{params_b:.2f}B" if params_b >= 1 else f"{params_b * 1000:.0f}M"
+
+
+def entry_memory(entry: ModelEntry) -> dict[str, Any] | None:
+    """Memory estimate at the entry's recommended quantization; None without a parameter count."""
+    if entry.params is None:
+        return None
+    return estimate_memory(entry.params, entry.recommended_quantization, entry.kv_shape)
+
+
+def downloads_of(entry: ModelEntry, downloaded: list[DownloadedModel]) -> list[DownloadedModel]:
+    """Complete downloads of the entry's safetensors repo or of its GGUF repo."""
+    repos = {entry.repo_id.lower()} | ({entry.gguf_repo.lower()} if entry.gguf_repo else set())
+    return [model for model in downloaded if model.repo_id.lower() in repos]
+
+
+def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel]) -> dict[str, Any]:
+    mine = downloads_of(entry, downloaded)
+    return {
+        **entry.to_dict(),
+        "memory_estimate": entry_memory(entry),
+        "downloaded": bool(mine),
+        "downloads": [{"repo_id": m.repo_id, "revision": m.revision, "commit": m.commit,
+                       "quantization": m.quantization, "path": str(m.path)} for m in mine],
+    }
+
+
+def downloaded_record(model: DownloadedModel, aliases: dict[str, list[str]]) -> dict[str, Any]:
+    return {**model.to_json(), "aliases": aliases.get(model.repo_id.lower(), [])}
+
+
+def _aliases_by_repo(registry: dict[str, ModelEntry]) -> dict[str, list[str]]:
+    index: dict[str, list[str]] = {}
+    for entry in registry.values():
+        for repo in filter(None, (entry.repo_id, entry.gguf_repo)):
+            index.setdefault(repo.lower(), []).append(entry.alias)
+    return index
+
+
+# ---------------------------------------------------------------- rendering
+
+def _memory_cell(record: dict[str, Any]) -> str:
+    memory = record["memory_estimate"]
+    if memory is None:
+        return "-"
+    return f"{format_bytes(memory['total_bytes'])} ({memory['quantization']})"
+
+
+def _alias_cell(record: dict[str, Any]) -> str:
+    return f"{record['alias']} (user)" if record["user"] else record["alias"]
+
+
+def render_registry(out: Output, records: list[dict[str, Any]]) -> None:
+    rows = [(escape(_alias_cell(r)), escape(r["name"]), format_params(r["params_b"]), _memory_cell(r),
+             "downloaded" if r["downloaded"] else "-") for r in records]
+    out.table(["Alias", "Name", "Params", "Memory", "Status"], rows, title="Models",
+              caption=MEMORY_CAPTION)
+
+
+def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
+    sampling = ", ".join(f"{k}={v}" for k, v in record["sampling"].items())
+    gguf = "\n".join(f"{q}: {name}" for q, name in record["gguf_files"].items()) or "-"
+    context = record["context_length"]
+    return [
+        ("Alias", _alias_cell(record)), ("Name", record["name"]), ("Repo", record["repo_id"]),
+        ("Architecture", record["architecture"] or "-"),
+        ("Parameters", f"{record['params']:,}" if record["params"] else "-"),
+        ("Context length", f"{context:,}" if context else "-"),
+        ("Use case", record["use_case"] or "-"),
+        ("Recommended quantization", record["recommended_quantization"]),
+        ("Memory estimate", _memory_cell(record)), ("Sampling", sampling),
+        ("GGUF repo", record["gguf_repo"] or "-"), ("GGUF files", gguf),
+        ("Notes", record["notes"] or "-"), ("Source", "user alias" if record["user"] else "built-in"),
+        ("Status", "downloaded" if record["downloaded"] else "not downloaded"),
+    ]
+
+
+def render_registry_long(out: Output, records: list[dict[str, Any]]) -> None:
+    for record in records:
+        table = Table(title=escape(record["alias"]), show_header=False, title_justify="left")
+        table.add_column("Field", style="bold")
+        table.add_column("Value", overflow="fold")
+        for field, value in _long_rows(record):
+            table.add_row(field, escape(str(value)))
+        out.print(table)
+    out.print(MEMORY_CAPTION)
+
+
+def _total_line(records: list[dict[str, Any]]) -> str:
+    total = sum(r["total_bytes"] for r in records)
+    noun = "model" if len(records) == 1 else "models"
+    return f"Total: {len(records)} {noun}, {format_bytes(total)}"
+
+
+def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) -> None:
+    if not records:
+        out.info("No models downloaded yet. Download one with: ruvllm download qwen-0.5b")
+        return
+    rows = []
+    for r in records:
+        name = r["repo_id"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
+        revision = r["revision"] if r["revision"] == r["commit"] else f"{r['revision']} ({r['commit'][:7]})"
+        path = r["path"] + ("\n" + "\n".join(f["name"] for f in r["files"]) if long else "")
+        rows.append((escape(name), escape(revision), r["quantization"] or "-",
+                     format_bytes(r["total_bytes"]), escape(path)))
+    out.table(["Model", "Revision", "Quantization", "Size", "Path"], rows, title="Downloaded models",
+              caption=_total_line(records))
+
+
+@click.command("list")
+@click.option("-d", "--downloaded", is_flag=True, help="List the models in the cache instead of the registry.")
+@click.option("-l", "--long", "long_", is_flag=True, help="Show every field.")
+@click.option("--json", "as_json", is_flag=True, help="Print the same data as JSON on stdout.")
+@global_options
+def command(downloaded: bool, long_: bool, as_json: bool) -> None:
+    """List the registry's models with memory estimates, or the downloaded models.
+
+    \b
+    Examples:
+      ruvllm list
+      ruvllm ls --long
+      ruvllm list --downloaded
+      ruvllm list --json
+    """
+    app = app_context()
+    out = app.output()
+    registry = load_registry()
+    cached = ModelCache(app.cache_dir).downloaded()
+    if downloaded:
+        index = _aliases_by_repo(registry)
+        records = [downloaded_record(model, index) for model in cached]
+        if as_json:
+            out.json({"models": records, "count": len(records),
+                      "total_bytes": sum(r["total_bytes"] for r in records)})
+        else:
+            render_downloaded(out, records, long_)
+        return
+    records = [registry_record(entry, cached) for entry in registry.values()]
+    if as_json:
+        out.json({"models": records, "context": DEFAULT_CONTEXT})
+    elif long_:
+        render_registry_long(out, records)
+    else:
+        render_registry(out, records)

@@ -1,0 +1,1 @@
+"""Model registry, name resolution, cache layout and downloads (no torch imports here)."""

@@ -1,0 +1,340 @@
+"""The model registry (built-in aliases plus the user's own) and model-name resolution.
+
+Built-in entries are packaged data (`models.toml`); user aliases live in
+`<config dir>/aliases.json` and may shadow a built-in alias. No torch here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ruvllm_cli.errors import CacheError, ModelNotFoundError, UsageError
+from ruvllm_cli.paths import resolve_config_dir
+from ruvllm_cli.quantization import Quantization, parse_quantization
+
+ALIASES_FILE = "aliases.json"
+ALIAS_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# Hugging Face repo names: letters, digits, '-', '_', '.'; no '--' or '..'; 96 chars at most.
+_REPO_PART_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
+_REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+USER_FIELDS = {"architecture", "params", "params_b", "context_length", "use_case", "recommended_quantization",
+               "notes", "sampling", "gguf_repo", "gguf_files"}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Recommended sampling settings; top_k 0 and repetition_penalty 1.0 mean "off"."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "repetition_penalty": self.repetition_penalty}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One registry alias and what is known about the model behind it."""
+
+    alias: str
+    repo_id: str
+    name: str
+    architecture: str | None = None
+    params_b: float | None = None
+    context_length: int | None = None
+    use_case: str = ""
+    recommended_quantization: Quantization = Quantization.Q4_K_M
+    notes: str = ""
+    sampling: Sampling = field(default_factory=Sampling)
+    gguf_repo: str | None = None
+    gguf_files: dict[Quantization, str] = field(default_factory=dict)
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    exact_params: int | None = None
+    user: bool = False
+
+    @property
+    def params(self) -> int | None:
+        """The exact parameter count where the registry has it, else params_b x 1e9."""
+        if self.exact_params is not None:
+            return self.exact_params
+        return round(self.params_b * 1e9) if self.params_b is not None else None
+
+    @property
+    def kv_shape(self) -> ModelEntry | None:
+        """Itself when it knows layers, KV heads and head size (enough to size a KV cache)."""
+        known = None not in (self.num_layers, self.num_kv_heads, self.head_dim)
+        return self if known else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (quantizations by their CLI names)."""
+        return {
+            "alias": self.alias, "repo_id": self.repo_id, "name": self.name,
+            "architecture": self.architecture, "params_b": self.params_b,
+            "params": self.params, "context_length": self.context_length, "use_case": self.use_case,
+            "recommended_quantization": self.recommended_quantization.value, "notes": self.notes,
+            "sampling": self.sampling.to_dict(), "gguf_repo": self.gguf_repo,
+            "gguf_files": {q.value: name for q, name in self.gguf_files.items()},
+            "user": self.user,
+        }
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a model argument resolved to: a local path, a registry alias or a hub id."""
+
+    kind: str  # "local" | "registry" | "hub"
+    repo_id: str | None
+    revision: str | None = None
+    entry: ModelEntry | None = None
+    local_path: Path | None = None
+
+    @property
+    def display_name(self) -> str:
+        if self.kind == "local":
+            return str(self.local_path)
+        base = self.entry.alias if self.kind == "registry" and self.entry else self.repo_id
+        return f"{base}@{self.revision}" if self.revision else str(base)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.local_path is not None and self.local_path.suffix.lower() == ".gguf"
+
+
+# ---------------------------------------------------------------- loading
+
+def _entry_from_data(data: dict[str, Any], *, user: bool, where: str) -> ModelEntry:
+    try:
+        sampling = Sampling(**data.get("sampling", {}))
+        quant = parse_quantization(data.get("recommended_quantization", "q4k"))
+        gguf = {parse_quantization(q): str(f) for q, f in (data.get("gguf_files") or {}).items()}
+        return ModelEntry(
+            alias=str(data["alias"]), repo_id=str(data["repo_id"]),
+            name=str(data.get("name") or data["repo_id"].split("/")[-1]),
+            architecture=data.get("architecture"), params_b=data.get("params_b"),
+            context_length=data.get("context_length"), use_case=data.get("use_case", ""),
+            recommended_quantization=quant, notes=data.get("notes", ""), sampling=sampling,
+            gguf_repo=data.get("gguf_repo"), gguf_files=gguf, num_layers=data.get("num_layers"),
+            num_kv_heads=data.get("num_kv_heads"), head_dim=data.get("head_dim"),
+            exact_params=data.get("params"), user=user,
+        )
+    except (KeyError, TypeError, AttributeError, UsageError) as error:
+        raise CacheError(f"invalid model entry in {where}: {error}",
+                         "fix or delete that entry") from None
+
+
+def _builtin_data() -> list[dict[str, Any]]:
+    text = resources.files("ruvllm_cli.registry").joinpath("models.toml").read_text("utf-8")
+    return list(tomllib.loads(text).get("model", []))
+
+
+def builtin_entries() -> dict[str, ModelEntry]:
+    """The packaged aliases, in file order."""
+    entries = (_entry_from_data(m, user=False, where="models.toml") for m in _builtin_data())
+    return {entry.alias: entry for entry in entries}
+
+
+def aliases_path(config_dir: Path | None = None) -> Path:
+    return (config_dir or resolve_config_dir()) / ALIASES_FILE
+
+
+def _read_user_file(path: Path) -> dict[str, dict[str, Any]]:
+    """{alias: fields}; an absent file is empty, an unreadable one is an error naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CacheError(f"cannot read user aliases file {path}: {error}",
+                         f"fix the file or delete it (`rm {path}`)") from None
+    aliases = data.get("aliases") if isinstance(data, dict) else None
+    if not isinstance(aliases, dict) or not all(isinstance(v, dict) for v in aliases.values()):
+        raise CacheError(f"user aliases file {path} is not in the expected format",
+                         f"fix the file or delete it (`rm {path}`)")
+    return aliases
+
+
+def user_entries(config_dir: Path | None = None) -> dict[str, ModelEntry]:
+    """The user's aliases; one naming a built-in model's repo inherits that model's facts."""
+    path = aliases_path(config_dir)
+    known = {m["repo_id"].lower(): m for m in _builtin_data()}
+    entries = {}
+    for alias, fields in _read_user_file(path).items():
+        base = known.get(str(fields.get("repo_id", "")).lower(), {})
+        data = {**base, **fields, "alias": alias}
+        entries[alias] = _entry_from_data(data, user=True, where=str(path))
+    return entries
+
+
+def load_registry(config_dir: Path | None = None) -> dict[str, ModelEntry]:
+    """Built-in aliases merged with the user's; a user alias replaces a built-in one of that name."""
+    registry = builtin_entries()
+    registry.update(user_entries(config_dir))
+    return registry
+
+
+# ---------------------------------------------------------------- user aliases
+
+def validate_alias(alias: str) -> str:
+    if not ALIAS_RE.match(alias or ""):
+        raise UsageError(f"invalid alias name '{alias}'",
+                         "use lowercase letters, digits, '.', '_' and '-', starting with a letter or digit")
+    return alias
+
+
+def is_repo_id(text: str) -> bool:
+    """True for the `org/name` shape of a Hugging Face model id."""
+    parts = text.split("/")
+    return (len(parts) == 2 and all(_REPO_PART_RE.match(p) for p in parts)
+            and not any("--" in p or ".." in p for p in parts))
+
+
+def validate_repo_id(repo_id: str) -> str:
+    if not is_repo_id(repo_id or ""):
+        raise UsageError(f"invalid Hugging Face model id '{repo_id}'",
+                         "expected org/name, for example Qwen/Qwen2.5-0.5B-Instruct")
+    return repo_id
+
+
+def _write_user_file(path: Path, aliases: dict[str, dict[str, Any]]) -> None:
+    """Atomic: a temp file in the same directory, then os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".aliases-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump({"version": 1, "aliases": aliases}, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def add_user_alias(alias: str, repo_id: str, *, name: str | None = None,
+                   config_dir: Path | None = None, **fields: Any) -> ModelEntry:
+    """Adds or replaces a user alias; returns the stored entry."""
+    validate_alias(alias)
+    validate_repo_id(repo_id)
+    unknown = sorted(set(fields) - USER_FIELDS)
+    if unknown:
+        raise UsageError(f"unknown alias field(s): {', '.join(unknown)}",
+                         f"known fields: {', '.join(sorted(USER_FIELDS))}")
+    record: dict[str, Any] = {"repo_id": repo_id, **{k: v for k, v in fields.items() if v is not None}}
+    if name:
+        record["name"] = name
+    if isinstance(record.get("recommended_quantization"), Quantization):
+        record["recommended_quantization"] = record["recommended_quantization"].value
+    path = aliases_path(config_dir)
+    entry = _entry_from_data({**record, "alias": alias}, user=True, where="the new alias")
+    aliases = _read_user_file(path)
+    aliases[alias] = record
+    _write_user_file(path, aliases)
+    return entry
+
+
+def remove_user_alias(alias: str, config_dir: Path | None = None) -> ModelEntry:
+    """Removes a user alias; returns what was removed."""
+    path = aliases_path(config_dir)
+    aliases = _read_user_file(path)
+    if alias not in aliases:
+        if alias in builtin_entries():
+            raise UsageError(f"'{alias}' is a built-in alias and cannot be removed",
+                             "`ruvllm alias set` can shadow it with your own repo instead")
+        raise ModelNotFoundError(f"no user alias '{alias}'", "see `ruvllm alias list`")
+    removed = _entry_from_data({**aliases.pop(alias), "alias": alias}, user=True, where=str(path))
+    _write_user_file(path, aliases)
+    return removed
+
+
+# ---------------------------------------------------------------- resolution
+
+def _looks_like_path(name: str) -> bool:
+    """Names the user clearly meant as a path rather than an alias or a hub id."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or "\\" in name or name.lower().endswith(".gguf")
+
+
+def _not_a_model(name: str, path: Path) -> ModelNotFoundError:
+    if path.is_dir():
+        return ModelNotFoundError(f"'{name}' is not a model directory (it has no config.json)",
+                                  "point at the directory that holds config.json and the weights")
+    if path.exists():
+        return ModelNotFoundError(f"'{name}' is not a model: expected a directory with config.json "
+                                  "or a .gguf file")
+    return ModelNotFoundError(f"no such file or directory: '{name}'")
+
+
+def _local_ref(name: str) -> ModelRef | None:
+    """A local model, or None when `name` names no model on disk (so it may be an alias or id)."""
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelRef(kind="local", repo_id=None, local_path=path.resolve())
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelRef(kind="local", repo_id=None, local_path=path.resolve())
+    if _looks_like_path(name):
+        raise _not_a_model(name, path)
+    return None
+
+
+def nearest_alias(name: str, aliases: list[str]) -> str | None:
+    """The closest alias by difflib ratio (always one, when there are aliases)."""
+    close = difflib.get_close_matches(name.lower(), aliases, n=1, cutoff=0.5)
+    if close:
+        return close[0]
+    scored = [(difflib.SequenceMatcher(None, name.lower(), a).ratio(), a) for a in aliases]
+    return max(scored)[1] if scored else None
+
+
+def _unknown(name: str, registry: dict[str, ModelEntry]) -> ModelNotFoundError:
+    aliases = sorted(registry)
+    guess = nearest_alias(name, aliases)
+    hint = f"did you mean '{guess}'? " if guess else ""
+    hint += f"Aliases: {', '.join(aliases)}; or give a Hugging Face id (org/name) or a local path"
+    return ModelNotFoundError(f"unknown model '{name}'", hint)
+
+
+def _split_revision(name: str) -> tuple[str, str | None]:
+    base, sep, revision = name.partition("@")
+    if not sep:
+        return name, None
+    if not base or not _REVISION_RE.match(revision):
+        raise UsageError(f"invalid model reference '{name}'",
+                         "use NAME@REVISION with a branch, tag or commit, e.g. qwen@main")
+    return base, revision
+
+
+def resolve_model(name: str, config_dir: Path | None = None) -> ModelRef:
+    """Local path (dir with config.json, or .gguf) > registry alias > `org/name[@revision]`."""
+    name = (name or "").strip()
+    if not name:
+        raise UsageError("empty model name", "give an alias, a Hugging Face id or a local path")
+    local = _local_ref(name)
+    if local:
+        return local
+    registry = load_registry(config_dir)
+    base, revision = _split_revision(name)
+    entry = registry.get(base.lower())
+    if entry:
+        return ModelRef(kind="registry", repo_id=entry.repo_id, revision=revision, entry=entry)
+    if is_repo_id(base):
+        match = next((e for e in registry.values() if e.repo_id.lower() == base.lower()), None)
+        return ModelRef(kind="hub", repo_id=base, revision=revision, entry=match)
+    if Path(name).expanduser().exists():
+        raise _not_a_model(name, Path(name).expanduser())
+    if "/" in base:
+        validate_repo_id(base)
+    raise _unknown(base, registry)

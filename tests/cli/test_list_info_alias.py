@@ -1,0 +1,345 @@
+"""`ruvllm list`, `info` and `alias` as a user runs them (subprocess, isolated cache and config)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ruvllm_cli.registry.cache import FileRecord, ModelCache
+from ruvllm_cli.registry.memory import estimate_memory
+from ruvllm_cli.registry.model_config import count_parameters, read_model_config
+from ruvllm_cli.registry.registry import builtin_entries
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+ALIASES = list(builtin_entries())
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+WIDE = {"COLUMNS": "1000"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def wide_env(cli_env: dict[str, str]) -> dict[str, str]:
+    return {**cli_env, **WIDE}
+
+
+def fake_download(cache_dir: Path, model_dir: Path, repo_id: str = "Qwen/Qwen2.5-0.5B-Instruct",
+                  commit: str = COMMIT, quantization: str = "none") -> Path:
+    """Puts `model_dir`'s files into the cache as a complete download of `repo_id` at `main`."""
+    cache = ModelCache(cache_dir)
+    snapshot = cache.snapshot_dir(repo_id, commit)
+    shutil.copytree(model_dir, snapshot)
+    files = [FileRecord(p.name, p.stat().st_size) for p in sorted(snapshot.iterdir())]
+    cache.write_ref(repo_id, "main", commit)
+    cache.write_manifest(repo_id=repo_id, revision="main", commit=commit, quantization=quantization, files=files)
+    return snapshot
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("Error:")]
+
+
+# --- list --------------------------------------------------------------------------------------
+
+def test_list_shows_the_registry(ruvllm: Run, cli_env: dict[str, str]) -> None:
+    result = ruvllm("list", env=wide_env(cli_env))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    for header in ("Alias", "Name", "Params", "Memory", "Status"):
+        assert header in result.stdout
+    for alias in ALIASES:
+        assert f" {alias} " in result.stdout
+    qwen_row = next(line for line in result.stdout.splitlines() if " qwen-0.5b " in line)
+    assert "Qwen2.5 0.5B Instruct" in qwen_row and "494M" in qwen_row and "(q8)" in qwen_row
+    assert "7.62B" in result.stdout and "weights at the recommended quantization" in result.stdout
+
+
+def test_ls_is_list(ruvllm: Run) -> None:
+    assert ruvllm("ls").stdout == ruvllm("list").stdout
+
+
+def test_list_json_fields(ruvllm: Run) -> None:
+    result = ruvllm("list", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["context"] == 4096
+    assert [m["alias"] for m in data["models"]] == ALIASES
+    expected_keys = {"alias", "repo_id", "name", "architecture", "params_b", "params", "context_length",
+                     "use_case", "recommended_quantization", "notes", "sampling", "gguf_repo", "gguf_files",
+                     "user", "memory_estimate", "downloaded", "downloads"}
+    for model in data["models"]:
+        assert set(model) == expected_keys
+        assert model["downloaded"] is False and model["downloads"] == [] and model["user"] is False
+    small = next(m for m in data["models"] if m["alias"] == "qwen-0.5b")
+    entry = builtin_entries()["qwen-0.5b"]
+    assert small["repo_id"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert small["params"] == 494_032_768
+    assert small["gguf_files"] == {"q4k": "qwen2.5-0.5b-instruct-q4_k_m.gguf",
+                                   "q8": "qwen2.5-0.5b-instruct-q8_0.gguf",
+                                   "f16": "qwen2.5-0.5b-instruct-fp16.gguf"}
+    assert small["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
+    assert small["memory_estimate"] == estimate_memory(entry.params, "q8", entry, 4096)
+
+
+def test_list_long_shows_every_field(ruvllm: Run, cli_env: dict[str, str]) -> None:
+    result = ruvllm("list", "--long", env=wide_env(cli_env))
+    assert result.returncode == 0, result.stderr
+    for field in ("Repo", "Architecture", "Parameters", "Context length", "Use case",
+                  "Recommended quantization", "Memory estimate", "Sampling", "GGUF repo", "GGUF files",
+                  "Notes", "Source", "Status"):
+        assert result.stdout.count(field) >= len(ALIASES), field
+    for text in ("Qwen/Qwen2.5-7B-Instruct", "7,615,616,512", "q4k: Qwen2.5-7B-Instruct-Q4_K_M.gguf",
+                 "Gated: accept the Llama 3.2 licence", "temperature=0.6, top_p=0.9"):
+        assert text in result.stdout
+    assert ruvllm("ls", "-l", env=wide_env(cli_env)).stdout == result.stdout
+
+
+def test_list_downloaded_when_empty(ruvllm: Run) -> None:
+    result = ruvllm("list", "--downloaded")
+    assert result.returncode == 0 and result.stdout == ""
+    assert "No models downloaded yet" in result.stderr
+    data = json.loads(ruvllm("list", "-d", "--json").stdout)
+    assert data == {"models": [], "count": 0, "total_bytes": 0}
+
+
+def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any,
+                                             tiny_model_dir: Path) -> None:
+    snapshot = fake_download(isolated_env.cache_dir, tiny_model_dir)
+    size = sum(p.stat().st_size for p in snapshot.iterdir())
+    data = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    assert data["count"] == 1 and data["total_bytes"] == size
+    (model,) = data["models"]
+    assert (model["repo_id"], model["revision"], model["commit"]) == ("Qwen/Qwen2.5-0.5B-Instruct", "main", COMMIT)
+    assert model["path"] == str(snapshot) and model["aliases"] == ["qwen-0.5b"]
+    assert {f["name"] for f in model["files"]} == {p.name for p in snapshot.iterdir()}
+
+    table = ruvllm("list", "-d", env=wide_env(cli_env))
+    assert table.returncode == 0, table.stderr
+    assert "Qwen/Qwen2.5-0.5B-Instruct (qwen-0.5b)" in table.stdout
+    assert f"main ({COMMIT[:7]})" in table.stdout and str(snapshot) in table.stdout
+    assert "Total: 1 model, " in table.stdout
+
+    registry = json.loads(ruvllm("list", "--json").stdout)["models"]
+    status = {m["alias"]: m["downloaded"] for m in registry}
+    assert status == {alias: alias == "qwen-0.5b" for alias in ALIASES}
+    row = next(line for line in ruvllm("list", env=wide_env(cli_env)).stdout.splitlines() if " qwen-0.5b " in line)
+    assert "downloaded" in row
+
+
+def _python_importtime() -> list[str]:
+    return [sys.executable, "-X", "importtime", "-m", "ruvllm_cli"]
+
+
+@pytest.mark.parametrize("args", [["list"], ["list", "--downloaded"], ["info", "qwen"], ["alias", "list"]])
+def test_model_free_commands_import_no_torch(cli_env: dict[str, str], args: list[str]) -> None:
+    result = subprocess.run([*_python_importtime(), *args], env=cli_env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in result.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert not imported & {"torch", "transformers", "huggingface_hub"}
+
+
+# --- info --------------------------------------------------------------------------------------
+
+def test_info_registry_alias_json(ruvllm: Run) -> None:
+    result = ruvllm("info", "qwen", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["model"], data["kind"], data["repo_id"], data["revision"]) == \
+        ("qwen", "registry", "Qwen/Qwen2.5-7B-Instruct", None)
+    assert data["registry"]["name"] == "Qwen2.5 7B Instruct"
+    assert data["registry"]["architecture"] == "Qwen2ForCausalLM"
+    assert data["registry"]["context_length"] == 32768
+    assert data["config"] is None and data["local"] is None
+    assert data["downloaded"] is False and data["downloads"] == []
+    assert (data["parameters"], data["parameter_source"]) == (7_615_616_512, "registry")
+    assert list(data["memory"]) == ["q4k", "q8", "f16", "none"]
+    entry = builtin_entries()["qwen"]
+    for quant, memory in data["memory"].items():
+        assert memory == estimate_memory(entry.params, quant, entry, 4096)
+
+
+def test_info_registry_alias_table(ruvllm: Run, cli_env: dict[str, str]) -> None:
+    result = ruvllm("info", "qwen", env=wide_env(cli_env))
+    assert result.returncode == 0, result.stderr
+    for text in ("registry alias", "Qwen/Qwen2.5-7B-Instruct", "Qwen2ForCausalLM", "Not downloaded",
+                 "ruvllm download qwen", "Memory estimates", "Q4_K_M (q4k)", "F32 (none)",
+                 "7,615,616,512 parameters, from the registry"):
+        assert text in result.stdout, text
+
+
+def test_info_local_tiny_model_json(ruvllm: Run, tiny_model_dir: Path) -> None:
+    result = ruvllm("info", str(tiny_model_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["kind"], data["repo_id"], data["registry"]) == ("local", None, None)
+    shape = read_model_config(tiny_model_dir)
+    assert data["config"] == {
+        "architecture": "LlamaForCausalLM", "model_type": "llama", "hidden_size": 64, "num_layers": 2,
+        "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": 512,
+        "context_length": 4096, "tie_word_embeddings": True, "torch_dtype": shape.torch_dtype,
+    }
+    assert data["config_path"] == str(tiny_model_dir / "config.json")
+    assert (data["parameters"], data["parameter_source"]) == (count_parameters(shape), "safetensors headers")
+    local = data["local"]
+    assert local["path"] == str(tiny_model_dir) and local["format"] == "safetensors"
+    assert local["weights"] == ["model.safetensors"]
+    assert local["size_bytes"] == sum(f["size"] for f in local["files"]) > 0
+    assert "config.json" in {f["name"] for f in local["files"]}
+    assert data["memory"]["none"]["weights_bytes"] == 4 * data["parameters"]
+    assert data["memory"]["f16"]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 2 * 4096
+
+
+def test_info_local_gguf_file(ruvllm: Run, tmp_path: Path) -> None:
+    gguf = tmp_path / "model-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    data = json.loads(ruvllm("info", str(gguf), "--json").stdout)
+    assert data["kind"] == "local" and data["local"]["format"] == "gguf"
+    assert data["local"]["weights"] == ["model-Q4_K_M.gguf"] and data["local"]["size_bytes"] == 64
+    assert data["parameters"] is None and data["memory"] is None
+
+
+def test_info_downloaded_alias_reads_the_snapshot(ruvllm: Run, isolated_env: Any, tiny_model_dir: Path) -> None:
+    snapshot = fake_download(isolated_env.cache_dir, tiny_model_dir)
+    data = json.loads(ruvllm("info", "qwen-0.5b", "--json").stdout)
+    assert data["downloaded"] is True
+    (download,) = data["downloads"]
+    assert (download["path"], download["commit"], download["revision"]) == (str(snapshot), COMMIT, "main")
+    assert download["weights"] == ["model.safetensors"]
+    assert data["config_path"] == str(snapshot / "config.json")
+    assert data["config"]["hidden_size"] == 64
+    assert data["parameter_source"] == "safetensors headers"
+    assert data["parameters"] == count_parameters(read_model_config(tiny_model_dir))
+    # The same download by hub id, and a revision that was never downloaded.
+    assert json.loads(ruvllm("info", "Qwen/Qwen2.5-0.5B-Instruct", "--json").stdout)["downloaded"] is True
+    other = json.loads(ruvllm("info", "qwen-0.5b@v2", "--json").stdout)
+    assert other["downloaded"] is False and other["parameter_source"] == "registry"
+
+
+def test_info_unknown_hub_id_needs_no_network(ruvllm: Run, cli_env: dict[str, str]) -> None:
+    offline = {**cli_env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
+    data = json.loads(ruvllm("info", "someone/unknown-model", "--json", env=offline).stdout)
+    assert (data["kind"], data["repo_id"], data["registry"], data["downloaded"]) == \
+        ("hub", "someone/unknown-model", None, False)
+    assert data["parameters"] is None and data["memory"] is None
+    table = ruvllm("info", "someone/unknown-model", env={**offline, **WIDE})
+    assert table.returncode == 0, table.stderr
+    assert "Not downloaded. Get it with: ruvllm download someone/unknown-model" in table.stdout
+    assert "Memory estimates: unknown" in table.stdout
+
+
+def test_info_unknown_name_is_one_error_with_a_suggestion(ruvllm: Run) -> None:
+    result = ruvllm("info", "nosuchmodel")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert error_lines(result.stderr) == ["Error: unknown model 'nosuchmodel'"]
+    assert "Hint: did you mean '" in result.stderr
+    assert "Traceback" not in result.stderr
+    typo = ruvllm("info", "qwne")
+    assert typo.returncode == 1 and "Hint: did you mean 'qwen'?" in typo.stderr
+
+
+@pytest.mark.parametrize("name,code,message", [
+    ("a/b/c", 2, "Error: invalid Hugging Face model id 'a/b/c'"),
+    ("./missing-dir", 1, "Error: no such file or directory: './missing-dir'"),
+    ("qwen@", 2, "Error: invalid model reference 'qwen@'"),
+])
+def test_info_bad_names(ruvllm: Run, name: str, code: int, message: str) -> None:
+    result = ruvllm("info", name)
+    assert result.returncode == code
+    assert error_lines(result.stderr) == [message]
+
+
+def test_info_directory_without_config(ruvllm: Run, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    result = ruvllm("info", str(tmp_path / "empty"))
+    assert result.returncode == 1
+    message = f"Error: '{tmp_path / 'empty'}' is not a model directory (it has no config.json)"
+    assert error_lines(result.stderr) == [message]
+
+
+# --- alias -------------------------------------------------------------------------------------
+
+def test_alias_set_list_rm(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any) -> None:
+    result = ruvllm("alias", "set", "mine", "someone/their-model", "--name", "Their model")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "Alias 'mine' -> someone/their-model"
+    assert (isolated_env.config_dir / "aliases.json").is_file()
+
+    listed = json.loads(ruvllm("alias", "list", "--json").stdout)
+    assert listed["path"] == str(isolated_env.config_dir / "aliases.json")
+    (alias,) = listed["aliases"]
+    assert (alias["alias"], alias["repo_id"], alias["name"], alias["user"], alias["shadows_builtin"]) == \
+        ("mine", "someone/their-model", "Their model", True, False)
+    table = ruvllm("alias", "list", env=wide_env(cli_env))
+    assert " mine " in table.stdout and "someone/their-model" in table.stdout
+
+    models = json.loads(ruvllm("list", "--json").stdout)["models"]
+    assert models[-1]["alias"] == "mine" and models[-1]["user"] is True
+    row = next(line for line in ruvllm("list", env=wide_env(cli_env)).stdout.splitlines() if "mine" in line)
+    assert "mine (user)" in row and "Their model" in row
+    info = json.loads(ruvllm("info", "mine", "--json").stdout)
+    assert (info["kind"], info["repo_id"], info["registry"]["user"]) == ("registry", "someone/their-model", True)
+
+    removed = ruvllm("alias", "rm", "mine")
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stderr.strip() == "Removed alias 'mine' (someone/their-model)"
+    assert json.loads(ruvllm("alias", "list", "--json").stdout)["aliases"] == []
+    assert "No user aliases yet" in ruvllm("alias", "list").stderr
+    assert ruvllm("info", "mine").returncode == 1
+
+
+def test_alias_shadowing_a_builtin(ruvllm: Run) -> None:
+    result = ruvllm("alias", "set", "qwen", "me/my-qwen", "-q", "q8")
+    assert result.returncode == 0, result.stderr
+    assert "shadows the built-in alias" in result.stderr
+    data = json.loads(ruvllm("info", "qwen", "--json").stdout)
+    assert data["repo_id"] == "me/my-qwen" and data["registry"]["recommended_quantization"] == "q8"
+    assert json.loads(ruvllm("alias", "list", "--json").stdout)["aliases"][0]["shadows_builtin"] is True
+    removed = ruvllm("alias", "rm", "qwen")
+    assert removed.returncode == 0 and "names the built-in model again" in removed.stderr
+    assert json.loads(ruvllm("info", "qwen", "--json").stdout)["repo_id"] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["alias", "set", "Bad", "org/x"], 2, "Error: invalid alias name 'Bad'"),
+    (["alias", "set", "ok", "not-a-repo"], 2, "Error: invalid Hugging Face model id 'not-a-repo'"),
+    (["alias", "rm", "ghost"], 1, "Error: no user alias 'ghost'"),
+    (["alias", "rm", "llama"], 2, "Error: 'llama' is a built-in alias and cannot be removed"),
+])
+def test_alias_errors(ruvllm: Run, args: list[str], code: int, message: str) -> None:
+    result = ruvllm(*args)
+    assert result.returncode == code
+    assert error_lines(result.stderr) == [message]
+    assert "Traceback" not in result.stderr
+
+
+def test_corrupt_alias_file_is_one_error(ruvllm: Run, isolated_env: Any) -> None:
+    isolated_env.config_dir.mkdir(parents=True)
+    path = isolated_env.config_dir / "aliases.json"
+    path.write_text("{broken")
+    for args in (["list"], ["info", "qwen"], ["alias", "list"]):
+        result = ruvllm(*args)
+        assert result.returncode == 1
+        (line,) = error_lines(result.stderr)
+        assert line.startswith(f"Error: cannot read user aliases file {path}")
+
+
+def test_info_with_an_unreadable_config_shows_the_rest(ruvllm: Run, tmp_path: Path) -> None:
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    result = ruvllm("info", str(model), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["config"] is None and data["memory"] is None
+    assert "lacks hidden_size" in data["config_error"]
+    assert data["local"]["format"] == "no weights" and data["local"]["weights"] == []
+    table = ruvllm("info", str(model))
+    assert table.returncode == 0 and "Warning: config.json could not be read" in table.stderr

@@ -1,0 +1,247 @@
+"""Config reading, parameter counts (against real models' published numbers) and memory estimates."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ruvllm_cli.errors import ModelLoadError
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.memory import (OVERHEAD_BASE_BYTES, estimate_kv_bytes_per_token, estimate_memory,
+                                        estimate_weight_bytes, format_bytes)
+from ruvllm_cli.registry.model_config import (ModelShape, count_parameters, count_parameters_from_safetensors,
+                                              read_model_config, read_safetensors_header, shape_from_dict)
+from ruvllm_cli.registry.registry import builtin_entries
+
+# The shape-relevant keys of each built-in model's config.json, as published on the hub.
+REAL_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+                  "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                  "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
+    "qwen-1.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+                  "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+                  "intermediate_size": 8960, "vocab_size": 151936, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": True},
+    "qwen": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+             "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "intermediate_size": 18944, "vocab_size": 152064, "max_position_embeddings": 32768,
+             "tie_word_embeddings": False},
+    "qwen-large": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
+                   "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+                   "intermediate_size": 13824, "vocab_size": 152064, "max_position_embeddings": 32768,
+                   "tie_word_embeddings": False},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "intermediate_size": 14336, "vocab_size": 32768, "max_position_embeddings": 32768,
+                "tie_word_embeddings": False},
+    "phi": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "intermediate_size": 8192, "vocab_size": 32064, "max_position_embeddings": 131072,
+            "tie_word_embeddings": False},
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+              "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+              "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072,
+              "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False},
+    "llama-1b": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+                 "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                 "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072,
+                 "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False},
+    "smollm": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 960,
+               "num_hidden_layers": 32, "num_attention_heads": 15, "num_key_value_heads": 5, "head_dim": 64,
+               "intermediate_size": 2560, "vocab_size": 49152, "max_position_embeddings": 8192,
+               "tie_word_embeddings": True},
+}
+REAL_CONFIGS["qwen-coder"] = REAL_CONFIGS["qwen"]
+
+
+# --- config reading ------------------------------------------------------------------------------
+
+def test_read_qwen_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(REAL_CONFIGS["qwen-0.5b"]))
+    shape = read_model_config(tmp_path)
+    assert shape == read_model_config(tmp_path / "config.json")
+    assert shape.to_dict() == {
+        "architecture": "Qwen2ForCausalLM", "model_type": "qwen2", "hidden_size": 896, "num_layers": 24,
+        "num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "intermediate_size": 4864, "vocab_size": 151936,
+        "context_length": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    }
+    assert shape.qkv_bias and not shape.o_bias and not shape.mlp_bias
+
+
+def test_config_key_variants() -> None:
+    shape = shape_from_dict({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100,
+                             "n_positions": 512, "dtype": "float16"})
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (64, 2, 4, 4)
+    assert (shape.head_dim, shape.intermediate_size, shape.context_length) == (16, 256, 512)
+    assert shape.torch_dtype == "float16"
+    assert shape.tie_word_embeddings  # PretrainedConfig's default
+    assert not shape_from_dict({**REAL_CONFIGS["mistral"], "tie_word_embeddings": None}).tie_word_embeddings
+
+
+def test_text_config_nesting() -> None:
+    nested = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+              "text_config": {**REAL_CONFIGS["llama-1b"], "architectures": None}}
+    shape = shape_from_dict(nested)
+    assert shape.architecture == "LlavaForConditionalGeneration"
+    assert (shape.hidden_size, shape.num_layers, shape.model_type) == (2048, 16, "llama")
+
+
+def test_null_head_dim_falls_back() -> None:
+    assert shape_from_dict({**REAL_CONFIGS["mistral"], "head_dim": None}).head_dim == 128
+
+
+def test_bad_configs(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        read_model_config(tmp_path)
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        read_model_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ModelLoadError, match="lacks hidden_size, num_hidden_layers, num_attention_heads, vocab_size"):
+        read_model_config(tmp_path)
+
+
+# --- parameter counts ----------------------------------------------------------------------------
+
+def test_qwen25_05b_formula_matches_the_real_count() -> None:
+    assert count_parameters(shape_from_dict(REAL_CONFIGS["qwen-0.5b"])) == 494_032_768
+
+
+@pytest.mark.parametrize("alias,published", [
+    ("qwen", 7_615_616_512), ("qwen-large", 14_770_033_664), ("mistral", 7_248_023_552),
+    ("phi", 3_821_079_552), ("llama", 3_212_749_824), ("llama-1b", 1_235_814_400),
+    ("qwen-1.5b", 1_543_714_304), ("smollm", 361_821_120),
+])
+def test_formula_matches_published_counts(alias: str, published: int) -> None:
+    assert count_parameters(shape_from_dict(REAL_CONFIGS[alias])) == published
+
+
+@pytest.mark.parametrize("alias", list(REAL_CONFIGS))
+def test_registry_numbers_come_from_the_config(alias: str) -> None:
+    entry = builtin_entries()[alias]
+    shape = shape_from_dict(REAL_CONFIGS[alias])
+    assert entry.params == count_parameters(shape)
+    assert (entry.architecture, entry.context_length) == (shape.architecture, shape.context_length)
+    assert (entry.num_layers, entry.num_kv_heads, entry.head_dim) == (shape.num_layers, shape.num_kv_heads,
+                                                                     shape.head_dim)
+
+
+def _write_safetensors(path: Path, tensors: dict[str, list[int]], metadata: bool = True) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}} if metadata else {}
+    offset = 0
+    for name, shape in tensors.items():
+        size = 4
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def test_safetensors_headers_are_summed_across_shards(tmp_path: Path) -> None:
+    _write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": [3, 4], "b": [5]})
+    _write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": [2, 2, 2]}, metadata=False)
+    assert read_safetensors_header(tmp_path / "model-00002-of-00002.safetensors")["c"]["shape"] == [2, 2, 2]
+    assert count_parameters_from_safetensors(tmp_path) == 12 + 5 + 8
+
+
+def test_tied_lm_head_stored_twice_is_counted_once(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**REAL_CONFIGS["smollm"], "tie_word_embeddings": True}))
+    _write_safetensors(tmp_path / "model.safetensors", {"model.embed_tokens.weight": [10, 4],
+                                                         "lm_head.weight": [10, 4]})
+    assert count_parameters_from_safetensors(tmp_path) == 40
+
+
+def test_no_or_corrupt_safetensors(tmp_path: Path) -> None:
+    assert count_parameters_from_safetensors(tmp_path) is None
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 5) + b"{nope")
+    with pytest.raises(ModelLoadError, match="corrupt safetensors header"):
+        count_parameters_from_safetensors(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    with pytest.raises(ModelLoadError, match="too short"):
+        count_parameters_from_safetensors(tmp_path)
+
+
+@pytest.mark.parametrize("options", [{}, {"tie_word_embeddings": False, "attention_bias": True}])
+def test_tiny_model_counts_equal_torch(make_tiny_model: Callable[..., Path], options: dict[str, Any]) -> None:
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(**options)
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(path)
+    real = sum(p.numel() for p in model.parameters())
+    assert count_parameters(read_model_config(path)) == real
+    assert count_parameters_from_safetensors(path) == real
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+QWEN_05B = shape_from_dict(REAL_CONFIGS["qwen-0.5b"])
+
+
+def test_weight_bytes_follow_bytes_per_param() -> None:
+    params = 1_000_000_000
+    q4, q8 = estimate_weight_bytes(params, "q4k"), estimate_weight_bytes(params, Quantization.Q8_0)
+    f16, f32 = estimate_weight_bytes(params, "f16"), estimate_weight_bytes(params, "none")
+    assert (q4, q8, f16, f32) == (606_250_000, 1_062_500_000, 2_000_000_000, 4_000_000_000)
+    assert q8 / q4 == pytest.approx(8.5 / 4.85)
+    assert f16 / q8 == pytest.approx(16 / 8.5)
+    assert f32 / f16 == 2
+
+
+def test_kv_bytes_per_token() -> None:
+    # 2 (K and V) x 24 layers x 2 KV heads x 64 dims x 2 bytes
+    assert estimate_kv_bytes_per_token(QWEN_05B) == 12_288
+    assert estimate_kv_bytes_per_token(QWEN_05B, dtype_bytes=4) == 24_576
+    assert estimate_kv_bytes_per_token(builtin_entries()["qwen"]) == 2 * 28 * 4 * 128 * 2
+
+
+def test_estimate_memory_parts_add_up() -> None:
+    params = count_parameters(QWEN_05B)
+    memory = estimate_memory(params, "q8", QWEN_05B, context=2048)
+    assert memory["quantization"] == "q8" and memory["label"] == "Q8_0" and memory["context"] == 2048
+    assert memory["weights_bytes"] == estimate_weight_bytes(params, "q8")
+    assert memory["kv_cache_bytes"] == 12_288 * 2048
+    assert memory["overhead_bytes"] == int(memory["weights_bytes"] * 0.10) + OVERHEAD_BASE_BYTES
+    assert memory["total_bytes"] == memory["weights_bytes"] + memory["kv_cache_bytes"] + memory["overhead_bytes"]
+
+
+def test_estimate_memory_ratios_and_kv_dtype() -> None:
+    params = count_parameters(QWEN_05B)
+    by_quant = {q: estimate_memory(params, q, QWEN_05B) for q in Quantization}
+    weights = [by_quant[q]["weights_bytes"] for q in Quantization]
+    totals = [by_quant[q]["total_bytes"] for q in Quantization]
+    assert weights == sorted(weights) and totals == sorted(totals)
+    assert by_quant[Quantization.F32]["kv_cache_bytes"] == 2 * by_quant[Quantization.F16]["kv_cache_bytes"]
+    assert by_quant[Quantization.Q4_K_M]["kv_cache_bytes"] == by_quant[Quantization.F16]["kv_cache_bytes"]
+    assert by_quant[Quantization.F16]["kv_cache_bytes"] == 12_288 * 4096
+    doubled = estimate_memory(params, "f16", QWEN_05B, context=8192)
+    assert doubled["kv_cache_bytes"] == 2 * by_quant[Quantization.F16]["kv_cache_bytes"]
+
+
+def test_estimate_memory_without_shape_leaves_kv_unknown() -> None:
+    memory = estimate_memory(7e9, "q4k")
+    assert memory["kv_cache_bytes"] is None
+    assert memory["total_bytes"] == memory["weights_bytes"] + memory["overhead_bytes"]
+
+
+@pytest.mark.parametrize("count,text", [
+    (None, "-"), (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+    (5 * 1024**2, "5.0 MiB"), (int(4.7 * 1024**3), "4.7 GiB"), (3 * 1024**4, "3.0 TiB"),
+])
+def test_format_bytes(count: int | None, text: str) -> None:
+    assert format_bytes(count) == text
+
+
+def test_model_shape_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        QWEN_05B.hidden_size = 1  # type: ignore[misc]
+    assert isinstance(QWEN_05B, ModelShape)
