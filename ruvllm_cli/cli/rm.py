@@ -1,0 +1,73 @@
+"""`ruvllm rm`: remove a downloaded model from the cache (planned first, then executed)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import click
+from rich.filesize import decimal as format_size
+from rich.markup import escape
+
+from ruvllm_cli.cli.context import app_context, global_options
+from ruvllm_cli.errors import RuvllmError, UsageError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.registry.cache import RemovalPlan
+
+
+@click.command("rm")
+@click.argument("model")
+@click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
+@click.option("--revision", metavar="REV", help="Remove only this branch, tag or commit (default: all).")
+@click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing.")
+@global_options
+def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
+    """Remove MODEL (an alias or org/name) from the cache: its files and manifests.
+
+    Every downloaded revision goes, unless --revision names one.
+
+    \b
+    Examples:
+      ruvllm rm qwen-0.5b
+      ruvllm rm Qwen/Qwen2.5-0.5B-Instruct --revision main -y
+      ruvllm rm qwen-0.5b --dry-run
+    """
+    from ruvllm_cli.registry.cache import ModelCache
+    from ruvllm_cli.registry.registry import resolve_model
+
+    app = app_context()
+    out = app.output()
+    ref = resolve_model(model)
+    if ref.kind == "local":
+        raise UsageError(f"{ref.local_path} is a local path, not a model in the cache",
+                         "ruvllm rm removes only downloaded models; delete local files yourself")
+    if ref.revision and revision and ref.revision != revision:
+        raise UsageError(f"two revisions given: '{ref.revision}' and '{revision}'", "give only one")
+    plan = ModelCache(app.cache_dir).plan_removal(ref.repo_id, revision or ref.revision)
+    what = _describe(plan)
+    if dry_run or app.verbose:
+        for path in plan.files:
+            out.info(f"  {escape(str(path))}")
+    if dry_run:
+        out.info(f"Would remove {what}.")
+        return
+    if not yes and not _confirm(f"Remove {what}?"):
+        out.info("Nothing removed.")
+        return
+    plan.execute()
+    out.success(f"Removed {what}.")
+
+
+def _describe(plan: RemovalPlan) -> str:
+    commits = ", ".join(c[:7] for c in plan.commits) or "partial files"
+    return f"{plan.repo_id} ({commits}): {len(plan.files)} files, {format_size(plan.bytes)}"
+
+
+def _confirm(question: str) -> bool:
+    try:
+        return click.confirm(question, default=False, err=True)
+    except click.exceptions.Abort:
+        # stdin closed (a script): refuse rather than guess.
+        sys.stderr.write("\n")
+        raise RuvllmError("no confirmation (stdin is closed)", "pass -y to remove without asking") from None

@@ -1,0 +1,358 @@
+"""The download cache: huggingface_hub's own layout plus a ruvllm manifest per download.
+
+Layout under the cache dir:
+
+    hub/models--<org>--<name>/{blobs,snapshots/<commit>,refs/<branch>}   (huggingface_hub's)
+    manifests/<org>--<name>/<commit>.json                              (ours)
+
+A manifest is written only after every file of a download is complete, and a model
+counts as downloaded only while its manifest exists and every file it lists is in
+the snapshot dir with the recorded size. So a killed or partial download is never
+reported as downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+
+from ruvllm_cli import __version__
+from ruvllm_cli.errors import CacheError, NotDownloadedError
+
+DEFAULT_REVISION = "main"
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class DownloadedModel:
+    """One complete download: a repo at one commit, verified on disk."""
+
+    repo_id: str
+    revision: str
+    commit: str
+    quantization: str
+    files: tuple[FileRecord, ...]
+    path: Path  # the snapshot dir
+    total_bytes: int
+    downloaded_at: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit,
+            "quantization": self.quantization, "path": str(self.path),
+            "files": [{"name": f.name, "size": f.size} for f in self.files],
+            "total_bytes": self.total_bytes, "downloaded_at": self.downloaded_at,
+        }
+
+
+@dataclass(frozen=True)
+class RemovalPlan:
+    """What `rm` would delete; nothing happens until `execute()`."""
+
+    repo_id: str
+    commits: tuple[str, ...]
+    files: tuple[Path, ...]  # snapshot entries, manifests and leftover partial files
+    bytes: int  # disk space freed
+    _strategy: Any = field(default=None, repr=False)  # huggingface_hub DeleteCacheStrategy
+    _paths: tuple[Path, ...] = field(default=(), repr=False)  # ours: manifests, partial files, locks
+    _prune: tuple[Path, ...] = field(default=(), repr=False)  # dirs removed if left empty
+
+    def execute(self) -> None:
+        if self._strategy is not None:
+            self._strategy.execute()
+        for path in self._paths:
+            _remove_path(path)
+        for directory in self._prune:
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
+
+
+def repo_folder_name(repo_id: str) -> str:
+    """huggingface_hub's folder name for a model repo."""
+    return "models--" + repo_id.replace("/", "--")
+
+
+def is_commit(revision: str) -> bool:
+    return bool(COMMIT_RE.match(revision))
+
+
+class ModelCache:
+    """Reads and writes the cache layout above; the hub client itself does the transfers."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.hub_dir = self.root / "hub"
+        self.manifests_dir = self.root / "manifests"
+
+    # -- paths -------------------------------------------------------------------------
+    def repo_dir(self, repo_id: str) -> Path:
+        return self.hub_dir / repo_folder_name(repo_id)
+
+    def snapshot_dir(self, repo_id: str, commit: str) -> Path:
+        return self.repo_dir(repo_id) / "snapshots" / commit
+
+    def manifest_path(self, repo_id: str, commit: str) -> Path:
+        return self._manifest_dir(repo_id) / f"{commit}.json"
+
+    def _manifest_dir(self, repo_id: str) -> Path:
+        return self.manifests_dir / repo_id.replace("/", "--")
+
+    # -- queries -----------------------------------------------------------------------
+    def downloaded(self) -> list[DownloadedModel]:
+        """Every complete download, verified on disk, sorted by repo id then date."""
+        if not self.manifests_dir.is_dir():
+            return []
+        models = (self._load(path) for path in sorted(self.manifests_dir.glob("*/*.json")))
+        complete = [model for model in models if model is not None]
+        return sorted(complete, key=lambda m: (m.repo_id.lower(), m.downloaded_at))
+
+    def find(self, repo_id: str, revision: str | None = None) -> DownloadedModel | None:
+        """The complete download of `repo_id` at `revision`, or None.
+
+        None means the default branch (main); a branch or tag resolves through
+        `hub/models--*/refs/<name>`; a 40-hex commit is looked up directly.
+        """
+        commit = self.resolve_commit(repo_id, revision)
+        if commit is None:
+            return None
+        return self._load(self.manifest_path(repo_id, commit))
+
+    def resolve_commit(self, repo_id: str, revision: str | None = None) -> str | None:
+        """The commit a revision names locally (refs, then manifests), without the network."""
+        revision = revision or DEFAULT_REVISION
+        if is_commit(revision):
+            return revision
+        ref = self.repo_dir(repo_id) / "refs" / revision
+        if ref.is_file():
+            commit = ref.read_text().strip()
+            if is_commit(commit):
+                return commit
+        return self._commit_from_manifests(repo_id, revision)
+
+    def _commit_from_manifests(self, repo_id: str, revision: str) -> str | None:
+        matches = [m for m in self._manifests(repo_id) if m.get("revision") == revision]
+        matches.sort(key=lambda m: str(m.get("downloaded_at", "")))
+        return str(matches[-1]["commit"]) if matches else None
+
+    def _manifests(self, repo_id: str) -> list[dict[str, Any]]:
+        directory = self._manifest_dir(repo_id)
+        data = (_read_json(path) for path in sorted(directory.glob("*.json")))
+        return [d for d in data if d is not None]
+
+    def _load(self, manifest: Path) -> DownloadedModel | None:
+        """The manifest's model if every file it lists is on disk with its size."""
+        data = _read_json(manifest)
+        if data is None:
+            return None
+        try:
+            model = _model_from_manifest(data, self.snapshot_dir(data["repo_id"], data["commit"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return model if files_complete(model.path, model.files) else None
+
+    # -- writes ------------------------------------------------------------------------
+    def write_manifest(self, *, repo_id: str, revision: str | None, commit: str, quantization: str,
+                       files: Iterable[FileRecord]) -> DownloadedModel:
+        """Records a finished download; refuses while any listed file is missing or short."""
+        records = tuple(files)
+        snapshot = self.snapshot_dir(repo_id, commit)
+        if not files_complete(snapshot, records):
+            raise CacheError(f"refusing to record {repo_id}@{commit[:7]}: some files are missing or incomplete",
+                             "run the download again")
+        data = {
+            "repo_id": repo_id, "revision": revision or DEFAULT_REVISION, "commit": commit,
+            "quantization": quantization,
+            "files": [{"name": r.name, "size": r.size} for r in records],
+            "total_bytes": sum(r.size for r in records),
+            "downloaded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "ruvllm_version": __version__,
+        }
+        _write_json_atomic(self.manifest_path(repo_id, commit), data)
+        return _model_from_manifest(data, snapshot)
+
+    def write_ref(self, repo_id: str, revision: str, commit: str) -> None:
+        """Points a branch/tag at a commit, as huggingface_hub does (we download by commit)."""
+        if is_commit(revision):
+            return
+        ref = self.repo_dir(repo_id) / "refs" / revision
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        _write_text_atomic(ref, commit)
+
+    def orphaned_incomplete_files(self, repo_id: str) -> list[Path]:
+        """`*.incomplete` blobs a killed run left behind: those whose download lock is free."""
+        blobs = self.repo_dir(repo_id) / "blobs"
+        if not blobs.is_dir():
+            return []
+        locks = self.hub_dir / ".locks" / repo_folder_name(repo_id)
+        return [path for path in sorted(blobs.glob("*.incomplete"))
+                if not _lock_held(locks / f"{path.name.split('.')[0]}.lock")]
+
+    def remove_orphaned_incomplete_files(self, repo_id: str) -> list[Path]:
+        """Deletes the orphans above; returns what it deleted."""
+        removed = []
+        for path in self.orphaned_incomplete_files(repo_id):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(path)
+        return removed
+
+    # -- removal -----------------------------------------------------------------------
+    def plan_removal(self, repo_id: str, revision: str | None = None) -> RemovalPlan:
+        """Plans deleting a model: every revision, or only `revision`, with its manifests.
+
+        Raises NotDownloadedError when the cache holds nothing of it.
+        """
+        scan, hub_repo = self._scan_repo(repo_id)
+        if revision is None:
+            plan = self._plan_whole_repo(repo_id, scan, hub_repo)
+        else:
+            plan = self._plan_revision(repo_id, revision, scan, hub_repo)
+        if not plan.files and not plan._paths:
+            where = f" at revision {revision}" if revision else ""
+            raise NotDownloadedError(f"{repo_id}{where} is not in the cache ({self.root})",
+                                     "see what is there with: ruvllm list --downloaded")
+        return plan
+
+    def _plan_whole_repo(self, repo_id: str, scan: Any, hub_repo: Any) -> RemovalPlan:
+        manifest_dir, repo_dir = self._manifest_dir(repo_id), self.repo_dir(repo_id)
+        manifests = tuple(sorted(manifest_dir.glob("*.json")))
+        commits = {p.stem for p in manifests}
+        strategy, entries, size = None, (), 0
+        if hub_repo is not None and hub_repo.revisions:
+            commits |= {rev.commit_hash for rev in hub_repo.revisions}
+            strategy = scan.delete_revisions(*(rev.commit_hash for rev in hub_repo.revisions))
+            entries, size = _snapshot_entries(hub_repo.revisions), strategy.expected_freed_size
+        partial = tuple(self.orphaned_incomplete_files(repo_id))
+        size += sum(_size(p) for p in partial)
+        # We also remove the dirs ourselves: a killed first download leaves a repo dir
+        # with only partial blobs, which scan_cache_dir does not report.
+        locks = self.hub_dir / ".locks" / repo_folder_name(repo_id)
+        paths = tuple(p for p in (*manifests, manifest_dir, repo_dir, locks) if p.exists())
+        files = (*entries, *manifests, *partial)
+        return RemovalPlan(repo_id, tuple(sorted(commits)), files, size, strategy, paths)
+
+    def _plan_revision(self, repo_id: str, revision: str, scan: Any, hub_repo: Any) -> RemovalPlan:
+        commit = self.resolve_commit(repo_id, revision)
+        if commit is None:
+            return RemovalPlan(repo_id, (), (), 0)
+        manifest = self.manifest_path(repo_id, commit)
+        manifests = (manifest,) if manifest.exists() else ()
+        revisions = [r for r in (hub_repo.revisions if hub_repo is not None else ()) if r.commit_hash == commit]
+        strategy = scan.delete_revisions(commit) if revisions else None
+        size = strategy.expected_freed_size if strategy is not None else 0
+        files = (*_snapshot_entries(revisions), *manifests)
+        return RemovalPlan(repo_id, (commit,) if files else (), files, size, strategy, manifests,
+                           (self._manifest_dir(repo_id),))
+
+    def _scan_repo(self, repo_id: str) -> tuple[Any, Any]:
+        """huggingface_hub's scan of the cache (HFCacheInfo) and its entry for the repo, or Nones."""
+        if not self.hub_dir.is_dir():
+            return None, None
+        from huggingface_hub import scan_cache_dir
+
+        scan = scan_cache_dir(self.hub_dir)
+        for repo in scan.repos:
+            if repo.repo_type == "model" and repo.repo_id == repo_id:
+                return scan, repo
+        return scan, None
+
+
+def files_complete(snapshot: Path, files: Iterable[FileRecord]) -> bool:
+    """True when every file exists under `snapshot` (through its symlink) with its size."""
+    for record in files:
+        try:
+            if (snapshot / record.name).stat().st_size != record.size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _model_from_manifest(data: dict[str, Any], snapshot: Path) -> DownloadedModel:
+    files = tuple(FileRecord(str(f["name"]), int(f["size"])) for f in data["files"])
+    return DownloadedModel(
+        repo_id=str(data["repo_id"]), revision=str(data.get("revision") or DEFAULT_REVISION),
+        commit=str(data["commit"]), quantization=str(data.get("quantization", "")), files=files,
+        path=snapshot, total_bytes=int(data.get("total_bytes", sum(f.size for f in files))),
+        downloaded_at=str(data.get("downloaded_at", "")),
+    )
+
+
+def _snapshot_entries(revisions: Iterable[Any]) -> tuple[Path, ...]:
+    return tuple(sorted(f.file_path for rev in revisions for f in rev.files))
+
+
+def _lock_held(lock_path: Path) -> bool:
+    """Whether another process holds huggingface_hub's download lock (non-blocking probe)."""
+    if not lock_path.exists():
+        return False
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(lock_path), timeout=0)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    except OSError:
+        return False
+    lock.release()
+    return False
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _remove_path(path: Path) -> None:
+    import shutil
+
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)

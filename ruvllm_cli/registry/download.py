@@ -1,0 +1,301 @@
+"""Fetching a model into the cache with the real huggingface_hub client.
+
+The client does every transfer (and, within one run, resumes a dropped connection
+with a Range request); this module only chooses the files, skips what is complete,
+clears what a killed run left behind, records the manifest and turns the client's
+exceptions into one-line errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+
+from rich.filesize import decimal as format_size
+
+from ruvllm_cli.errors import CacheError, DownloadError, RuvllmError, UsageError
+from ruvllm_cli.quantization import Quantization, parse_quantization
+from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache
+from ruvllm_cli.registry.progress import DownloadObserver
+
+if TYPE_CHECKING:
+    from ruvllm_cli.registry.registry import ModelRef
+
+CONFIG_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+GGUF_PATTERNS: dict[Quantization, tuple[str, ...]] = {
+    Quantization.Q4_K_M: ("q4_k_m",),
+    Quantization.Q8_0: ("q8_0",),
+    Quantization.F16: ("f16", "fp16"),
+    Quantization.F32: ("f32", "fp32"),
+}
+
+
+# -- which files ---------------------------------------------------------------------------
+def plan_files(repo_files: Iterable[str], quantization: Quantization | str,
+               index_shards: Iterable[str] | None = None) -> list[str]:
+    """The files a model needs, chosen from the repo's real file list (sorted).
+
+    Config, generation config, tokenizer and chat-template files where present, and the
+    weights: safetensors (with `model.safetensors.index.json`, exactly the shards it names
+    in `index_shards`; without `index_shards` the shards are all root-level safetensors),
+    else one GGUF file chosen by `quantization`. Never pickled weights.
+    """
+    files = set(repo_files)
+    quantization = parse_quantization(quantization)
+    extras = [name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if name in files]
+    safetensors = sorted(name for name in files if _is_root(name) and name.endswith(".safetensors"))
+    if safetensors:
+        if "config.json" not in files:
+            raise DownloadError("the repo has safetensors weights but no config.json",
+                                "pass a transformers model repo, or a GGUF repo")
+        return sorted({*extras, *_safetensors_weights(files, safetensors, index_shards)})
+    ggufs = sorted(name for name in files if name.lower().endswith(".gguf"))
+    if ggufs:
+        return sorted({*extras, choose_gguf(ggufs, quantization)})
+    if any(name.endswith(PICKLE_SUFFIXES) for name in files):
+        raise DownloadError("the repo has only PyTorch pickle weights (.bin/.pt), which ruvllm does not load",
+                            "pick a repo with safetensors or GGUF weights")
+    raise DownloadError("the repo has no model weights (no .safetensors or .gguf files)",
+                        "check the model id")
+
+
+def _safetensors_weights(files: set[str], safetensors: list[str],
+                         index_shards: Iterable[str] | None) -> list[str]:
+    if SAFETENSORS_INDEX not in files:
+        # A single-file model next to other exports (e.g. consolidated.safetensors) needs only its own.
+        return ["model.safetensors"] if "model.safetensors" in files else safetensors
+    shards = sorted(set(index_shards)) if index_shards is not None else safetensors
+    missing = [name for name in shards if name not in files]
+    if missing:
+        raise DownloadError(f"{SAFETENSORS_INDEX} names shards the repo lacks: {', '.join(missing)}")
+    return [SAFETENSORS_INDEX, *shards]
+
+
+def choose_gguf(names: Sequence[str], quantization: Quantization) -> str:
+    """The one GGUF file whose name carries the quantization (case-insensitive)."""
+    patterns = GGUF_PATTERNS[quantization]
+    matches = [name for name in names if any(_has_token(Path(name).name, p) for p in patterns)]
+    if not matches:
+        available = ", ".join(Path(name).name for name in names)
+        raise DownloadError(f"no {quantization.label} GGUF file in the repo (available: {available})",
+                            "choose another --quantization")
+    # Prefer a root-level, shortest name: split or variant files carry longer names.
+    return min(matches, key=lambda name: (name.count("/"), len(name), name))
+
+
+def _has_token(name: str, token: str) -> bool:
+    return re.search(rf"(?<![a-z0-9]){re.escape(token)}(?![a-z0-9])", name.lower()) is not None
+
+
+def _is_root(name: str) -> bool:
+    return "/" not in name
+
+
+# -- the download --------------------------------------------------------------------------
+def download_model(ref: ModelRef, quantization: Quantization | str, cache: ModelCache, *, force: bool = False,
+                   revision: str | None = None, token: str | None = None,
+                   progress: DownloadObserver | None = None) -> DownloadedModel:
+    """Downloads `ref` (a registry.ModelRef of kind "registry" or "hub") into `cache`.
+
+    Skips everything, without touching the network, when the revision is already
+    complete (unless `force`). Raises DownloadError (one line plus a hint) on failure;
+    Ctrl-C propagates as KeyboardInterrupt and leaves the cache consistent.
+    """
+    if ref.kind == "local" or ref.repo_id is None:
+        raise UsageError(f"{ref.local_path} is a local model; there is nothing to download")
+    quantization = parse_quantization(quantization)
+    repo_id, revision = ref.repo_id, revision or ref.revision
+    progress = progress or DownloadObserver()
+    existing = cache.find(repo_id, revision)
+    if existing is not None and not force and _has_quantization(existing, quantization):
+        progress.already_downloaded(existing)
+        return existing
+    progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id))
+    with hub_errors(repo_id, revision, cache):
+        return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress)
+
+
+def _has_quantization(model: DownloadedModel, quantization: Quantization) -> bool:
+    """A GGUF download holds one quantization; safetensors are quantized at load time."""
+    ggufs = [f.name for f in model.files if f.name.lower().endswith(".gguf")]
+    return not ggufs or any(_has_token(Path(n).name, p) for n in ggufs for p in GGUF_PATTERNS[quantization])
+
+
+def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache: ModelCache, *,
+           force: bool, token: str | None, progress: DownloadObserver) -> DownloadedModel:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(token=token)
+    commit = api.repo_info(repo_id, revision=revision, repo_type="model").sha
+    if not commit:
+        raise DownloadError(f"the hub did not say which commit {repo_id}@{revision or DEFAULT_REVISION} is")
+    tree = api.list_repo_tree(repo_id, revision=commit, recursive=True, repo_type="model")
+    sizes = {entry.path: int(entry.size) for entry in tree if isinstance(entry, RepoFile)}
+    shards, done = None, set()
+    if SAFETENSORS_INDEX in sizes and any(_is_root(n) and n.endswith(".safetensors") for n in sizes):
+        # The index says which shards belong to the model, so it comes first.
+        index = _hf_download(repo_id, SAFETENSORS_INDEX, commit, cache, force=force, token=token,
+                             tqdm_class=DownloadObserver().tqdm_class)
+        shards, done = _index_shards(Path(index)), {SAFETENSORS_INDEX}
+    records = [FileRecord(name, sizes[name]) for name in plan_files(sizes, quantization, shards)]
+    _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
+    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit,
+                                 quantization=quantization.value, files=records)
+    cache.write_ref(repo_id, revision or DEFAULT_REVISION, commit)
+    progress.finished(model)
+    return model
+
+
+def _fetch_files(repo_id: str, commit: str, records: list[FileRecord], cache: ModelCache, *,
+                 force: bool, token: str | None, progress: DownloadObserver, done: set[str]) -> None:
+    """Fetches the records missing from the snapshot (all of them with `force`, but not `done`)."""
+    snapshot = cache.snapshot_dir(repo_id, commit)
+    present = {r.name for r in records if _present(snapshot / r.name, r.size)}
+    pending = [r for r in records if r.name not in present or (force and r.name not in done)]
+    _check_disk_space(cache, sum(r.size for r in pending))
+    progress.started(repo_id, commit, records, pending)
+    with progress:
+        for record in pending:
+            # A wrong-sized file in the snapshot (a damaged blob) is fetched again.
+            refetch = force or (snapshot / record.name).exists()
+            progress.file_started(record)
+            path = _hf_download(repo_id, record.name, commit, cache, force=refetch, token=token,
+                                tqdm_class=progress.tqdm_class)
+            actual = Path(path).stat().st_size
+            if actual != record.size:
+                raise DownloadError(f"{record.name} arrived with {actual} bytes, expected {record.size}",
+                                    "run the download again")
+            progress.file_finished(record)
+
+
+def _hf_download(repo_id: str, filename: str, commit: str, cache: ModelCache, *, force: bool,
+                 token: str | None, tqdm_class: type) -> str:
+    from huggingface_hub import hf_hub_download
+
+    # By commit, so every file comes from the same revision even if the branch moves meanwhile.
+    return hf_hub_download(repo_id, filename, revision=commit, cache_dir=cache.hub_dir, force_download=force,
+                           token=token, tqdm_class=tqdm_class)
+
+
+def _index_shards(index_path: Path) -> list[str]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise DownloadError(f"{SAFETENSORS_INDEX} in the repo is not a valid safetensors index") from None
+
+
+def _present(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _check_disk_space(cache: ModelCache, needed: int) -> None:
+    cache.hub_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache.hub_dir).free
+    if needed > free:
+        raise DownloadError(f"not enough disk space: {format_size(needed)} needed, {format_size(free)} free "
+                            f"in {cache.root}", "free some space or choose another --cache-dir")
+
+
+# -- errors --------------------------------------------------------------------------------
+@contextmanager
+def hub_errors(repo_id: str, revision: str | None, cache: ModelCache) -> Iterator[None]:
+    """Turns the hub client's exceptions into one-line DownloadErrors with hints."""
+    try:
+        yield
+    except (RuvllmError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # noqa: BLE001 - mapped below, re-raised when unknown
+        mapped = map_hub_error(error, repo_id, revision, cache)
+        if mapped is None:
+            raise
+        raise mapped from error
+
+
+def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
+                  cache: ModelCache) -> RuvllmError | None:
+    """The one-line error for a hub client exception, or None for one we do not know."""
+    from huggingface_hub import errors as hf
+
+    rev = revision or DEFAULT_REVISION
+    if isinstance(error, hf.HFValidationError):
+        return DownloadError(f"'{repo_id}' is not a valid Hugging Face model id", "use the form org/name")
+    if isinstance(error, ValueError) and error.__cause__ is not None:
+        # hf_hub_download(force_download=True) wraps a failed metadata request in a ValueError.
+        return map_hub_error(error.__cause__, repo_id, revision, cache)
+    if isinstance(error, hf.GatedRepoError):
+        status = error.response.status_code if error.response is not None else None
+        refused = "the hub refused this token" if status == 403 else "it needs a token"
+        return DownloadError(f"{repo_id} is a gated repo and {refused} (HTTP {status})",
+                             "accept its terms on the hub and set HF_TOKEN to a token of that account")
+    if isinstance(error, hf.RevisionNotFoundError):
+        return DownloadError(f"revision '{rev}' not found in {repo_id}", "check the branch, tag or commit name")
+    if isinstance(error, hf.HfHubHTTPError):
+        return _http_error(error, repo_id, rev)
+    if isinstance(error, hf.OfflineModeIsEnabled):
+        return DownloadError("the hub cannot be reached: offline mode is on (HF_HUB_OFFLINE)",
+                             "unset HF_HUB_OFFLINE to download")
+    if isinstance(error, (hf.LocalEntryNotFoundError, *_network_errors())):
+        return DownloadError(f"cannot reach the Hugging Face hub ({_endpoint()})",
+                             "check your network connection (and HF_ENDPOINT)")
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DownloadError(f"disk full while downloading {repo_id} into {cache.root}",
+                             "free some space or choose another --cache-dir")
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CacheError(f"cannot write to the cache dir {cache.root} ({error.strerror}: {error.filename})",
+                          "choose another --cache-dir (or RUVLLM_CACHE_DIR)")
+    if isinstance(error, OSError):
+        return DownloadError(f"download of {repo_id} failed: {error}", "run the download again")
+    return None
+
+
+def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:
+    from huggingface_hub import errors as hf
+
+    response = getattr(error, "response", None)
+    status = response.status_code if response is not None else None
+    if status == 401 and "Invalid credentials" in (response.headers.get("X-Error-Message") or ""):
+        return DownloadError("the hub rejected the token in HF_TOKEN (HTTP 401: invalid credentials)",
+                             "set HF_TOKEN to a valid token, or unset it for public repos")
+    if status == 401:
+        return DownloadError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does not exist",
+                             "set HF_TOKEN to a token that can read it")
+    if status == 403:
+        return DownloadError(f"access to {repo_id} is forbidden with this token (HTTP 403)",
+                             "set HF_TOKEN to a token with read access to the repo")
+    if isinstance(error, hf.RepositoryNotFoundError) or status == 404:
+        return DownloadError(f"model repo {repo_id} not found on the hub",
+                             "check the id (org/name); private repos need HF_TOKEN")
+    return DownloadError(f"the hub answered HTTP {status} for {repo_id}@{rev}", "try again later")
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Transport errors of the HTTP clients huggingface_hub may use (httpx2 in 2.x)."""
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx"):
+        try:
+            types.append(__import__(module).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(types)
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT

@@ -1,0 +1,418 @@
+"""`ruvllm download` end to end: the real huggingface_hub client against the fake hub."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from rich.filesize import decimal as format_size
+
+from ruvllm_cli.registry.cache import ModelCache
+from ruvllm_cli.registry.download import download_model, map_hub_error
+from ruvllm_cli.registry.registry import resolve_model
+from ruvllm_cli.testing.fake_hub import FakeHub
+
+ALIAS_REPO = "Qwen/Qwen2.5-0.5B-Instruct"  # what the registry alias `qwen-0.5b` names
+MIB = 1024 * 1024
+TINY_FILES = ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+              "tokenizer.json", "tokenizer_config.json"]
+Run = Callable[..., subprocess.CompletedProcess]
+
+
+def unique_repo(prefix: str = "model") -> str:
+    """Repos live for the whole session: every test gets its own."""
+    return f"ruvllm-tests/{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def assert_one_error(result: subprocess.CompletedProcess, message: str, hint: str | None = None,
+                     code: int = 1) -> None:
+    """Exactly `Error: <message>` (and `Hint: <hint>`) on stderr, nothing on stdout, no traceback."""
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    expected = [f"Error: {message}"] + ([f"Hint: {hint}"] if hint else [])
+    assert result.stderr.splitlines() == expected
+
+
+def snapshot_of(cache_dir: Path, repo_id: str, commit: str) -> Path:
+    return cache_dir / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit
+
+
+def assert_same_files(snapshot: Path, source: Path, names: list[str]) -> None:
+    assert sorted(p.name for p in snapshot.iterdir()) == names
+    for name in names:
+        assert (snapshot / name).read_bytes() == (source / name).read_bytes(), name
+
+
+def resolve_gets(hub: FakeHub) -> list[str]:
+    return [r.path.rsplit("/", 1)[-1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+
+
+@pytest.fixture
+def repo(fake_hub: FakeHub, tiny_model_dir: Path) -> tuple[str, str]:
+    """A fresh repo holding the tiny model (plus README.md and .gitattributes): (repo_id, commit)."""
+    repo_id = unique_repo()
+    return repo_id, fake_hub.add_model_dir(repo_id, tiny_model_dir)
+
+
+# -- happy paths ------------------------------------------------------------------------------
+def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path,
+                                                            isolated_env) -> None:
+    commit = fake_hub.add_model_dir(ALIAS_REPO, tiny_model_dir)
+    result = ruvllm("download", "qwen-0.5b")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    snapshot = snapshot_of(isolated_env.cache_dir, ALIAS_REPO, commit)
+    size = format_size(total_size(tiny_model_dir))
+    fetched, done = result.stderr.splitlines()
+    assert fetched.startswith(f"Fetched 6 file(s) ({size}) in ") and fetched.endswith("; 0 already in the cache.")
+    assert done == f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, q4k) to {snapshot} ({size}, 6 files)"
+    assert_same_files(snapshot, tiny_model_dir, TINY_FILES)
+    assert sorted(resolve_gets(fake_hub)) == TINY_FILES  # no README.md, no .gitattributes
+    manifest = json.loads((isolated_env.cache_dir / "manifests" / "Qwen--Qwen2.5-0.5B-Instruct"
+                           / f"{commit}.json").read_text())
+    assert manifest["repo_id"] == ALIAS_REPO and manifest["revision"] == "main" and manifest["commit"] == commit
+    assert manifest["quantization"] == "q4k"
+    assert manifest["files"] == [{"name": n, "size": (tiny_model_dir / n).stat().st_size} for n in TINY_FILES]
+    assert manifest["total_bytes"] == sum(f["size"] for f in manifest["files"])
+
+
+def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
+                                                  isolated_env) -> None:
+    repo_id, commit = repo
+    assert ruvllm("dl", repo_id, "-q", "q8").returncode == 0
+    fake_hub.reset()
+    again = ruvllm("download", repo_id)
+    assert again.returncode == 0, again.stderr
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    assert again.stderr.splitlines() == [
+        f"{repo_id}@main (commit {commit[:7]}, q8) is already downloaded: {snapshot} "
+        f"({format_size(total_size(tiny_model_dir))}, 6 files)",
+        "Nothing fetched; use --force to fetch it again.",
+    ]
+    assert fake_hub.requests == []  # not a single request, so no resolve GET either
+
+
+def test_force_fetches_every_file_again(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
+                                        isolated_env) -> None:
+    repo_id, commit = repo
+    assert ruvllm("download", repo_id).returncode == 0
+    fake_hub.reset()
+    result = ruvllm("download", repo_id, "--force", "-v")
+    assert result.returncode == 0, result.stderr
+    assert sorted(resolve_gets(fake_hub)) == TINY_FILES
+    for name in TINY_FILES:
+        assert f"  fetched {name} (" in result.stderr
+    assert "Fetched 6 file(s)" in result.stderr
+    assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
+
+
+def test_revisions_are_kept_apart(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path, tmp_path: Path,
+                                  isolated_env) -> None:
+    repo_id, main = repo
+    v2_dir = tmp_path / "v2"
+    shutil.copytree(tiny_model_dir, v2_dir)
+    config = json.loads((v2_dir / "config.json").read_text())
+    (v2_dir / "config.json").write_text(json.dumps({**config, "ruvllm_test_revision": 2}))
+    v2 = fake_hub.add_model_dir(repo_id, v2_dir, revision="v2")
+    assert ruvllm("download", repo_id).returncode == 0
+    fake_hub.reset()
+    result = ruvllm("download", repo_id, "--revision", "v2")
+    assert result.returncode == 0, result.stderr
+    assert f"Downloaded {repo_id}@v2 (commit {v2[:7]}, q4k)" in result.stderr
+    # A new snapshot; the blobs both revisions share are linked, not fetched again.
+    assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
+    assert resolve_gets(fake_hub) == ["config.json"]
+    fake_hub.reset()
+    assert "is already downloaded" in ruvllm("download", f"{repo_id}@v2").stderr
+    assert fake_hub.requests == []
+
+    cache = ModelCache(isolated_env.cache_dir)
+    found_main, found_v2 = cache.find(repo_id), cache.find(repo_id, "v2")
+    assert (found_main.commit, found_v2.commit) == (main, v2)
+    assert found_main.path != found_v2.path
+    assert (found_v2.path / "config.json").read_bytes() == (v2_dir / "config.json").read_bytes()
+    assert (found_main.path / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
+    manifests = sorted(p.name for p in (isolated_env.cache_dir / "manifests" / repo_id.replace("/", "--")).iterdir())
+    assert manifests == sorted([f"{main}.json", f"{v2}.json"])
+
+
+def test_two_revisions_in_name_and_option_conflict(ruvllm: Run, repo) -> None:
+    repo_id, _ = repo
+    result = ruvllm("download", f"{repo_id}@main", "--revision", "v2")
+    assert_one_error(result, "two revisions given: 'main' (in the name) and 'v2' (--revision)", "give only one", 2)
+
+
+def test_resume_after_dropped_connection(ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path,
+                                         isolated_env) -> None:
+    # The client writes in 10 MiB pieces and resumes from the last one written, so the
+    # weights here are bigger than that and the connection drops after the first piece.
+    repo_id = unique_repo("resume")
+    weights = safetensors_bytes(1, floats=3 * 1024 * 1024 + 5)
+    files = {name: tiny_model_dir / name for name in TINY_FILES}
+    commit = fake_hub.add_repo(repo_id, {**files, "model.safetensors": weights})
+    fake_hub.drop_connection(repo_id, "model.safetensors", after_bytes=11 * MIB)
+    result = ruvllm("download", repo_id)
+    assert result.returncode == 0, result.stderr
+    gets = fake_hub.file_requests("model.safetensors")
+    assert [(r.range, r.bytes_sent) for r in gets] == [
+        (None, 11 * MIB), (f"bytes={10 * MIB}-", len(weights) - 10 * MIB)]
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    assert (snapshot / "model.safetensors").read_bytes() == weights
+    assert "Trying to resume" not in result.stderr  # the client's retry log shows with -v only
+
+
+def test_sharded_safetensors_take_exactly_the_indexed_shards(ruvllm: Run, fake_hub: FakeHub,
+                                                             isolated_env) -> None:
+    repo_id = unique_repo("sharded")
+    shards = {f"model-0000{i}-of-00002.safetensors": safetensors_bytes(i) for i in (1, 2)}
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    commit = fake_hub.add_repo(repo_id, {
+        "config.json": b'{"model_type": "llama"}', "tokenizer.json": b"{}", "README.md": b"# x",
+        "model.safetensors.index.json": json.dumps(index).encode(), **shards,
+        "consolidated.safetensors": safetensors_bytes(3), "pytorch_model.bin": b"pickle",
+    })
+    result = ruvllm("download", repo_id)
+    assert result.returncode == 0, result.stderr
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted(
+        ["config.json", "tokenizer.json", "model.safetensors.index.json", *shards])
+
+
+def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub, isolated_env) -> None:
+    repo_id = unique_repo("gguf")
+    names = ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf", "tiny-F16.gguf"]
+    commit = fake_hub.add_repo(repo_id, {**{n: n.encode() * 100 for n in names}, "README.md": b"# x"})
+    result = ruvllm("download", repo_id, "-q", "q8_0")
+    assert result.returncode == 0, result.stderr
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    assert [p.name for p in snapshot.iterdir()] == ["tiny-Q8_0.gguf"]
+    assert ModelCache(isolated_env.cache_dir).find(repo_id).quantization == "q8"
+    # another quantization of the same commit is another file, so not "already downloaded"
+    result = ruvllm("download", repo_id, "-q", "q4k")
+    assert result.returncode == 0 and "Fetched 1 file(s)" in result.stderr
+    missing = ruvllm("download", repo_id, "-q", "none")
+    assert_one_error(missing, "no F32 GGUF file in the repo (available: tiny-F16.gguf, tiny-Q4_K_M.gguf, "
+                              "tiny-Q8_0.gguf)", "choose another --quantization")
+
+
+def test_local_path_is_already_local(ruvllm: Run, tiny_model_dir: Path, fake_hub: FakeHub) -> None:
+    result = ruvllm("download", str(tiny_model_dir))
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [f"{tiny_model_dir} is already local: nothing to download."]
+    assert fake_hub.requests == []
+
+
+def test_damaged_file_is_fetched_again(fake_hub: FakeHub, repo, tiny_model_dir: Path, isolated_env) -> None:
+    repo_id, commit = repo
+    cache = ModelCache(isolated_env.cache_dir)
+    model = download_model(resolve_model(repo_id), "q4k", cache)
+    blob = (model.path / "model.safetensors").resolve()
+    blob.write_bytes(blob.read_bytes()[:1000])
+    assert cache.find(repo_id) is None  # a short file is not a download
+    fake_hub.reset()
+    again = download_model(resolve_model(repo_id), "q4k", cache)
+    assert resolve_gets(fake_hub) == ["model.safetensors"]
+    assert again.commit == commit and cache.find(repo_id) == again
+    assert_same_files(model.path, tiny_model_dir, TINY_FILES)
+
+
+# -- errors -----------------------------------------------------------------------------------
+def test_private_repo_needs_hf_token(ruvllm: Run, fake_hub: FakeHub, repo, cli_env: dict[str, str],
+                                     isolated_env) -> None:
+    repo_id, commit = repo
+    fake_hub.require_token(repo_id, "secret-token")
+    result = ruvllm("download", repo_id)
+    assert_one_error(result, f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does not exist",
+                     "set HF_TOKEN to a token that can read it")
+    assert ModelCache(isolated_env.cache_dir).find(repo_id) is None
+    ok = ruvllm("download", repo_id, env={**cli_env, "HF_TOKEN": "secret-token"})
+    assert ok.returncode == 0, ok.stderr
+    assert all(r.authorization for r in fake_hub.requests if r.path.startswith(f"/{repo_id}/resolve/"))
+    assert ModelCache(isolated_env.cache_dir).find(repo_id).commit == commit
+
+
+def test_gated_repo_without_access(ruvllm: Run, fake_hub: FakeHub, repo, cli_env: dict[str, str]) -> None:
+    repo_id, _ = repo
+    fake_hub.require_token(repo_id, "granted", gated=True)
+    fake_hub.add_token("not-granted")
+    result = ruvllm("download", repo_id, env={**cli_env, "HF_TOKEN": "not-granted"})
+    assert_one_error(result, f"{repo_id} is a gated repo and the hub refused this token (HTTP 403)",
+                     "accept its terms on the hub and set HF_TOKEN to a token of that account")
+
+
+def test_invalid_token(ruvllm: Run, repo, cli_env: dict[str, str]) -> None:
+    repo_id, _ = repo
+    result = ruvllm("download", repo_id, env={**cli_env, "HF_TOKEN": "hf_unknown"})
+    assert_one_error(result, "the hub rejected the token in HF_TOKEN (HTTP 401: invalid credentials)",
+                     "set HF_TOKEN to a valid token, or unset it for public repos")
+
+
+def test_unknown_repo_is_404(ruvllm: Run, fake_hub: FakeHub, cli_env: dict[str, str]) -> None:
+    fake_hub.add_token("valid")
+    result = ruvllm("download", "ruvllm-tests/no-such-model", env={**cli_env, "HF_TOKEN": "valid"})
+    assert_one_error(result, "model repo ruvllm-tests/no-such-model not found on the hub",
+                     "check the id (org/name); private repos need HF_TOKEN")
+
+
+def test_unknown_revision(ruvllm: Run, repo) -> None:
+    repo_id, _ = repo
+    result = ruvllm("download", repo_id, "--revision", "no-such-branch")
+    assert_one_error(result, f"revision 'no-such-branch' not found in {repo_id}",
+                     "check the branch, tag or commit name")
+
+
+def test_unknown_alias(ruvllm: Run) -> None:
+    result = ruvllm("download", "qwen-0.5")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[0] == "Error: unknown model 'qwen-0.5'"
+
+
+def test_network_down(ruvllm: Run, cli_env: dict[str, str]) -> None:
+    with socket_bound_but_closed() as url:
+        result = ruvllm("download", "ruvllm-tests/anything", env={**cli_env, "HF_ENDPOINT": url})
+    assert_one_error(result, f"cannot reach the Hugging Face hub ({url})",
+                     "check your network connection (and HF_ENDPOINT)")
+
+
+def test_disk_full_maps_to_one_line(tmp_path: Path) -> None:
+    error = map_hub_error(OSError(errno.ENOSPC, "No space left on device"), "org/x", None, ModelCache(tmp_path))
+    assert error is not None and error.message == f"disk full while downloading org/x into {tmp_path}"
+    assert error.hint == "free some space or choose another --cache-dir"
+
+
+def test_unwritable_cache_maps_to_one_line(tmp_path: Path) -> None:
+    denied = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "hub"))
+    error = map_hub_error(denied, "org/x", None, ModelCache(tmp_path))
+    assert error is not None
+    assert error.message == f"cannot write to the cache dir {tmp_path} (Permission denied: {tmp_path}/hub)"
+    assert error.hint == "choose another --cache-dir (or RUVLLM_CACHE_DIR)"
+
+
+# -- interrupted runs ---------------------------------------------------------------------------
+def start_download(repo_id: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ruvllm_cli", "download", repo_id], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_partial_blob(blobs: Path, etag: str, process: subprocess.Popen, timeout: float = 30) -> Path:
+    """The `<etag>.<random>.incomplete` file the client writes while it fetches that blob."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted(blobs.glob(f"{etag}.*.incomplete")) if blobs.is_dir() else []
+        if found:
+            return found[0]
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError("no partial blob appeared")
+
+
+def weights_etag(model_dir: Path) -> str:
+    """The hub's etag of an LFS file is its sha256."""
+    return hashlib.sha256((model_dir / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_killed_download_is_not_downloaded_and_next_run_completes(
+        ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path, cli_env: dict[str, str], isolated_env) -> None:
+    repo_id, commit = repo
+    blobs = isolated_env.cache_dir / "hub" / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    fake_hub.throttle(100_000)
+    process = start_download(repo_id, cli_env)
+    orphan = wait_for_partial_blob(blobs, weights_etag(tiny_model_dir), process)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=30)
+    fake_hub.throttle(None)
+
+    listed = ruvllm("list", "--downloaded", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["count"] == 0
+    cache = ModelCache(isolated_env.cache_dir)
+    assert cache.find(repo_id) is None
+    assert cache.orphaned_incomplete_files(repo_id) == [orphan]
+
+    result = ruvllm("download", repo_id)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[0] == "Removed 1 partial file(s) a stopped download left behind."
+    assert "Fetched 3 file(s)" in result.stderr and "; 3 already in the cache." in result.stderr
+    assert not orphan.exists() and list(blobs.glob("*.incomplete")) == []
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    assert_same_files(snapshot, tiny_model_dir, TINY_FILES)
+
+    sizes = [{"name": n, "size": (tiny_model_dir / n).stat().st_size} for n in TINY_FILES]
+    listed = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    assert listed["count"] == 1
+    (model,) = listed["models"]
+    assert (model["repo_id"], model["commit"], model["path"]) == (repo_id, commit, str(snapshot))
+    assert model["files"] == sizes and model["total_bytes"] == sum(s["size"] for s in sizes)
+    info = ruvllm("info", repo_id, "--json")
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert data["downloaded"] is True
+    assert [(d["commit"], d["revision"]) for d in data["downloads"]] == [(commit, "main")]
+
+    removed = ruvllm("rm", repo_id, "-y")
+    assert removed.returncode == 0, removed.stderr
+    assert json.loads(ruvllm("list", "--downloaded", "--json").stdout)["count"] == 0
+    assert not blobs.parent.exists()
+
+
+def test_ctrl_c_exits_130_and_leaves_the_cache_consistent(fake_hub: FakeHub, repo, tiny_model_dir: Path,
+                                                          cli_env: dict[str, str], isolated_env) -> None:
+    repo_id, _ = repo
+    blobs = isolated_env.cache_dir / "hub" / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    fake_hub.throttle(100_000)
+    process = start_download(repo_id, cli_env)
+    wait_for_partial_blob(blobs, weights_etag(tiny_model_dir), process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and stderr.splitlines()[-1] == "Aborted."
+    assert list(blobs.glob("*.incomplete")) == []
+    assert ModelCache(isolated_env.cache_dir).find(repo_id) is None
+    assert not (isolated_env.cache_dir / "manifests" / repo_id.replace("/", "--")).exists()
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def total_size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.name in TINY_FILES)
+
+
+def safetensors_bytes(value: int, floats: int = 2) -> bytes:
+    """A valid one-tensor safetensors file (the fake hub reads their headers)."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [floats], "data_offsets": [0, 4 * floats]}}).encode()
+    header += b" " * (-len(header) % 8)
+    data = struct.pack("<f", value) * floats
+    return struct.pack("<Q", len(header)) + header + data
+
+
+class socket_bound_but_closed:
+    """A local URL where nothing listens (the port is reserved, then released)."""
+
+    def __enter__(self) -> str:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+if os.name != "posix":  # SIGKILL/SIGINT semantics above are POSIX
+    pytestmark = pytest.mark.skip("POSIX only")

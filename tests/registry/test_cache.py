@@ -1,0 +1,261 @@
+"""ModelCache (layout, manifests, completeness, refs, orphans, removal) and plan_files."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from ruvllm_cli.errors import CacheError, DownloadError, NotDownloadedError
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.cache import DownloadedModel, FileRecord, ModelCache
+from ruvllm_cli.registry.download import plan_files
+
+REPO = "acme/tiny-chat"
+C1 = "1" * 40
+C2 = "2" * 40
+
+
+def put_snapshot(cache: ModelCache, repo_id: str, commit: str, files: dict[str, bytes],
+                 ref: str | None = "main") -> list[FileRecord]:
+    """Lays files out the way huggingface_hub does: blobs, snapshot symlinks, a ref."""
+    repo = cache.repo_dir(repo_id)
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    if ref:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return [FileRecord(name, len(data)) for name, data in files.items()]
+
+
+FILES = {"config.json": b'{"a": 1}', "model.safetensors": b"w" * 1000, "tokenizer.json": b"{}"}
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> ModelCache:
+    return ModelCache(tmp_path / "cache")
+
+
+def record(cache: ModelCache, commit: str = C1, revision: str | None = None, ref: str | None = "main",
+           files: dict[str, bytes] = FILES) -> DownloadedModel:
+    records = put_snapshot(cache, REPO, commit, files, ref=ref)
+    return cache.write_manifest(repo_id=REPO, revision=revision, commit=commit, quantization="q4k",
+                                files=records)
+
+
+# -- manifests and completeness -------------------------------------------------------------
+def test_manifest_layout_and_fields(cache: ModelCache) -> None:
+    model = record(cache)
+    manifest = cache.root / "manifests" / "acme--tiny-chat" / f"{C1}.json"
+    data = json.loads(manifest.read_text())
+    assert data["repo_id"] == REPO and data["revision"] == "main" and data["commit"] == C1
+    assert data["quantization"] == "q4k"
+    assert data["files"] == [{"name": "config.json", "size": 8}, {"name": "model.safetensors", "size": 1000},
+                             {"name": "tokenizer.json", "size": 2}]
+    assert data["total_bytes"] == 1010
+    assert data["downloaded_at"].endswith("+00:00")
+    assert data["ruvllm_version"]
+    assert model.path == cache.root / "hub" / "models--acme--tiny-chat" / "snapshots" / C1
+    assert model.total_bytes == 1010
+    assert [p.name for p in manifest.parent.iterdir()] == [f"{C1}.json"]  # no temp file left
+
+
+def test_complete_model_is_found_and_listed(cache: ModelCache) -> None:
+    model = record(cache)
+    assert cache.find(REPO) == model
+    assert cache.find(REPO, "main") == model
+    assert cache.find(REPO, C1) == model
+    assert cache.downloaded() == [model]
+
+
+def test_no_manifest_means_not_downloaded(cache: ModelCache) -> None:
+    put_snapshot(cache, REPO, C1, FILES)
+    assert cache.find(REPO) is None
+    assert cache.downloaded() == []
+
+
+def test_missing_file_means_not_downloaded(cache: ModelCache) -> None:
+    model = record(cache)
+    (model.path / "tokenizer.json").unlink()
+    assert cache.find(REPO) is None
+    assert cache.downloaded() == []
+
+
+def test_short_blob_means_not_downloaded(cache: ModelCache) -> None:
+    model = record(cache)
+    (model.path / "model.safetensors").resolve().write_bytes(b"w" * 999)
+    assert cache.find(REPO) is None
+    assert cache.downloaded() == []
+
+
+def test_corrupt_manifest_is_ignored(cache: ModelCache) -> None:
+    record(cache)
+    cache.manifest_path(REPO, C1).write_text("{not json")
+    assert cache.find(REPO) is None
+    assert cache.downloaded() == []
+
+
+def test_write_manifest_refuses_incomplete_files(cache: ModelCache) -> None:
+    records = put_snapshot(cache, REPO, C1, FILES)
+    with pytest.raises(CacheError):
+        cache.write_manifest(repo_id=REPO, revision=None, commit=C1, quantization="q4k",
+                             files=[*records, FileRecord("model-2.safetensors", 10)])
+    assert not cache.manifest_path(REPO, C1).exists()
+
+
+# -- revisions -------------------------------------------------------------------------------
+def test_revisions_stay_apart_and_resolve_through_refs(cache: ModelCache) -> None:
+    main = record(cache, C1)
+    v2 = record(cache, C2, revision="v2", ref="v2", files={**FILES, "config.json": b'{"a": 22}'})
+    assert cache.find(REPO) == main
+    assert cache.find(REPO, "v2") == v2
+    assert cache.find(REPO, C2) == v2
+    assert cache.find(REPO, "v3") is None
+    assert main.path != v2.path
+    assert [m.commit for m in cache.downloaded()] == [C1, C2]
+
+
+def test_revision_resolves_through_manifest_without_ref(cache: ModelCache) -> None:
+    model = record(cache, C2, revision="dev", ref=None)
+    assert cache.find(REPO, "dev") == model
+    assert cache.find(REPO) is None
+
+
+def test_write_ref(cache: ModelCache) -> None:
+    cache.write_ref(REPO, "main", C1)
+    cache.write_ref(REPO, C2, C2)  # a commit is no ref
+    assert (cache.repo_dir(REPO) / "refs" / "main").read_text() == C1
+    assert not (cache.repo_dir(REPO) / "refs" / C2).exists()
+
+
+# -- orphans ---------------------------------------------------------------------------------
+def test_orphaned_incomplete_files_skip_locked_ones(cache: ModelCache) -> None:
+    blobs = cache.repo_dir(REPO) / "blobs"
+    blobs.mkdir(parents=True)
+    orphan = blobs / "aaaa.1234abcd.incomplete"
+    live = blobs / "bbbb.5678abcd.incomplete"
+    orphan.write_bytes(b"x")
+    live.write_bytes(b"y")
+    locks = cache.hub_dir / ".locks" / "models--acme--tiny-chat"
+    locks.mkdir(parents=True)
+    (locks / "aaaa.lock").touch()  # a lock file left by a dead process is not held
+    with FileLock(str(locks / "bbbb.lock")):
+        assert cache.orphaned_incomplete_files(REPO) == [orphan]
+        assert cache.remove_orphaned_incomplete_files(REPO) == [orphan]
+    assert not orphan.exists() and live.exists()
+    assert cache.orphaned_incomplete_files("acme/other") == []
+
+
+# -- removal ---------------------------------------------------------------------------------
+def test_plan_removal_of_all_revisions(cache: ModelCache) -> None:
+    record(cache, C1)
+    record(cache, C2, revision="v2", ref="v2", files={**FILES, "config.json": b'{"a": 22}'})
+    plan = cache.plan_removal(REPO)
+    assert plan.commits == (C1, C2)
+    assert len(plan.files) == 3 + 3 + 2  # snapshot entries of both, two manifests
+    assert plan.bytes == 1010 + 9  # blobs are shared: only the second config.json is extra
+    assert cache.repo_dir(REPO).exists()  # a plan deletes nothing
+    plan.execute()
+    assert not cache.repo_dir(REPO).exists()
+    assert not (cache.root / "manifests" / "acme--tiny-chat").exists()
+    assert cache.downloaded() == []
+
+
+def test_plan_removal_of_one_revision_keeps_shared_blobs(cache: ModelCache) -> None:
+    main = record(cache, C1)
+    record(cache, C2, revision="v2", ref="v2", files={**FILES, "config.json": b'{"a": 22}'})
+    plan = cache.plan_removal(REPO, "v2")
+    assert plan.commits == (C2,)
+    assert plan.bytes == 9
+    plan.execute()
+    assert cache.find(REPO, "v2") is None
+    assert cache.downloaded() == [main]
+    assert not cache.manifest_path(REPO, C2).exists()
+
+
+def test_plan_removal_of_the_only_revision(cache: ModelCache) -> None:
+    record(cache, C1)
+    cache.plan_removal(REPO, "main").execute()
+    assert not cache.repo_dir(REPO).exists()
+    assert not (cache.root / "manifests" / "acme--tiny-chat").exists()
+
+
+def test_plan_removal_of_partial_download(cache: ModelCache) -> None:
+    blobs = cache.repo_dir(REPO) / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "cccc.0000abcd.incomplete").write_bytes(b"z" * 50)
+    plan = cache.plan_removal(REPO)
+    assert plan.bytes == 50
+    plan.execute()
+    assert not cache.repo_dir(REPO).exists()
+
+
+def test_plan_removal_of_missing_model_raises(cache: ModelCache) -> None:
+    with pytest.raises(NotDownloadedError):
+        cache.plan_removal(REPO)
+    record(cache, C1)
+    with pytest.raises(NotDownloadedError):
+        cache.plan_removal(REPO, "nope")
+
+
+# -- plan_files -------------------------------------------------------------------------------
+TOKENIZER = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
+BASE = ["config.json", "generation_config.json", *TOKENIZER]
+
+
+@pytest.mark.parametrize("repo_files, quantization, shards, expected", [
+    # single safetensors file; README, .gitattributes and other exports are left out
+    ([*BASE, "model.safetensors", "README.md", ".gitattributes", "onnx/model.onnx", "pytorch_model.bin"],
+     "q4k", None, sorted([*BASE, "model.safetensors"])),
+    # with an index: exactly the shards it names
+    ([*BASE, "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+      "model-00002-of-00002.safetensors", "consolidated.safetensors"], "q8",
+     ["model-00002-of-00002.safetensors", "model-00001-of-00002.safetensors"],
+     sorted([*BASE, "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+             "model-00002-of-00002.safetensors"])),
+    # a single model.safetensors beside another export
+    (["config.json", "model.safetensors", "consolidated.safetensors", "tokenizer.model"], "f16", None,
+     ["config.json", "model.safetensors", "tokenizer.model"]),
+    # chat templates and added tokens where present
+    (["config.json", "model.safetensors", "chat_template.jinja", "added_tokens.json", "chat_template.json"],
+     "none", None,
+     ["added_tokens.json", "chat_template.jinja", "chat_template.json", "config.json", "model.safetensors"]),
+    # GGUF repo: one file chosen by quantization, case-insensitive
+    (["README.md", "qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct-Q8_0.gguf",
+      "qwen2.5-0.5b-instruct-fp16.gguf", "qwen2.5-0.5b-instruct-q4_k_s.gguf"], "q4k", None,
+     ["qwen2.5-0.5b-instruct-q4_k_m.gguf"]),
+    (["a-Q4_K_M.gguf", "a-Q8_0.gguf", "a-F16.gguf"], Quantization.Q8_0, None, ["a-Q8_0.gguf"]),
+    (["a-Q4_K_M.gguf", "a-Q8_0.gguf", "a-F16.gguf"], "fp16", None, ["a-F16.gguf"]),
+    (["config.json", "x.Q4_K_M.gguf", "big/x.Q4_K_M-00001-of-00002.gguf"], "q4k", None,
+     ["config.json", "x.Q4_K_M.gguf"]),
+])
+def test_plan_files(repo_files: list[str], quantization: str, shards: list[str] | None,
+                    expected: list[str]) -> None:
+    assert plan_files(repo_files, quantization, shards) == expected
+
+
+@pytest.mark.parametrize("repo_files, quantization, message", [
+    (["a-Q4_K_M.gguf", "a-F16.gguf"], "q8", "no Q8_0 GGUF file in the repo (available: a-F16.gguf, a-Q4_K_M.gguf)"),
+    (["config.json", "pytorch_model.bin"], "q4k", "only PyTorch pickle weights"),
+    (["config.json", "README.md"], "q4k", "no model weights"),
+    (["model.safetensors"], "q4k", "no config.json"),
+])
+def test_plan_files_errors(repo_files: list[str], quantization: str, message: str) -> None:
+    with pytest.raises(DownloadError, match=re.escape(message)):
+        plan_files(repo_files, quantization)
+
+
+def test_plan_files_index_naming_missing_shard() -> None:
+    with pytest.raises(DownloadError, match="model-00002-of-00002.safetensors"):
+        plan_files(["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors"], "q4k",
+                   ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
