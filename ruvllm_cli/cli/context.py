@@ -37,9 +37,11 @@ def app_context(ctx: click.Context | None = None) -> AppContext:
 
 
 def _setter(field: str) -> Callable[[click.Context, click.Parameter, Any], None]:
-    def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> None:
-        # Flags given after the subcommand must not undo ones given before it.
-        if value not in (None, False):
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        # The root takes command line or environment; a subcommand only its own command
+        # line, so its copy of an env var cannot undo `ruvllm --cache-dir A list`.
+        from_command_line = ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE
+        if value not in (None, False) and (ctx.parent is None or from_command_line):
             setattr(app_context(ctx), field, value)
 
     return callback

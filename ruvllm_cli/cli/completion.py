@@ -1,0 +1,65 @@
+"""`ruvllm completion`: print the shell completion script for bash, zsh or fish.
+
+The scripts are Click's own: the shell runs `ruvllm` with `_RUVLLM_COMPLETE=<shell>_complete`
+and the words typed so far, and Click answers with the candidates (subcommands, options,
+choices, paths). So completion always matches the installed version of the commands.
+"""
+
+from __future__ import annotations
+
+import click
+from click.shell_completion import CompletionItem, get_completion_class
+
+from ruvllm_cli.cli.context import global_options
+
+PROG_NAME = "ruvllm"
+# Click derives this name from PROG_NAME (`_{PROG}_COMPLETE`); main() passes prog_name="ruvllm",
+# so `python -m ruvllm_cli` answers the same variable as the console script.
+COMPLETE_VAR = "_RUVLLM_COMPLETE"
+SHELLS = ("bash", "zsh", "fish")
+
+
+def completion_script(cli: click.Command, shell: str) -> str:
+    """The completion script that makes `shell` complete the `ruvllm` command `cli`.
+
+    Raises ValueError for a shell outside SHELLS.
+    """
+    if shell not in SHELLS:
+        raise ValueError(f"no completion script for {shell!r}; choose one of {SHELLS}")
+    completer = get_completion_class(shell)
+    assert completer is not None, f"click has no completion class for {shell}"
+    return completer(cli, {}, PROG_NAME, COMPLETE_VAR).source()
+
+
+def complete_model(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+    """Completes a MODEL argument with registry aliases (built-in and the user's own).
+
+    Use as `@click.argument("model", shell_complete=complete_model)`. When no alias matches,
+    the shell completes file names instead, for local model directories and .gguf files.
+    """
+    from ruvllm_cli.errors import RuvllmError
+    from ruvllm_cli.registry.registry import builtin_entries, load_registry
+
+    try:
+        registry = load_registry()
+    except RuvllmError:  # a broken user aliases file must not break the shell
+        registry = builtin_entries()
+    items = [CompletionItem(alias, help=entry.name)
+             for alias, entry in registry.items() if alias.startswith(incomplete)]
+    return items or [CompletionItem(incomplete, type="file")]
+
+
+@click.command("completion")
+@click.argument("shell", metavar="SHELL", type=click.Choice(SHELLS))
+@global_options
+@click.pass_context
+def command(ctx: click.Context, shell: str) -> None:
+    """Print the completion script for SHELL (bash, zsh or fish) on stdout.
+
+    \b
+    Examples:
+      eval "$(ruvllm completion bash)"        # in ~/.bashrc
+      eval "$(ruvllm completion zsh)"         # in ~/.zshrc, after compinit
+      ruvllm completion fish > ~/.config/fish/completions/ruvllm.fish
+    """
+    click.echo(completion_script(ctx.find_root().command, shell), nl=False)
