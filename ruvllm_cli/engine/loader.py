@@ -115,15 +115,18 @@ def load_model(path: str | Path, device: str = "auto",
     _check_memory(path, target, dtype)
     hf_logging.disable_progress_bar()  # our own output says what is happening
     started = time.perf_counter()
+    extra = _bitsandbytes_options(quantization, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attention.register(), device_map=None)
+            path, dtype=dtype, attn_implementation=attention.register(), **extra)
     except ValueError as error:
         raise ModelLoadError(f"unsupported model in {path}: {str(error).splitlines()[0]}") from None
     except OSError as error:
         raise ModelLoadError(f"cannot load the model in {path}: {str(error).splitlines()[0]}") from None
-    model.to(target).eval()
+    if not extra:
+        model.to(target)
+    model.eval()
     quant_path = quantize_model(model, quantization, target)
     load_seconds = time.perf_counter() - started
     return LoadedModel(model=model, tokenizer=tokenizer, device=target, dtype=dtype,
@@ -131,6 +134,20 @@ def load_model(path: str | Path, device: str = "auto",
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path)
+
+
+def _bitsandbytes_options(quantization: Quantization, device: torch.device) -> dict[str, Any]:
+    """On CUDA, q8/q4k load through bitsandbytes (8-bit, and 4-bit NF4)."""
+    if device.type != "cuda" or quantization not in (Quantization.Q8_0, Quantization.Q4_K_M):
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    if quantization is Quantization.Q8_0:
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                    bnb_4bit_compute_dtype=torch.float16)
+    return {"quantization_config": config, "device_map": {"": device.index or 0}}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

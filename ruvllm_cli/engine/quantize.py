@@ -1,21 +1,143 @@
 """Load-time weight quantization: the hook the loader calls after loading.
 
-`none` and `f16` are a matter of dtype (chosen at load); `q8` and `q4k` replace the
-linear layers' weights with quantized ones (see docs/design.md for the paths and
-the measurements that chose them).
+`none` and `f16` are a matter of dtype (chosen at load). On a CPU, `q8` and `q4k`
+replace every linear layer (the LM head included) with torch's own int8 / int4
+weight-only kernels, and the embedding table with an int8 one, so the whole model
+shrinks; activations stay bfloat16. On CUDA the loader asks bitsandbytes instead.
+docs/design.md gives the measurements behind these choices.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 
+INT4_GROUP = 128      # weights per scale/zero group (llama.cpp's Q4_K uses 32-weight sub-blocks)
+INT4_INNER_K_TILES = 2
+PREFILL_ROWS = 32     # from this many rows on, dequantize and use the dense matmul
 
-def quantize_model(model: torch.nn.Module, quantization: Quantization, device: torch.device) -> str:
-    """Quantize `model` in place; returns a short description of the path taken."""
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T + b with per-output-channel symmetric int8 weights."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.register_buffer("qweight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                 requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if rows.shape[0] >= PREFILL_ROWS:
+            # The int8 kernel is tuned for a few rows; a prompt chunk runs faster dense.
+            out = F.linear(rows, self.qweight.to(torch.bfloat16) * self.scales[:, None])
+        else:
+            out = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """Grouped asymmetric int4 weights in the CPU int4 kernel's packed layout."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        q, scales_and_zeros = quantize_int4(linear.weight.detach().float(), group_size)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q, INT4_INNER_K_TILES))
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
+                                                                 requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size,
+                                                         self.scales_and_zeros)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int32 codes 0..15 [N, K], bf16 scales+zeros [K/g, N, 2]);
+    w ≈ (q - 8) * scale + zero, the int4 kernel's convention."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // group_size, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scales = (high - low).clamp(min=1e-8) / 15.0
+    zeros = low + scales * 8
+    q = ((groups - low) / scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    packed = torch.cat([scales.reshape(n, -1, 1), zeros.reshape(n, -1, 1)], dim=2)
+    return q, packed.transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as int8 rows with one scale per row."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        weight = embedding.weight.detach().float()
+        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.register_buffer("qweight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = embedding.padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(torch.bfloat16) * self.scales[ids].unsqueeze(-1)
+
+
+def _int4_fits(linear: nn.Linear, group_size: int) -> bool:
+    return linear.in_features % group_size == 0 and linear.out_features % 8 == 0
+
+
+def _replace_linears(module: nn.Module, make: type, group_size: int | None) -> int:
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            if group_size is not None and not _int4_fits(child, group_size):
+                setattr(module, name, Int8Linear(child))  # odd shapes fall back to int8
+            else:
+                setattr(module, name, make(child) if group_size is None else make(child, group_size))
+            count += 1
+        else:
+            count += _replace_linears(child, make, group_size)
+    return count
+
+
+def int4_group_size(model: nn.Module) -> int:
+    """The largest of 128/64/32 that divides the model's hidden size."""
+    hidden = model.config.hidden_size
+    return next((g for g in (INT4_GROUP, 64, 32) if hidden % g == 0), 32)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, quantization: Quantization, device: torch.device) -> str:
+    """Quantize `model` in place (CPU paths); returns a one-line description of the path."""
+    dtype = next(model.parameters()).dtype
     if quantization in (Quantization.F32, Quantization.F16):
-        return f"{next(model.parameters()).dtype} weights, no quantization"
-    raise ModelLoadError(f"--quantization {quantization.value} is not available yet",
-                         "use --quantization f16 or none")
+        return f"{str(dtype).replace('torch.', '')} weights, no quantization"
+    if device.type != "cpu":
+        return "bitsandbytes " + ("8-bit" if quantization is Quantization.Q8_0 else "4-bit NF4")
+    model.config.tie_word_embeddings = False  # the head gets its own quantized copy
+    embeddings = model.get_input_embeddings()
+    if quantization is Quantization.Q8_0:
+        count = _replace_linears(model, Int8Linear, None)
+        path = f"int8 weight-only (torch._weight_int8pack_mm), {count} linear layers incl. LM head"
+    else:
+        group = int4_group_size(model)
+        count = _replace_linears(model, Int4Linear, group)
+        path = (f"int4 weight-only, group {group} (torch int4pack kernel), {count} linear layers "
+                "incl. LM head")
+    model.set_input_embeddings(Int8Embedding(embeddings))
+    return path + "; int8 embeddings"
