@@ -12,6 +12,7 @@ without a `--model-dir` serves a freshly built tiny model.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import threading
@@ -34,8 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     with tempfile.TemporaryDirectory(prefix="fake-hub-") as scratch, FakeHub(args.port) as hub:
         for index, repo_id in enumerate(args.repo):
             if index < len(args.model_dir):

@@ -10,6 +10,7 @@ Point `HF_ENDPOINT` at `FakeHub.url` before `huggingface_hub` is imported, and
 - `GET /api/models/{repo}/tree/{rev}[/{path}]`: tree listing, `recursive`, paginated
   with a `Link: <...>; rel="next"` header (`tree_page_size` entries a page).
 - `GET /api/models/{repo}/refs`: branches.
+- `GET /api/agent-harnesses`: an empty registry (the client asks once per process).
 - `HEAD` / `GET /{repo}/resolve/{rev}/{path}`: the file, redirect-free, with
   `X-Repo-Commit`, `ETag` (sha256 for LFS files, git blob sha1 otherwise),
   `X-Linked-Etag` / `X-Linked-Size` for LFS files, and `Range` answered with 206.
@@ -26,12 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mimetypes
 import os
 import socket
 import struct
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -85,6 +86,7 @@ class HubFile:
     def chunks(self, start: int, end: int, size: int) -> Iterator[bytes]:
         """The bytes [start, end) in pieces of at most `size`."""
         if self.content is not None:
+            end = min(end, len(self.content))
             for pos in range(start, end, size):
                 yield self.content[pos : min(pos + size, end)]
             return
@@ -103,15 +105,16 @@ class HubFile:
 def hub_file(path: str, value: bytes | os.PathLike) -> HubFile:
     """Describe `value` (bytes, or a file on disk) as the repo file `path`."""
     if isinstance(value, (bytes, bytearray)):
-        content, source, size = bytes(value), None, len(value)
+        content, source = bytes(value), None
+        size, read_all = len(content), lambda: content
     elif isinstance(value, os.PathLike):
-        content, source, size = None, Path(value), Path(value).stat().st_size
+        content, source = None, Path(value)
+        size, read_all = source.stat().st_size, source.read_bytes
     else:
         raise TypeError(f"{path}: expected bytes or a Path, got {type(value).__name__}")
     if not (path.endswith(LFS_SUFFIXES) or size >= LFS_MIN_SIZE):
-        data = content if content is not None else source.read_bytes()  # type: ignore[union-attr]
-        return HubFile(path, size, git_blob_sha1(data), None, content, source)
-    sha256 = hashlib.sha256(content).hexdigest() if content is not None else _sha256_of(source)  # type: ignore[arg-type]
+        return HubFile(path, size, git_blob_sha1(read_all()), None, content, source)
+    sha256 = hashlib.sha256(content).hexdigest() if source is None else _sha256_of(source)
     return HubFile(path, size, git_blob_sha1(_lfs_pointer(sha256, size)), sha256, content, source)
 
 
@@ -171,6 +174,7 @@ class Answer:
     body: bytes = b""
     file: HubFile | None = None
     span: tuple[int, int] = (0, 0)
+    cut_after: int | None = None  # injected drop: close after this many body bytes
 
 
 class FakeHub:
@@ -198,7 +202,10 @@ class FakeHub:
     def start(self) -> "FakeHub":
         self.stopping.clear()
         self._server = _Server(("127.0.0.1", self._port), _Handler, self)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
+        # A short poll interval so that stop() returns at once.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.05,), name="fake-hub", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -319,6 +326,8 @@ class FakeHub:
         """Route one request; raises `HubError` for error answers."""
         parts = raw_path.strip("/").split("/")
         params = parse_qs(query)
+        if parts == ["api", "agent-harnesses"]:  # fetched once per process for the user agent
+            return _json({"standardEnvVars": [], "harnesses": {}})
         if parts[:2] == ["api", "models"] and len(parts) > 2:
             repo_id, rest = self._split_repo(parts[2:], ("revision", "tree", "refs"))
             return self._api(repo_id, [unquote(p) for p in rest], params, token, raw_path)
@@ -417,10 +426,10 @@ class FakeHub:
         if range_ is not None:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{file.size}"
-        return Answer(status, headers, file=file, span=(start, end))
+        cut = self._take_drop(repo_id, filename) if method == "GET" else None
+        return Answer(status, headers, file=file, span=(start, end), cut_after=cut)
 
-    def take_drop(self, repo_id: str, filename: str) -> int | None:
-        """Consume one injected drop for this file; the byte count to send before closing."""
+    def _take_drop(self, repo_id: str, filename: str) -> int | None:
         with self._lock:
             drop = self._drops.get((repo_id, filename))
             if drop is None or drop[1] <= 0:
@@ -523,15 +532,22 @@ def _safetensors_info(files: list[HubFile]) -> dict[str, Any] | None:
     for file in files:
         if not file.path.endswith(".safetensors") or file.size < 8:
             continue
-        (length,) = struct.unpack("<Q", b"".join(file.chunks(0, 8, 8)))
-        header = json.loads(b"".join(file.chunks(8, 8 + length, CHUNK_SIZE)))
-        for name, tensor in header.items():
-            if name != "__metadata__":
-                numel = 1
-                for dim in tensor["shape"]:
-                    numel *= dim
-                counts[tensor["dtype"]] = counts.get(tensor["dtype"], 0) + numel
+        for dtype, numel in _safetensors_header(file):
+            counts[dtype] = counts.get(dtype, 0) + numel
     return {"parameters": counts, "total": sum(counts.values())} if counts else None
+
+
+def _safetensors_header(file: HubFile) -> list[tuple[str, int]]:
+    """(dtype, element count) per tensor; nothing for a file that is no safetensors file."""
+    (length,) = struct.unpack("<Q", b"".join(file.chunks(0, 8, 8)))
+    if length > min(file.size - 8, 100_000_000):
+        return []
+    try:
+        header = json.loads(b"".join(file.chunks(8, 8 + length, CHUNK_SIZE)))
+        tensors = [t for name, t in header.items() if name != "__metadata__"]
+        return [(t["dtype"], math.prod(t["shape"])) for t in tensors]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
 
 
 def _tree_entries(commit: Commit, path: str, recursive: bool, expand: bool) -> list[dict[str, Any]] | None:
@@ -635,15 +651,15 @@ class _Handler(BaseHTTPRequestHandler):
         record = RequestRecord(method, unquote(url.path), url.query, range_, auth is not None)
         hub.log(record)
         try:
-            if method == "POST":
-                raise HubError(404, None, "Sorry, we can't find the page you are looking for.")
-            answer = hub.answer(method, url.path, url.query, token, range_)
-        except HubError as error:
-            self._send_error(record, error, method)
-            return
-        try:
+            try:
+                if method == "POST":
+                    raise HubError(404, None, "Sorry, we can't find the page you are looking for.")
+                answer = hub.answer(method, url.path, url.query, token, range_)
+            except HubError as error:
+                self._send_error(record, error, method)
+                return
             self._send_answer(record, answer, method)
-        except (_Dropped, ConnectionError, TimeoutError):
+        except (_Dropped, OSError):  # OSError: the client went away, or stop() cut the socket
             self.close_connection = True
 
     def _send_error(self, record: RequestRecord, error: HubError, method: str) -> None:
@@ -675,13 +691,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_head(record, answer.status, answer.headers, end - start)
         if method == "HEAD":
             return
-        repo_id = record.path.strip("/").split("/resolve/")[0]
-        cut = self.server.hub.take_drop(repo_id, answer.file.path)
-        self._send_body(record, answer.file, start, end, cut)
+        self._send_body(record, answer.file, start, end, answer.cut_after)
 
     def _send_body(self, record: RequestRecord, file: HubFile, start: int, end: int, cut: int | None) -> None:
         hub = self.server.hub
-        began = time.monotonic()
         rate = hub.bytes_per_second
         chunk_size = CHUNK_SIZE if not rate else max(1, min(CHUNK_SIZE, rate // 10))
         for chunk in file.chunks(start, end, chunk_size):
@@ -689,10 +702,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(chunk[: cut - record.bytes_sent])
                 record.bytes_sent = cut
                 raise _Dropped()
-            self.wfile.write(chunk)
-            record.bytes_sent += len(chunk)
+            record.bytes_sent += len(chunk)  # before the write, so a reader never lags the client
+            try:
+                self.wfile.write(chunk)
+            except OSError:
+                record.bytes_sent -= len(chunk)
+                raise
+            # Paced per chunk, so that changing the rate mid-body takes effect at once.
             rate = hub.bytes_per_second
-            if rate:
-                delay = record.bytes_sent / rate - (time.monotonic() - began)
-                if delay > 0 and hub.stopping.wait(delay):
-                    raise _Dropped()
+            if rate and hub.stopping.wait(len(chunk) / rate):
+                raise _Dropped()

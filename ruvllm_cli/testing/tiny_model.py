@@ -13,6 +13,7 @@ of any `qwen2` model for its own, which would disagree with ours on every id.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -328,7 +329,7 @@ def build_tiny_model(
     """Write a tiny random LLaMA model with a trained tokenizer into `path`.
 
     Same arguments give byte-identical files. The tokenizer has exactly `vocab_size`
-    tokens (at least 263; the built-in corpus gives up to about 1,500).
+    tokens (at least 263; the built-in corpus gives at most 1,232).
     """
     shape = {
         "hidden_size": hidden_size,
@@ -362,14 +363,19 @@ def cached_tiny_model(root: str | os.PathLike, *, bench: bool = False, **kwargs:
     half-written model, and two processes racing on the same key both end with one copy.
     """
     root = Path(root)
-    key = json.dumps({"v": BUILDER_VERSION, "bench": bench, **kwargs}, sort_keys=True)
+    builder = build_bench_model if bench else build_tiny_model
+    # Defaults filled in, so `seed=0` and no seed share one directory; typos fail here.
+    arguments = inspect.signature(builder).bind(root, **kwargs)
+    arguments.apply_defaults()
+    options = {k: v for k, v in arguments.arguments.items() if k != "path"}
+    key = json.dumps({"v": BUILDER_VERSION, "bench": bench, **options}, sort_keys=True)
     final = root / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
-        (build_bench_model if bench else build_tiny_model)(tmp, **kwargs)
+        builder(tmp, **options)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").is_file():

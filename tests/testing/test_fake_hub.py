@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -164,7 +166,8 @@ def test_named_revisions_and_old_commits_keep_their_files(fake_hub: FakeHub, tmp
     assert len({first, second, other}) == 3
 
     def fetch(revision: str) -> bytes:
-        return Path(hf_hub_download("ruvllm-test/named", "config.json", revision=revision, cache_dir=tmp_path)).read_bytes()
+        path = hf_hub_download("ruvllm-test/named", "config.json", revision=revision, cache_dir=tmp_path)
+        return Path(path).read_bytes()
 
     assert (fetch("main"), fetch("exp"), fetch(first)) == (b"main v2", b"experimental", b"main v1")
     snapshot = Path(snapshot_download("ruvllm-test/named", revision="exp", cache_dir=tmp_path))
@@ -211,3 +214,28 @@ def test_stop_closes_the_port() -> None:
             assert json.loads(response.read())["siblings"] == [{"rfilename": "a.txt"}]
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/api/models/org/x", timeout=2)
+
+
+def test_throttled_download_in_a_subprocess_can_be_killed_mid_file(
+    fake_hub: FakeHub, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    fake_hub.add_repo("ruvllm-test/killed", {"model.safetensors": bytes(2_000_000)})
+    fake_hub.throttle(400_000)
+    script = (
+        "import sys; from huggingface_hub import hf_hub_download; "
+        "hf_hub_download('ruvllm-test/killed', 'model.safetensors', cache_dir=sys.argv[1])"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env=cli_env)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(r.bytes_sent > 100_000 for r in fake_hub.file_requests("model.safetensors")):
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    assert list(tmp_path.rglob("*.incomplete"))  # the client's orphan, for download code to clean up
+    assert not list(tmp_path.rglob("snapshots/*/model.safetensors"))
+    fake_hub.throttle(None)
+    with urllib.request.urlopen(f"{fake_hub.url}/api/models/ruvllm-test/killed", timeout=5) as response:
+        assert response.status == 200

@@ -206,7 +206,10 @@ def test_cached_tiny_model_builds_once(tmp_path: Path) -> None:
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert cached_tiny_model(tmp_path, num_layers=1) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert cached_tiny_model(tmp_path, num_layers=1, seed=0) == first
     assert cached_tiny_model(tmp_path, num_layers=1, seed=1) != first
+    with pytest.raises(TypeError):
+        cached_tiny_model(tmp_path, num_layer=1)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
