@@ -153,7 +153,7 @@ def _bitsandbytes_options(quantization: Quantization, device: torch.device) -> d
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's parameters and buffers really take (tied weights once)."""
     seen: set[int] = set()
-    total = 0
+    total = sum(getattr(m, "quantized_nbytes", 0) for m in model.modules())
     for tensor in [*model.parameters(), *model.buffers()]:
         key = tensor.data_ptr()
         if key in seen:

@@ -1,9 +1,10 @@
 """Load-time weight quantization: the hook the loader calls after loading.
 
 `none` and `f16` are a matter of dtype (chosen at load). On a CPU, `q8` and `q4k`
-replace every linear layer (the LM head included) with torch's own int8 / int4
-weight-only kernels, and the embedding table with an int8 one, so the whole model
-shrinks; activations stay bfloat16. On CUDA the loader asks bitsandbytes instead.
+replace every linear layer (the LM head included) with int8 (fbgemm's dynamic
+int8 GEMM) or int4 (torch's int4pack weight-only kernel) ones, and the embedding
+table with an int8 one, so the whole model shrinks; activations stay bfloat16
+between layers. On CUDA the loader asks bitsandbytes instead.
 docs/design.md gives the measurements behind these choices.
 """
 
@@ -17,32 +18,41 @@ from ruvllm_cli.quantization import Quantization
 
 INT4_GROUP = 128      # weights per scale/zero group (llama.cpp's Q4_K uses 32-weight sub-blocks)
 INT4_INNER_K_TILES = 2
-PREFILL_ROWS = 32     # from this many rows on, dequantize and use the dense matmul
+REDUCE_RANGE = False
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T + b with per-output-channel symmetric int8 weights."""
+class DynamicInt8Linear(nn.Module):
+    """int8 weights (per output channel) through fbgemm's dynamic-quantized GEMM.
+
+    Activations are quantized per call, so one kernel is fast from one row (decode)
+    to hundreds (prefill): measured faster than bf16 and than torch's weight-only
+    int8 kernel at every batch size here (docs/design.md).
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("qweight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
-                                                                 requires_grad=False)
+        scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0).double()
+        qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long),
+                                             axis=0, dtype=torch.qint8)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.qlinear = QLinear(self.in_features, self.out_features, bias_=bias is not None,
+                               dtype=torch.qint8)
+        self.qlinear.set_weight_bias(qweight, bias)
+        # fbgemm keeps its packed copy outside the module's tensors: count it here.
+        self.quantized_nbytes = qweight.numel() + scales.numel() * 16 + (
+            0 if bias is None else bias.numel() * 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if rows.shape[0] >= PREFILL_ROWS:
-            # The int8 kernel is tuned for a few rows; a prompt chunk runs faster dense.
-            out = F.linear(rows, self.qweight.to(torch.bfloat16) * self.scales[:, None])
-        else:
-            out = torch._weight_int8pack_mm(rows, self.qweight, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features).float()
+        # Full 8-bit activation range (reduce_range=False): half the rounding error of
+        # the module's default 7 bits; VNNI's int8 dot products do not saturate.
+        out = torch.ops.quantized.linear_dynamic(rows, self.qlinear._packed_params._packed_params,
+                                                 REDUCE_RANGE)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 class Int4Linear(nn.Module):
@@ -106,7 +116,7 @@ def _replace_linears(module: nn.Module, make: type, group_size: int | None) -> i
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             if group_size is not None and not _int4_fits(child, group_size):
-                setattr(module, name, Int8Linear(child))  # odd shapes fall back to int8
+                setattr(module, name, DynamicInt8Linear(child))  # odd shapes fall back to int8
             else:
                 setattr(module, name, make(child) if group_size is None else make(child, group_size))
             count += 1
@@ -132,8 +142,8 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
     model.config.tie_word_embeddings = False  # the head gets its own quantized copy
     embeddings = model.get_input_embeddings()
     if quantization is Quantization.Q8_0:
-        count = _replace_linears(model, Int8Linear, None)
-        path = f"int8 weight-only (torch._weight_int8pack_mm), {count} linear layers incl. LM head"
+        count = _replace_linears(model, DynamicInt8Linear, None)
+        path = f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {count} linear layers incl. LM head"
     else:
         group = int4_group_size(model)
         count = _replace_linears(model, Int4Linear, group)

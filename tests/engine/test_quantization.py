@@ -10,7 +10,7 @@ import torch
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
-from ruvllm_cli.engine.quantize import Int4Linear, Int8Embedding, Int8Linear, quantize_int4
+from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, Int8Embedding, quantize_int4
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
@@ -19,11 +19,12 @@ from ruvllm_cli.testing.tiny_model import cached_tiny_model
 SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536)
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, list(range(40, 90)), [300, 12, 77, 401, 9, 9, 23]]
 MAX_RATIO = {Q.F16: 0.55, Q.Q8_0: 0.55, Q.Q4_K_M: 0.35}
-# Measured on this model (3 prompts): f16 0.0002-0.0007, q8 0.003-0.006 (bitsandbytes
-# int8: 0.004-0.005), q4k 0.59-0.75 (bitsandbytes NF4, which leaves the LM head and the
+# Measured on this model (3 prompts): f16 0.0002-0.0007, q8 0.009-0.025 (weight-only
+# int8: 0.003-0.006; bitsandbytes int8: 0.004-0.005; fbgemm's default 7-bit activations:
+# 0.015-0.054), q4k 0.59-0.75 (bitsandbytes NF4, which leaves the LM head and the
 # embeddings unquantized: 0.31-0.39). Random Gaussian weights make 4-bit rounding noise
 # far louder than on trained models; the bounds catch a broken kernel, not that noise.
-MAX_KL = {Q.F16: 0.01, Q.Q8_0: 0.02, Q.Q4_K_M: 1.0}
+MAX_KL = {Q.F16: 0.01, Q.Q8_0: 0.05, Q.Q4_K_M: 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_quantized_engine_batches_and_streams(engines, quant):
 
 
 def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
-    for quant, kind in [(Q.Q8_0, Int8Linear), (Q.Q4_K_M, Int4Linear)]:
+    for quant, kind in [(Q.Q8_0, DynamicInt8Linear), (Q.Q4_K_M, Int4Linear)]:
         model = engines[quant].loaded.model
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         assert any(isinstance(m, kind) for m in model.modules())
@@ -88,14 +89,15 @@ def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
         assert isinstance(model.lm_head, kind)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])   # the int8 layer dequantizes from 32 rows on
-def test_int8_linear_matches_its_dequantized_weights(rows):
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int8_linear_is_close_to_the_dense_layer(rows):
     linear = torch.nn.Linear(256, 96, bias=True)
-    layer = Int8Linear(linear)
-    x = torch.randn(rows, 256, dtype=torch.bfloat16)
-    dense = layer.qweight.float() * layer.scales.float()[:, None]
-    expected = x.float() @ dense.T + layer.bias.float()
-    assert torch.allclose(layer(x).float(), expected, atol=0.05, rtol=0.02)
+    layer = DynamicInt8Linear(linear)
+    x = torch.randn(rows, 256)
+    expected = linear(x)
+    got = layer(x.to(torch.bfloat16)).float()
+    # int8 weights and per-call int8 activations: about 1% of the output's scale.
+    assert (got - expected).abs().max() <= 0.03 * expected.abs().max()
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
