@@ -80,6 +80,8 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise UsageError(f"the prompt has {len(prompt_ids)} tokens; the context limit is "
                              f"{self.max_model_len}, including the reply")
+        if not all(isinstance(i, int) for i in prompt_ids):
+            raise UsageError("prompt token ids must be integers")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab_size:
             raise UsageError(f"prompt token ids must be in [0, {self._vocab_size})")
 

@@ -164,6 +164,8 @@ def test_bad_prompts_are_usage_errors(make_engine):
         engine.add_request(list(range(3, 70)), GREEDY)
     with pytest.raises(UsageError):
         engine.add_request([10**7], GREEDY)
+    with pytest.raises(UsageError):
+        engine.add_request(["input_ids"], GREEDY)
 
 
 def test_generation_stops_at_the_context_limit(make_engine):

@@ -1,0 +1,52 @@
+"""Shared by chat, serve and benchmark: MODEL argument + options -> a running engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ruvllm_cli.cli.context import AppContext
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.locate import LocatedModel, locate_model
+
+# Until load-time q8/q4k quantization lands everywhere, 16-bit is the default.
+DEFAULT_QUANTIZATION = Quantization.F16
+
+
+@dataclass
+class OpenedEngine:
+    engine: Any          # ruvllm_cli.engine.engine.LLMEngine
+    located: LocatedModel
+
+    @property
+    def loaded(self) -> Any:
+        return self.engine.loaded
+
+    def describe(self) -> str:
+        """One line: model, device, dtype/quantization, context."""
+        loaded = self.loaded
+        dtype = str(loaded.dtype).replace("torch.", "")
+        return (f"{self.located.served_name} · {loaded.device.type} · {dtype} "
+                f"({loaded.quantization.label}) · context {self.engine.max_model_len} tokens")
+
+
+def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
+                device: str = "auto", **engine_options: Any) -> OpenedEngine:
+    """Locate MODEL, load it with a spinner on stderr, and build the engine.
+
+    `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, ...)."""
+    located = locate_model(model, app.cache_dir)
+    out = app.output()
+    with out.err.status(f"Loading {located.served_name} ..."):
+        from ruvllm_cli.engine.config import EngineConfig
+        from ruvllm_cli.engine.engine import LLMEngine
+        from ruvllm_cli.engine.loader import load_model
+
+        config = EngineConfig(device=device, quantization=quantization or DEFAULT_QUANTIZATION,
+                              **{k: v for k, v in engine_options.items() if v is not None})
+        loaded = load_model(located.path, config.device, config.quantization)
+        engine = LLMEngine(loaded, config)
+    opened = OpenedEngine(engine, located)
+    out.info(f"[dim]Loaded {opened.describe()} in {loaded.load_seconds:.1f} s; "
+             f"{loaded.quantization_path}[/dim]")
+    return opened
