@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
 import click
 
-from ruvllm_cli.cli.context import global_options
+from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, quantization_option
-from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.errors import RuvllmError, UsageError
+from ruvllm_cli.quantization import Quantization
 
 
 @click.command("benchmark")
 @click.argument("model")
-@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True)
-@click.option("-i", "--iterations", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Iterations run first and discarded.")
+@click.option("-i", "--iterations", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Measured iterations.")
 @click.option("--prompt-length", type=click.IntRange(min=1), default=128, show_default=True,
               help="Prompt length in tokens (exact).")
 @click.option("--gen-length", type=click.IntRange(min=1), default=64, show_default=True,
@@ -20,16 +28,142 @@ from ruvllm_cli.errors import RuvllmError
 @quantization_option()
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Requests run at once.")
-@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the result to FILE.")
+              help="Requests submitted together in each iteration.")
+@click.option("--output", type=click.Path(dir_okay=False), default=None,
+              help="Also write the result, in the same format, to FILE.")
 @device_option()
+@click.option("--compare", "compare_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A previous `--format json` result: show each metric beside it; exit 1 on a regression.")
+@click.option("--threshold", type=click.FloatRange(min=0.0), default=10.0, show_default=True,
+              help="Percent by which decode tok/s may fall or median TTFT rise before --compare fails.")
+@click.option("--memory-bandwidth", type=click.FloatRange(min=0.0, min_open=True), default=None,
+              metavar="GBPS", help="Your machine's memory bandwidth in GB/s, to show how close decode gets.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt token ids.")
 @global_options
-def command(**options: object) -> None:
+def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> None:
     """Benchmark MODEL through the engine and report only measured figures.
+
+    Each iteration submits --concurrency prompts of exactly --prompt-length random
+    token ids together and generates exactly --gen-length tokens for each (greedy,
+    EOS ignored). JSON and CSV go alone to stdout; progress goes to stderr. Fields
+    are documented in docs/benchmark.md.
 
     \b
     Examples:
       ruvllm benchmark qwen
-      ruvllm benchmark qwen --format json --concurrency 8
+      ruvllm benchmark qwen --format json --concurrency 8 --output run.json
+      ruvllm benchmark qwen --compare run.json --threshold 5
     """
-    raise RuvllmError("`benchmark` is not implemented yet", "follow issue #7")
+    from ruvllm_cli.bench.compare import compare_reports, load_previous, print_comparison, raise_on_regression
+
+    app = app_context()
+    previous = load_previous(compare_file) if compare_file else None
+    _check_output_dir(options["output"])
+    report = run_benchmark(app, model, fmt=fmt, compare_file=compare_file, **options)
+    emit(app, report, fmt, options["output"])
+    if previous is not None and compare_file is not None:
+        comparison = compare_reports(previous, report, options["threshold"])
+        out = app.output()
+        print_comparison(comparison, out.out if fmt == "table" else out.err, Path(compare_file).name)
+        raise_on_regression(comparison)
+
+
+def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, prompt_length: int,
+                  gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
+                  seed: int, **rest: Any) -> dict[str, Any]:
+    """Load MODEL, run the iterations with a progress bar on stderr, build the report."""
+    from ruvllm_cli.bench.memory import cuda_max_allocated_mb, peak_rss_mb
+    from ruvllm_cli.bench.report import Measurements, build_report, model_section
+    from ruvllm_cli.bench.runner import BenchmarkRunner, BenchSettings, check_fits
+    from ruvllm_cli.bench.system import system_info
+    from ruvllm_cli.cli.engine_setup import open_engine
+
+    settings = BenchSettings(warmup, iterations, prompt_length, gen_length, concurrency, seed)
+    # A KV pool sized for this workload, so that peak memory reflects the run.
+    opened = open_engine(app, model, quantization=quantization, device=device,
+                         max_num_seqs=concurrency, max_model_len=prompt_length + gen_length)
+    engine, loaded = opened.engine, opened.loaded
+    check_fits(settings, engine.max_model_len)
+    with _progress(app, settings) as (on_tokens, on_phase):
+        run = BenchmarkRunner(engine, settings, on_tokens).run(on_phase)
+    measured = Measurements(loaded.load_seconds, loaded.weight_bytes, peak_rss_mb(),
+                            cuda_max_allocated_mb(loaded.device))
+    config = _config_section(settings, engine, device=device, **rest)
+    return build_report(model_section(opened.located, loaded.config, model), config,
+                        system_info(loaded), run, measured)
+
+
+def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output: str | None,
+                    compare_file: str | None, threshold: float, memory_bandwidth: float | None) -> dict[str, Any]:
+    """Every option (quantization as in effect), plus the engine settings the run used."""
+    return {
+        "warmup": settings.warmup, "iterations": settings.iterations, "prompt_length": settings.prompt_length,
+        "gen_length": settings.gen_length, "concurrency": settings.concurrency,
+        "quantization": engine.loaded.quantization.value, "device": device, "seed": settings.seed,
+        "format": fmt, "output": output, "compare": compare_file, "threshold_pct": threshold,
+        "memory_bandwidth_gb_s": memory_bandwidth, "sampling": "greedy",
+        "prefix_caching": engine.config.enable_prefix_caching, "max_num_seqs": engine.config.max_num_seqs,
+        "max_model_len": engine.max_model_len, "kv_cache_blocks": engine.block_manager.num_blocks,
+        "block_size": engine.config.block_size,
+    }
+
+
+def _check_output_dir(output: str | None) -> None:
+    """Fail before a long run, not after it, when --output cannot be written."""
+    if output and not Path(output).resolve().parent.is_dir():
+        raise UsageError(f"--output: the directory of {output} does not exist")
+
+
+@contextmanager
+def _progress(app: AppContext, settings: Any) -> Iterator[tuple[Any, Any]]:
+    """A rich progress bar on stderr counting generated tokens; yields the callbacks.
+
+    No refresh thread: the bar is redrawn on the engine's own thread between
+    iterations and at most once a second within one, so drawing it never competes
+    with a measured step for the GIL."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("tokens"), TimeElapsedColumn(), console=app.output().err,
+                        transient=True, auto_refresh=False)
+    task = progress.add_task("warm-up", total=settings.total_tokens)
+    last_refresh = [time.monotonic()]
+
+    def refresh() -> None:
+        progress.refresh()
+        last_refresh[0] = time.monotonic()
+
+    def on_tokens(count: int) -> None:
+        progress.advance(task, count)
+        if time.monotonic() - last_refresh[0] >= 1.0:
+            refresh()
+
+    def on_phase(phase: str, index: int) -> None:
+        total = settings.warmup if phase == "warmup" else settings.iterations
+        label = "warm-up" if phase == "warmup" else "iteration"
+        progress.update(task, description=f"{label} {index}/{total}")
+        refresh()
+
+    with progress:
+        yield on_tokens, on_phase
+
+
+def emit(app: AppContext, report: dict[str, Any], fmt: str, output: str | None) -> None:
+    """The report on stdout in `fmt` (data alone for json/csv), and to --output too."""
+    from ruvllm_cli.bench.formatters import print_tables, to_csv, to_json, to_text
+
+    if fmt == "table":
+        print_tables(report, app.output().out)
+        text = to_text(report) if output else ""
+    else:
+        text = to_json(report) if fmt == "json" else to_csv(report)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    if output:
+        try:
+            Path(output).write_text(text, encoding="utf-8")
+        except OSError as error:
+            raise RuvllmError(f"cannot write {output}: {error.strerror or error}") from None
+        app.output().info(f"[dim]Wrote {output}[/dim]")

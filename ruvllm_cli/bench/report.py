@@ -1,0 +1,82 @@
+"""The benchmark report: one dict with `model`, `config`, `system`, `metrics`, `samples`.
+
+Field names are a contract (CI scripts read them); docs/benchmark.md lists them and
+tests/bench pins them. Add fields freely, never rename one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ruvllm_cli.bench import metrics as m
+from ruvllm_cli.bench.runner import BenchRun
+
+SCHEMA_VERSION = 1
+SECTIONS = ("model", "config", "system", "metrics")
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Figures measured outside the runner: load time, memory, weight size."""
+
+    load_time_s: float
+    weight_bytes: int
+    peak_rss_mb: float | None
+    cuda_max_allocated_mb: float | None
+
+
+def model_section(located: Any, model_config: Any, argument: str) -> dict[str, Any]:
+    architectures = getattr(model_config, "architectures", None) or [None]
+    return {
+        "name": located.served_name,
+        "argument": argument,
+        "repo_id": located.ref.repo_id,
+        "revision": located.ref.revision,
+        "path": str(located.path),
+        "architecture": architectures[0],
+    }
+
+
+def metrics_section(run: BenchRun, measured: Measurements, memory_bandwidth_gb_s: float | None) -> dict[str, Any]:
+    """Every metric, in the order the tables and the docs show them."""
+    summary = m.summarize(run.iterations)
+    achieved = m.achieved_bandwidth_gb_s(measured.weight_bytes, summary["decode_tokens_per_s"])
+    return {
+        "load_time_s": measured.load_time_s,
+        **summary,
+        "preemptions": run.preemptions,
+        "peak_rss_mb": measured.peak_rss_mb,
+        "cuda_max_allocated_mb": measured.cuda_max_allocated_mb,
+        "weight_bytes": measured.weight_bytes,
+        "achieved_bandwidth_gb_s": achieved,
+        "bandwidth_utilization_pct": m.bandwidth_utilization_pct(achieved, memory_bandwidth_gb_s),
+    }
+
+
+def build_report(model: dict[str, Any], config: dict[str, Any], system: dict[str, Any],
+                 run: BenchRun, measured: Measurements) -> dict[str, Any]:
+    """Assemble the report; `config["memory_bandwidth_gb_s"]` is the user's figure, if any."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "config": config,
+        "system": system,
+        "metrics": metrics_section(run, measured, config.get("memory_bandwidth_gb_s")),
+        "samples": [m.iteration_record(iteration) for iteration in run.iterations],
+    }
+
+
+def flatten(report: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"config": {"prompt_length": 128}}` -> `{"config.prompt_length": 128}`; the
+    per-iteration `samples` are left out (CSV holds one row per run)."""
+    flat: dict[str, Any] = {}
+    for key, value in report.items():
+        if key == "samples":
+            continue
+        if isinstance(value, Mapping):
+            for inner, item in value.items():
+                flat[f"{key}.{inner}"] = item
+        else:
+            flat[key] = value
+    return flat

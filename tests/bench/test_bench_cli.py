@@ -1,0 +1,205 @@
+"""`ruvllm benchmark` end to end on the tiny float32 model, in subprocesses.
+
+Each run costs a few seconds (mostly importing torch), so the JSON run is shared by
+the tests that only read it.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPT, GEN = 16, 8
+SMALL = ["-q", "none", "--prompt-length", str(PROMPT), "--gen-length", str(GEN), "--warmup", "1", "-i", "3"]
+
+# The documented schema (docs/benchmark.md): renaming any field must fail here.
+TOP_LEVEL = ["schema_version", "model", "config", "system", "metrics", "samples"]
+MODEL_FIELDS = ["name", "argument", "repo_id", "revision", "path", "architecture"]
+CONFIG_FIELDS = [
+    "warmup", "iterations", "prompt_length", "gen_length", "concurrency", "quantization", "device", "seed",
+    "format", "output", "compare", "threshold_pct", "memory_bandwidth_gb_s", "sampling", "prefix_caching",
+    "max_num_seqs", "max_model_len", "kv_cache_blocks", "block_size",
+]
+SYSTEM_FIELDS = [
+    "cpu_model", "cpu_cores_physical", "cpu_cores_logical", "torch_threads", "ram_total_gb", "os",
+    "python_version", "torch_version", "transformers_version", "device", "device_name", "dtype",
+    "quantization", "quantization_path", "ruvllm_version", "git_commit",
+]
+METRIC_FIELDS = [
+    "load_time_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p95", "ttft_ms_p99", "prefill_ms_mean",
+    "prefill_tokens_per_s", "decode_tokens_per_s", "itl_ms_mean", "itl_ms_p50", "itl_ms_p95", "itl_ms_p99",
+    "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p95", "e2e_ms_p99", "e2e_ms_stdev", "output_tokens_per_s",
+    "requests_per_s", "generated_tokens_per_request", "prompt_tokens_per_request", "cached_prompt_tokens",
+    "measured_requests", "preemptions", "peak_rss_mb", "cuda_max_allocated_mb", "weight_bytes",
+    "achieved_bandwidth_gb_s", "bandwidth_utilization_pct",
+]
+ITERATION_FIELDS = ["iteration", "wall_ms", "output_tokens_per_s", "requests"]
+REQUEST_FIELDS = ["prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
+                  "prefill_ms", "decode_ms", "e2e_ms", "decode_tokens_per_s", "itl_ms"]
+SECTIONS = {"model": MODEL_FIELDS, "config": CONFIG_FIELDS, "system": SYSTEM_FIELDS, "metrics": METRIC_FIELDS}
+
+
+def bench(model: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONIOENCODING="utf-8", NO_COLOR="1",
+               RUVLLM_CACHE_DIR=str(home / "cache"), RUVLLM_CONFIG_DIR=str(home / "config"))
+    return subprocess.run([sys.executable, "-m", "ruvllm_cli", "benchmark", str(model), *args],
+                          env=env, capture_output=True, text=True, encoding="utf-8", timeout=120, cwd=home)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def json_run(tiny_model_dir: Path, home: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    done = bench(tiny_model_dir, *SMALL, "--format", "json", "--output", str(home / "run.json"), home=home)
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(done.stdout)
+
+
+def test_json_carries_every_documented_field(json_run):
+    _, report = json_run
+    assert list(report) == TOP_LEVEL
+    for section, fields in SECTIONS.items():
+        assert set(fields) <= set(report[section]), f"{section}: missing {set(fields) - set(report[section])}"
+    assert len(report["samples"]) == 3
+    for iteration in report["samples"]:
+        assert list(iteration) == ITERATION_FIELDS
+        for request in iteration["requests"]:
+            assert list(request) == REQUEST_FIELDS
+
+
+def test_json_values_are_measured_and_exact(json_run, tiny_model_dir):
+    _, report = json_run
+    metrics, config, system = report["metrics"], report["config"], report["system"]
+    assert metrics["generated_tokens_per_request"] == GEN
+    assert metrics["prompt_tokens_per_request"] == PROMPT
+    assert metrics["measured_requests"] == 3
+    assert metrics["cached_prompt_tokens"] == 0            # fresh random prompts every time
+    assert 0 < metrics["ttft_ms_p50"] < metrics["e2e_ms_p50"]
+    assert 0 < metrics["ttft_ms_mean"] < metrics["e2e_ms_mean"]
+    assert metrics["prefill_ms_mean"] <= metrics["ttft_ms_mean"]
+    assert metrics["load_time_s"] > 0
+    assert metrics["decode_tokens_per_s"] > 0
+    assert metrics["itl_ms_mean"] == pytest.approx(1000 / metrics["decode_tokens_per_s"])
+    assert metrics["peak_rss_mb"] > 50
+    assert metrics["cuda_max_allocated_mb"] is None      # the tests run on a CPU
+    assert metrics["weight_bytes"] > 0
+    assert metrics["achieved_bandwidth_gb_s"] == pytest.approx(
+        metrics["weight_bytes"] * metrics["decode_tokens_per_s"] / 1e9)
+    assert metrics["bandwidth_utilization_pct"] is None  # no --memory-bandwidth given
+    for iteration in report["samples"]:
+        for request in iteration["requests"]:
+            assert request["generated_tokens"] == GEN
+            assert request["prompt_tokens"] == PROMPT
+            assert request["finish_reason"] == "length"
+            assert len(request["itl_ms"]) == GEN - 1
+            assert 0 < request["ttft_ms"] < request["e2e_ms"]
+    assert config["prompt_length"] == PROMPT and config["gen_length"] == GEN
+    assert config["warmup"] == 1 and config["iterations"] == 3 and config["concurrency"] == 1
+    assert config["quantization"] == "none" and config["format"] == "json"
+    assert system["dtype"] == "float32" and system["quantization"] == "F32" and system["device"] == "cpu"
+    assert system["cpu_cores_logical"] >= 1 and system["torch_threads"] >= 1
+    assert report["model"]["path"] == str(tiny_model_dir)
+
+
+def test_stdout_holds_only_the_data_and_output_file_the_same(json_run, home):
+    done, report = json_run
+    assert done.stdout.lstrip().startswith("{") and done.stdout.rstrip().endswith("}")
+    assert "Loaded" in done.stderr
+    assert json.loads((home / "run.json").read_text()) == report
+
+
+def flat_names(report: dict[str, Any]) -> list[str]:
+    names = ["schema_version"]
+    for section in SECTIONS:
+        names += [f"{section}.{key}" for key in report[section]]
+    return names
+
+
+def test_csv_is_one_header_and_one_row_named_like_the_json(tiny_model_dir, home, json_run):
+    done = bench(tiny_model_dir, *SMALL, "--format", "csv", home=home)
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.reader(io.StringIO(done.stdout)))
+    assert len(rows) == 2
+    header, values = rows
+    assert header == flat_names(json_run[1])
+    assert len(values) == len(header)
+    row = dict(zip(header, values))
+    assert row["metrics.generated_tokens_per_request"] == str(GEN)
+    assert row["metrics.cuda_max_allocated_mb"] == ""
+    assert float(row["metrics.ttft_ms_p50"]) > 0
+
+
+def test_concurrency_reports_aggregate_throughput(tiny_model_dir, home):
+    done = bench(tiny_model_dir, "-q", "none", "--prompt-length", str(PROMPT), "--gen-length", str(GEN),
+                 "--warmup", "1", "-i", "2", "--concurrency", "4", "--format", "json", home=home)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    metrics = report["metrics"]
+    assert metrics["measured_requests"] == 8
+    assert [len(it["requests"]) for it in report["samples"]] == [4, 4]
+    assert report["config"]["max_num_seqs"] == 4
+    wall_s = sum(it["wall_ms"] for it in report["samples"]) / 1000
+    assert metrics["output_tokens_per_s"] == pytest.approx(8 * GEN / wall_s)
+    assert metrics["requests_per_s"] == pytest.approx(8 / wall_s)
+    assert metrics["generated_tokens_per_request"] == GEN
+
+
+# Timings of a tiny model on a shared 2-core machine swing by 10-50x when other work
+# runs, so the injected change is far beyond any noise.
+MUCH = 1000.0
+
+
+def scaled(report: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The report as if its run had been `factor` times faster."""
+    faster = copy.deepcopy(report)
+    faster["metrics"]["decode_tokens_per_s"] *= factor
+    faster["metrics"]["ttft_ms_p50"] /= factor
+    return faster
+
+
+def test_compare_exits_1_on_a_regression(tiny_model_dir, home, json_run):
+    old = home / "faster.json"
+    old.write_text(json.dumps(scaled(json_run[1], MUCH)))
+    done = bench(tiny_model_dir, *SMALL, "--format", "json", "--compare", str(old), home=home)
+    assert done.returncode == 1, done.stderr
+    json.loads(done.stdout)  # the data still comes, alone
+    assert "Compared with faster.json" in done.stderr
+    error = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and "performance regression beyond 10%" in error[0]
+    assert "decode_tokens_per_s" in error[0] and "ttft_ms_p50" in error[0]
+
+
+def test_compare_exits_0_without_a_regression_and_shows_the_tables(tiny_model_dir, home, json_run):
+    old = home / "slower.json"
+    old.write_text(json.dumps(scaled(json_run[1], 1 / MUCH)))
+    done = bench(tiny_model_dir, *SMALL, "--compare", str(old), "--memory-bandwidth", "40", home=home)
+    assert done.returncode == 0, done.stderr
+    titles = ("Latency (ms, per request)", "Throughput", "Memory and load", "System", "Compared with slower.json")
+    for title in titles:
+        assert title in done.stdout
+    verdict = [line for line in done.stdout.splitlines() if line.startswith("Verdict: decode ")]
+    assert len(verdict) == 1 and "GB/s given with --memory-bandwidth" in verdict[0]
+    assert "Error" not in done.stderr
+
+
+def test_compare_with_a_file_that_is_no_report_is_a_usage_error(tiny_model_dir, home):
+    bad = home / "bad.json"
+    bad.write_text("[1, 2]")
+    done = bench(tiny_model_dir, *SMALL, "--compare", str(bad), home=home)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("Error: --compare:") and "is not a benchmark report" in done.stderr
