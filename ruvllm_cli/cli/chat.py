@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-import click
+import sys
+from typing import TYPE_CHECKING, Any
 
-from ruvllm_cli.cli.context import global_options
+import click
+from click.core import ParameterSource
+
+from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, quantization_option
-from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.chat.conversation import Conversation
+    from ruvllm_cli.chat.session import ChatSettings
+    from ruvllm_cli.cli.engine_setup import OpenedEngine
 
 
 @click.command("chat")
@@ -14,14 +23,18 @@ from ruvllm_cli.errors import RuvllmError
 @click.option("-s", "--system", help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")
-@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=0.7, show_default=True)
+@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=0.7, show_default=True,
+              help="Sampling temperature (0 is greedy); a registry model's own recommendation when not given.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None)
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @quantization_option()
 @device_option()
 @global_options
-def command(**options: object) -> None:
+def command(**options: Any) -> None:
     """Chat with MODEL in the terminal, streaming each reply as it is generated.
+
+    With stdin not a terminal, the whole input is one message: only the reply is
+    printed on stdout, and the command exits.
 
     \b
     Examples:
@@ -29,4 +42,86 @@ def command(**options: object) -> None:
       ruvllm chat qwen -s "You are terse." -t 0.2
       echo "hello" | ruvllm chat qwen --max-tokens 32
     """
-    raise RuvllmError("`chat` is not implemented yet", "follow issue #5")
+    app = app_context()
+    if click.get_current_context().get_parameter_source("temperature") is ParameterSource.DEFAULT:
+        options["temperature"] = None  # let a registry model's recommendation apply
+    interactive = sys.stdin.isatty()
+    message = None if interactive else read_stdin_message()
+    from ruvllm_cli.cli.engine_setup import open_engine
+    from ruvllm_cli.engine.loop import EngineLoop
+
+    # One reply at a time: one sequence's worth of KV blocks, which the prefix cache
+    # keeps between turns.
+    opened = open_engine(app, options["model"], quantization=options["quantization"],
+                         device=options["device"], max_num_seqs=1)
+    loop = EngineLoop(opened.engine)
+    try:
+        conversation = build_conversation(app, opened, loop, options, interactive)
+        if interactive:
+            run_interactive(app, opened, conversation)
+        else:
+            assert message is not None
+            answer_once(conversation, message)
+    finally:
+        loop.shutdown()
+
+
+def read_stdin_message() -> str:
+    text = sys.stdin.read().strip()
+    if not text:
+        raise UsageError("no message on stdin", 'pipe one in: echo "hello" | ruvllm chat MODEL')
+    return text
+
+
+def resolve_settings(options: dict[str, Any], recommended: dict[str, Any] | None) -> "ChatSettings":
+    """CLI options given on the command line, else the registry entry's recommended
+    sampling (`recommended`), else the defaults. `options["temperature"]` is None when
+    the option was not given."""
+    from ruvllm_cli.chat.session import ChatSettings
+
+    settings = ChatSettings().replace(**(recommended or {}))
+    changes = {"max_tokens": options["max_tokens"]}
+    for name in ("temperature", "top_p", "seed"):
+        if options[name] is not None:
+            changes[name] = options[name]
+    return settings.replace(**changes)
+
+
+def recommended_sampling(opened: "OpenedEngine") -> dict[str, Any] | None:
+    ref = opened.located.ref
+    if ref.kind == "registry" and ref.entry is not None:
+        return ref.entry.sampling.to_dict()
+    return None
+
+
+def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, options: dict[str, Any],
+                       interactive: bool) -> "Conversation":
+    from ruvllm_cli.chat.conversation import Conversation
+    from ruvllm_cli.chat.render import PipeRenderer, TerminalRenderer
+    from ruvllm_cli.chat.session import ChatSession, ChatTemplate
+
+    engine = opened.engine
+    session = ChatSession(ChatTemplate(engine.tokenizer), engine.max_model_len,
+                          model=opened.located.served_name, system_prompt=options["system"] or None,
+                          settings=resolve_settings(options, recommended_sampling(opened)))
+    out = app.output()
+    renderer = TerminalRenderer(out.out) if interactive else PipeRenderer(out.err)
+    return Conversation(session, loop, renderer, chats_dir=app.cache_dir / "chats")
+
+
+def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conversation") -> None:
+    from ruvllm_cli.chat.render import TerminalRenderer
+    from ruvllm_cli.chat.repl import ChatRepl
+
+    assert isinstance(conversation.renderer, TerminalRenderer)
+    conversation.renderer.banner(opened.describe(), conversation.session)
+    ChatRepl(conversation, app.cache_dir / "chat_history").run()
+
+
+def answer_once(conversation: "Conversation", message: str) -> None:
+    """The scripted mode: one message in, the reply alone on stdout."""
+    reply = conversation.send(message)
+    if reply.finish_reason == "error":
+        raise click.exceptions.Exit(1)  # the renderer has printed the error
+    if reply.interrupted:
+        raise click.exceptions.Exit(130)

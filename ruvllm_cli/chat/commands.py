@@ -1,0 +1,213 @@
+"""The slash commands: one table (name, arguments, help, handler), one small handler each.
+
+Handlers get the conversation and the text after the command name. A bad argument
+raises UsageError (the REPL prints it and carries on); `/quit` returns `Action.QUIT`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+
+from ruvllm_cli.chat.conversation import Conversation
+from ruvllm_cli.chat.render import format_stats_details
+from ruvllm_cli.chat.session import canonical_param, param_names, parse_param
+from ruvllm_cli.errors import RuvllmError, UsageError
+
+
+class Action(Enum):
+    CONTINUE = "continue"
+    QUIT = "quit"
+
+
+Handler = Callable[[Conversation, str], "Action | None"]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    args: str
+    help: str
+    handler: Handler
+    aliases: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------- handlers
+
+def cmd_help(conv: Conversation, arg: str) -> None:
+    conv.renderer.rows([(f"/{c.name} {c.args}".rstrip() + _alias_note(c), c.help) for c in COMMANDS])
+    conv.renderer.info('Multi-line input: a line of """ opens and closes a block (pasting works too).')
+
+
+def _alias_note(command: Command) -> str:
+    return "".join(f" | /{alias}" for alias in command.aliases)
+
+
+def cmd_clear(conv: Conversation, arg: str) -> None:
+    conv.session.clear()
+    conv.last_reply = None
+    conv.renderer.info("Conversation cleared (system prompt and settings kept).")
+
+
+def cmd_system(conv: Conversation, arg: str) -> None:
+    session = conv.session
+    if arg == "--clear":
+        session.system_prompt = None
+        conv.renderer.info("System prompt removed.")
+    elif arg:
+        session.system_prompt = arg
+        conv.renderer.info(f"System prompt set: {arg}")
+    elif session.system_prompt:
+        conv.renderer.info(f"System prompt: {session.system_prompt}")
+    else:
+        conv.renderer.info("No system prompt. Set one with /system <prompt> (/system --clear removes it).")
+
+
+def _show_or_set(conv: Conversation, name: str, arg: str) -> None:
+    session = conv.session
+    if arg:
+        session.settings = session.settings.replace(**{name: parse_param(name, arg)})
+    conv.renderer.info(f"{name} = {getattr(session.settings, name)}")
+
+
+def cmd_temp(conv: Conversation, arg: str) -> None:
+    _show_or_set(conv, "temperature", arg)
+
+
+def cmd_max(conv: Conversation, arg: str) -> None:
+    _show_or_set(conv, "max_tokens", arg)
+
+
+def cmd_set(conv: Conversation, arg: str) -> None:
+    parts = arg.split(maxsplit=1)
+    if not parts:
+        settings = conv.session.settings
+        conv.renderer.rows([(name, str(getattr(settings, name))) for name in param_names()])
+        return
+    name = canonical_param(parts[0])
+    _show_or_set(conv, name, parts[1] if len(parts) > 1 else "")
+
+
+def cmd_save(conv: Conversation, arg: str) -> None:
+    path = Path(arg).expanduser() if arg else conv.chats_dir / f"chat-{datetime.now():%Y%m%d-%H%M%S}.json"
+    try:
+        conv.session.save(path)
+    except OSError as error:
+        raise RuvllmError(f"cannot save to {path}: {error.strerror or error}") from None
+    conv.renderer.info(f"Saved {len(conv.session.messages)} messages to {path}")
+
+
+def cmd_load(conv: Conversation, arg: str) -> None:
+    path = Path(arg).expanduser() if arg else newest_chat(conv.chats_dir)
+    session = conv.session
+    model = session.load(path)
+    conv.last_reply = None
+    conv.renderer.info(f"Loaded {len(session.messages)} messages from {path}")
+    if model and model != session.model:
+        conv.renderer.warn(f"it was saved with {model}; replies now come from {session.model}")
+
+
+def newest_chat(chats_dir: Path) -> Path:
+    files = sorted(chats_dir.glob("chat-*.json"), key=lambda p: p.stat().st_mtime) if chats_dir.is_dir() else []
+    if not files:
+        raise UsageError(f"no saved chats in {chats_dir}", "give a file: /load <file>")
+    return files[-1]
+
+
+def cmd_history(conv: Conversation, arg: str) -> None:
+    session, renderer = conv.session, conv.renderer
+    if session.system_prompt:
+        renderer.info(f"System: {session.system_prompt}")
+    if not session.messages:
+        renderer.info("No messages yet.")
+    for message in session.messages:
+        who = "You" if message.role == "user" else "Assistant"
+        mark = " [interrupted]" if message.interrupted else ""
+        renderer.info(f"{who}: {message.content}{mark}")
+
+
+def cmd_tokens(conv: Conversation, arg: str) -> None:
+    session = conv.session
+    used, limit = session.count_tokens(), session.context_limit
+    conv.renderer.info(f"{used} tokens in the conversation of a {limit}-token context "
+                       f"({100 * used / limit:.0f}%); {session.reply_reserve} kept free for the next reply")
+
+
+def cmd_retry(conv: Conversation, arg: str) -> None:
+    conv.retry()
+
+
+def cmd_stats(conv: Conversation, arg: str) -> None:
+    if conv.last_reply is None:
+        conv.renderer.info("No reply yet.")
+        return
+    conv.renderer.info("Last reply:")
+    conv.renderer.rows(format_stats_details(conv.last_reply))
+
+
+def cmd_quit(conv: Conversation, arg: str) -> Action:
+    return Action.QUIT
+
+
+COMMANDS: list[Command] = [
+    Command("help", "", "Show the commands.", cmd_help),
+    Command("clear", "", "Start the conversation again (keeps system prompt and settings).", cmd_clear),
+    Command("system", "[prompt]", "Show or set the system prompt (--clear removes it).", cmd_system),
+    Command("temp", "[value]", "Show or set the temperature (0 to 2; 0 is greedy).", cmd_temp),
+    Command("max", "[n]", "Show or set the most tokens per reply.", cmd_max),
+    Command("set", "[param value]", f"Show or set a sampling parameter: {', '.join(param_names())}.", cmd_set),
+    Command("save", "[file]", "Save the chat (model, system prompt, parameters, messages) as JSON.", cmd_save),
+    Command("load", "[file]", "Load a saved chat, its parameters too (default: the newest saved).", cmd_load),
+    Command("history", "", "Show the conversation.", cmd_history),
+    Command("tokens", "", "Count the conversation's tokens against the context limit.", cmd_tokens),
+    Command("retry", "", "Generate the last reply again.", cmd_retry),
+    Command("stats", "", "Show the last reply's TTFT, tokens and speed.", cmd_stats),
+    Command("quit", "", "Leave the chat (Ctrl-D works too).", cmd_quit, ("exit", "q")),
+]
+
+
+# ---------------------------------------------------------------- dispatch and completion
+
+def lookup(name: str) -> Command | None:
+    name = name.lower()
+    return next((c for c in COMMANDS if name == c.name or name in c.aliases), None)
+
+
+def command_names() -> list[str]:
+    return [name for c in COMMANDS for name in (c.name, *c.aliases)]
+
+
+def is_command(line: str) -> bool:
+    return line.lstrip().startswith("/")
+
+
+def run_command(conv: Conversation, line: str) -> Action:
+    """Run one `/command args` line; UsageError for an unknown command (with a suggestion)."""
+    name, _, arg = line.strip()[1:].partition(" ")
+    command = lookup(name)
+    if command is None:
+        raise unknown_command(name)
+    return command.handler(conv, arg.strip()) or Action.CONTINUE
+
+
+def unknown_command(name: str) -> UsageError:
+    close = difflib.get_close_matches(name.lower(), command_names(), n=1, cutoff=0.5)
+    hint = f"did you mean /{close[0]}? " if close else ""
+    return UsageError(f"unknown command /{name}", f"{hint}/help lists the commands")
+
+
+def completions(text: str) -> list[str]:
+    """Candidates for the word being typed: command names after `/`, parameter names
+    after `/set `. Each candidate replaces that whole word."""
+    if not is_command(text):
+        return []
+    words = text.lstrip().split(" ")
+    if len(words) == 1:
+        return ["/" + n for n in command_names() if ("/" + n).startswith(words[0].lower())]
+    if len(words) == 2 and words[0].lower() == "/set":
+        return [n for n in param_names() if n.startswith(words[1].lower())]
+    return []

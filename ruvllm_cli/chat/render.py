@@ -1,0 +1,134 @@
+"""What the user sees: the banner, the streamed reply, the dim stats line, notices.
+
+`TerminalRenderer` is the REPL's (everything on the terminal, through rich);
+`PipeRenderer` is for scripts (the reply alone on stdout, notices on stderr).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Protocol
+
+from rich.console import Console
+from rich.markup import escape
+
+if TYPE_CHECKING:
+    from ruvllm_cli.chat.reply import Reply, ReplyStats
+    from ruvllm_cli.chat.session import ChatSession
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def format_rate(tokens_per_s: float | None) -> str:
+    return "n/a tok/s" if tokens_per_s is None else f"{tokens_per_s:.1f} tok/s"
+
+
+def format_stats_line(stats: "ReplyStats") -> str:
+    """`12 tokens · TTFT 35 ms · 120.4 tok/s` (decode rate, from the engine's timings)."""
+    noun = "token" if stats.tokens == 1 else "tokens"
+    return f"{stats.tokens} {noun} · TTFT {format_duration(stats.ttft_s)} · {format_rate(stats.decode_tok_s)}"
+
+
+def format_stats_details(reply: "Reply") -> list[tuple[str, str]]:
+    """The rows of /stats."""
+    stats = reply.stats
+    return [
+        ("tokens", f"{stats.tokens} ({reply.finish_reason})"),
+        ("TTFT", format_duration(stats.ttft_s)),
+        ("decode", format_rate(stats.decode_tok_s)),
+        ("total", format_duration(stats.total_s)),
+        ("prompt", f"{stats.prompt_tokens} tokens, {stats.cached_tokens} from the prefix cache"),
+    ]
+
+
+class Renderer(Protocol):
+    def reply_text(self, text: str) -> None: ...
+    def reply_end(self, reply: "Reply", max_tokens: int) -> None: ...
+    def rows(self, rows: list[tuple[str, str]]) -> None: ...
+    def info(self, message: str) -> None: ...
+    def warn(self, message: str) -> None: ...
+    def error(self, message: str, hint: str | None = None) -> None: ...
+
+
+class TerminalRenderer:
+    """Rich output for the interactive REPL."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def banner(self, description: str, session: "ChatSession") -> None:
+        self.console.print(f"[bold]ruvllm chat[/bold] · {escape(description)}")
+        if session.system_prompt:
+            self.console.print(f"[dim]System: {escape(session.system_prompt)}[/dim]")
+        self.console.print('[dim]/help for commands · """ for multi-line input · '
+                           'Ctrl-C stops a reply · Ctrl-D quits[/dim]\n')
+
+    def reply_text(self, text: str) -> None:
+        self.console.out(text, end="", highlight=False)
+
+    def reply_end(self, reply: "Reply", max_tokens: int) -> None:
+        self.console.out("")
+        if reply.interrupted:
+            self.console.print("[yellow]Interrupted:[/yellow] the partial reply stays in the "
+                               "conversation (/retry generates it again)")
+        elif reply.finish_reason == "error":
+            self.error(reply.error or "the engine failed while generating")
+            return
+        line = format_stats_line(reply.stats)
+        if reply.finish_reason == "length":
+            line += f" · stopped at the {max_tokens}-token limit (/max)"
+        self.console.print(f"[dim]{escape(line)}[/dim]")
+
+    def rows(self, rows: list[tuple[str, str]]) -> None:
+        width = max((len(key) for key, _ in rows), default=0)
+        for key, value in rows:
+            self.console.print(f"  [bold]{escape(key.ljust(width))}[/bold]  {escape(value)}")
+
+    def info(self, message: str) -> None:
+        self.console.print(escape(message))
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"[yellow]Warning:[/yellow] {escape(message)}")
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self.console.print(f"[bold red]Error:[/bold red] {escape(message)}")
+        if hint:
+            self.console.print(f"[dim]Hint: {escape(hint)}[/dim]")
+
+
+class PipeRenderer:
+    """For `echo hi | ruvllm chat MODEL`: only the reply on stdout, the rest on stderr."""
+
+    def __init__(self, notices: Console) -> None:
+        self.notices = notices
+
+    def reply_text(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def reply_end(self, reply: "Reply", max_tokens: int) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if reply.interrupted:
+            self.warn("interrupted; the reply above is partial")
+        elif reply.finish_reason == "error":
+            self.error(reply.error or "the engine failed while generating")
+
+    def rows(self, rows: list[tuple[str, str]]) -> None:
+        for key, value in rows:
+            self.info(f"{key}: {value}")
+
+    def info(self, message: str) -> None:
+        self.notices.print(escape(message))
+
+    def warn(self, message: str) -> None:
+        self.notices.print(f"[yellow]Warning:[/yellow] {escape(message)}")
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self.notices.print(f"[bold red]Error:[/bold red] {escape(message)}")
+        if hint:
+            self.notices.print(f"[dim]Hint: {escape(hint)}[/dim]")

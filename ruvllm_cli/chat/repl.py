@@ -1,0 +1,107 @@
+"""The prompt loop: `You> `, history file, multi-line blocks, Tab completion, Ctrl-C/Ctrl-D.
+
+Ctrl-C at the prompt clears the line (prompt-toolkit raises KeyboardInterrupt, we
+prompt again); Ctrl-C during a reply is a SIGINT that `reply.cancel_on_interrupt`
+turns into a cancel; Ctrl-D on an empty line (EOFError) says goodbye.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.completion import CompleteEvent, Completer, Completion
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+
+from ruvllm_cli.chat.commands import Action, completions, is_command, run_command
+from ruvllm_cli.chat.conversation import Conversation
+from ruvllm_cli.errors import RuvllmError
+
+PROMPT = "You> "
+CONTINUATION = "... "
+BLOCK = '"""'
+
+
+class SlashCompleter(Completer):
+    """Tab completes command names, and parameter names after /set."""
+
+    def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterable[Completion]:
+        text = document.text_before_cursor
+        word = text.split(" ")[-1]
+        for candidate in completions(text):
+            yield Completion(candidate, start_position=-len(word))
+
+
+def open_history(path: Path) -> tuple[History, str | None]:
+    """The history file, or (when it cannot be written) one in memory and a warning."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(exist_ok=True)
+    except OSError as error:
+        return InMemoryHistory(), (f"cannot write the history file {path} ({error.strerror or error}); "
+                                   "this session's input is not kept")
+    return FileHistory(str(path)), None
+
+
+def block_text(first: str, lines: list[str]) -> str:
+    """The message of a \"\"\" block: its lines without the markers and outer blank lines."""
+    return "\n".join([first, *lines]).strip("\n")
+
+
+class ChatRepl:
+    def __init__(self, conversation: Conversation, history_path: Path) -> None:
+        self.conversation = conversation
+        self.history, problem = open_history(history_path)
+        if problem:
+            conversation.renderer.warn(problem)
+        self.prompt = PromptSession(history=self.history, completer=SlashCompleter(),
+                                    complete_while_typing=False)
+        # Lines inside a block stay out of the history; the whole block goes in once.
+        self.continuation = PromptSession(history=InMemoryHistory())
+
+    def run(self) -> None:
+        """Prompt, answer, repeat, until Ctrl-D or /quit."""
+        renderer = self.conversation.renderer
+        while True:
+            try:
+                text = self.read_message()
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            if text.strip() and self.handle(text) is Action.QUIT:
+                break
+        renderer.info("Goodbye.")
+
+    def handle(self, text: str) -> Action:
+        renderer = self.conversation.renderer
+        try:
+            if is_command(text):
+                return run_command(self.conversation, text)
+            self.conversation.send(text.strip())
+        except RuvllmError as error:
+            renderer.error(error.message, error.hint)
+        except KeyboardInterrupt:
+            renderer.warn("interrupted")
+        return Action.CONTINUE
+
+    def read_message(self) -> str:
+        """One message: a line, or the lines of a \"\"\" block (pastes arrive whole)."""
+        line = self.prompt.prompt(PROMPT)
+        if not line.strip().startswith(BLOCK):
+            return line
+        first = line.strip()[len(BLOCK):]
+        if first.rstrip().endswith(BLOCK):
+            return first.rstrip()[:-len(BLOCK)].strip()
+        lines: list[str] = []
+        while True:
+            current = self.continuation.prompt(CONTINUATION)
+            if current.rstrip().endswith(BLOCK):
+                lines.append(current.rstrip()[:-len(BLOCK)])
+                break
+            lines.append(current)
+        text = block_text(first, lines)
+        self.history.append_string(f"{BLOCK}{first}\n" + "\n".join(lines) + BLOCK)
+        return text

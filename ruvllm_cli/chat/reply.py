@@ -1,0 +1,98 @@
+"""Streams one reply from the engine loop, with Ctrl-C cancelling it, and measures it.
+
+The numbers come from the engine's own timestamps (RequestOutput.timings), taken on
+the engine thread when each token was sampled, not from when the terminal showed it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.loop import EngineLoop, RequestStream
+    from ruvllm_cli.engine.outputs import RequestOutput
+    from ruvllm_cli.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ReplyStats:
+    tokens: int                  # generated tokens (EOS included)
+    prompt_tokens: int
+    cached_tokens: int           # prompt tokens whose KV came from the prefix cache
+    ttft_s: float | None         # request arrival -> first token
+    decode_tok_s: float | None   # tokens after the first / time between first and last
+    total_s: float | None
+
+    @classmethod
+    def from_output(cls, final: "RequestOutput") -> "ReplyStats":
+        timings = final.timings
+        ttft = decode = total = None
+        if timings is not None:
+            if timings.first_token is not None:
+                ttft = timings.first_token - timings.arrival
+            stamps = timings.token_times
+            if len(stamps) >= 2 and stamps[-1] > stamps[0]:
+                decode = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+            end = timings.finished or (stamps[-1] if stamps else None)
+            if end is not None:
+                total = end - timings.arrival
+        return cls(final.num_output_tokens, final.num_prompt_tokens, final.num_cached_tokens,
+                   ttft, decode, total)
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    finish_reason: str           # stop | length | cancelled | error
+    stats: ReplyStats
+    error: str | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return self.finish_reason == "cancelled"
+
+
+def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "SamplingParams",
+                 on_text: Callable[[str], Any]) -> Reply:
+    """Generate a reply, handing each new piece of text to `on_text` as it arrives.
+
+    Ctrl-C (SIGINT) cancels the request instead of raising: the stream then ends with
+    a `cancelled` output, and the text so far is the reply."""
+    stream = loop.submit(list(prompt_ids), params)
+    parts: list[str] = []
+    final: RequestOutput | None = None
+    with cancel_on_interrupt(stream):
+        for output in stream:
+            if output.text:
+                parts.append(output.text)
+                on_text(output.text)
+            final = output
+    assert final is not None and final.finished
+    return Reply("".join(parts), final.finish_reason or "stop", ReplyStats.from_output(final), final.error)
+
+
+@contextmanager
+def cancel_on_interrupt(stream: "RequestStream") -> Iterator[None]:
+    """While active, SIGINT cancels `stream` (once) instead of raising KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    cancelled = threading.Event()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        # Runs between bytecodes of the main thread, which is waiting on the stream's
+        # queue; cancel() only posts to the engine thread's command queue.
+        if not cancelled.is_set():
+            cancelled.set()
+            stream.cancel()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

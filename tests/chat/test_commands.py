@@ -1,0 +1,305 @@
+"""Slash commands and conversation turns without a terminal: a recording renderer and a
+scripted engine loop stand in for the screen and the model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prompt_toolkit.completion import CompleteEvent
+from prompt_toolkit.document import Document
+
+from ruvllm_cli.chat.commands import COMMANDS, Action, completions, run_command
+from ruvllm_cli.chat.conversation import Conversation
+from ruvllm_cli.chat.render import format_stats_line
+from ruvllm_cli.chat.reply import ReplyStats
+from ruvllm_cli.chat.repl import SlashCompleter, block_text
+from ruvllm_cli.chat.session import ChatSession, ChatSettings
+from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.request import RequestTimings
+from ruvllm_cli.errors import RuvllmError, UsageError
+
+
+@dataclass
+class RecordingRenderer:
+    lines: list[str] = field(default_factory=list)
+    streamed: list[str] = field(default_factory=list)
+
+    def reply_text(self, text: str) -> None:
+        self.streamed.append(text)
+
+    def reply_end(self, reply: Any, max_tokens: int) -> None:
+        self.lines.append(f"<end {reply.finish_reason}>")
+
+    def rows(self, rows: list[tuple[str, str]]) -> None:
+        self.lines += [f"{key}: {value}" for key, value in rows]
+
+    def info(self, message: str) -> None:
+        self.lines.append(message)
+
+    def warn(self, message: str) -> None:
+        self.lines.append(f"Warning: {message}")
+
+    def error(self, message: str, hint: str | None = None) -> None:
+        self.lines.append(f"Error: {message}")
+
+
+class ScriptedStream:
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        self.outputs = outputs
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return iter(self.outputs)
+
+    def cancel(self) -> None:
+        pass
+
+
+@dataclass
+class ScriptedLoop:
+    """Replies "reply 1", "reply 2", ... as two text pieces each, with engine-like timings."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    finish_reason: str = "stop"
+
+    def submit(self, prompt: list[int], params: Any) -> ScriptedStream:
+        self.prompts.append(prompt)
+        n = len(self.prompts)
+        timings = RequestTimings(arrival=10.0, first_token=10.05, finished=10.25, token_times=[10.05, 10.15, 10.25])
+        first = RequestOutput("r", [5], "reply ", timings=timings)
+        last = RequestOutput("r", [6], str(n), finished=True, finish_reason=self.finish_reason,
+                             num_prompt_tokens=len(prompt), num_output_tokens=3, timings=timings,
+                             error="boom" if self.finish_reason == "error" else None)
+        return ScriptedStream([first, last])
+
+
+@pytest.fixture
+def conv(template: Any, tmp_path: Path) -> Conversation:
+    session = ChatSession(template, 4096, model="tiny")
+    return Conversation(session, ScriptedLoop(), RecordingRenderer(), chats_dir=tmp_path / "chats")  # type: ignore[arg-type]
+
+
+def lines(conv: Conversation) -> list[str]:
+    return conv.renderer.lines  # type: ignore[attr-defined]
+
+
+# ---- turns ----------------------------------------------------------------------------------
+
+def test_send_streams_the_reply_and_keeps_it(conv: Conversation) -> None:
+    reply = conv.send("hello")
+    assert conv.renderer.streamed == ["reply ", "1"]  # type: ignore[attr-defined]
+    assert reply.text == "reply 1" and reply.finish_reason == "stop"
+    assert [m.to_dict() for m in conv.session.messages] == [{"role": "user", "content": "hello"},
+                                                            {"role": "assistant", "content": "reply 1"}]
+    assert conv.loop.prompts[0] == conv.session.template(  # type: ignore[attr-defined]
+        [{"role": "user", "content": "hello"}], True)
+
+
+def test_stats_come_from_the_engine_timings(conv: Conversation) -> None:
+    stats = conv.send("hello").stats
+    assert stats.tokens == 3 and stats.ttft_s == pytest.approx(0.05)
+    assert stats.decode_tok_s == pytest.approx(10.0) and stats.total_s == pytest.approx(0.25)
+    assert format_stats_line(stats) == "3 tokens · TTFT 50 ms · 10.0 tok/s"
+    assert format_stats_line(ReplyStats(1, 5, 0, 1.5, None, 1.5)) == "1 token · TTFT 1.50 s · n/a tok/s"
+
+
+def test_the_second_turn_renders_the_whole_conversation(conv: Conversation) -> None:
+    conv.send("hello")
+    conv.send("again")
+    first, second = conv.loop.prompts  # type: ignore[attr-defined]
+    assert second[:len(first)] == first
+
+
+def test_retry_replaces_the_last_reply(conv: Conversation) -> None:
+    conv.send("hello")
+    run_command(conv, "/retry")
+    assert [m.content for m in conv.session.messages] == ["hello", "reply 2"]
+    assert conv.loop.prompts[0] == conv.loop.prompts[1]  # type: ignore[attr-defined]
+
+
+def test_retry_without_a_reply_is_an_error(conv: Conversation) -> None:
+    with pytest.raises(UsageError, match="there is no reply to retry yet"):
+        run_command(conv, "/retry")
+
+
+def test_a_failed_reply_takes_the_message_back(conv: Conversation) -> None:
+    conv.send("hello")
+    conv.loop.finish_reason = "error"  # type: ignore[attr-defined]
+    assert conv.send("again").finish_reason == "error"
+    assert [m.content for m in conv.session.messages] == ["hello", "reply 1"]
+    conv.retry()
+    assert [m.content for m in conv.session.messages] == ["hello", "reply 1"]
+
+
+def test_a_cancelled_reply_stays_marked_interrupted(conv: Conversation) -> None:
+    conv.loop.finish_reason = "cancelled"  # type: ignore[attr-defined]
+    reply = conv.send("hello")
+    assert reply.interrupted
+    assert conv.session.messages[-1].to_dict() == {"role": "assistant", "content": "reply 1", "interrupted": True}
+    run_command(conv, "/history")
+    assert lines(conv)[-1] == "Assistant: reply 1 [interrupted]"
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+def test_temp_out_of_range_is_rejected_and_nothing_changes(conv: Conversation) -> None:
+    with pytest.raises(UsageError, match=r"^temperature must be between 0 and 2 \(got 3.0\)$"):
+        run_command(conv, "/temp 3")
+    run_command(conv, "/temp")
+    assert lines(conv)[-1] == "temperature = 0.7"
+    run_command(conv, "/temp 1.5")
+    assert conv.session.settings.temperature == 1.5 and lines(conv)[-1] == "temperature = 1.5"
+
+
+def test_max_and_set(conv: Conversation) -> None:
+    run_command(conv, "/max 64")
+    run_command(conv, "/set top-p 0.9")
+    run_command(conv, "/set seed 42")
+    run_command(conv, "/set repetition_penalty 1.2")
+    run_command(conv, "/set min_p 0.05")
+    run_command(conv, "/set presence_penalty -0.5")
+    run_command(conv, "/set frequency_penalty 0.5")
+    run_command(conv, "/set top_k 40")
+    assert conv.session.settings == ChatSettings(max_tokens=64, top_p=0.9, seed=42, repetition_penalty=1.2,
+                                                 min_p=0.05, presence_penalty=-0.5, frequency_penalty=0.5,
+                                                 top_k=40)
+    for bad, message in [("/max 0", "max_tokens must be at least 1"), ("/max lots", "max_tokens must be a whole number"),
+                         ("/set top_p 2", "top_p must be in"), ("/set presence_penalty 3", "presence_penalty must be"),
+                         ("/set top_k -1", "top_k must be 0"), ("/set warmth 1", "unknown parameter 'warmth'")]:
+        with pytest.raises(UsageError, match=message):
+            run_command(conv, bad)
+    run_command(conv, "/set")
+    assert "top_p: 0.9" in lines(conv) and "seed: 42" in lines(conv)
+
+
+def test_system_shows_sets_and_clears(conv: Conversation) -> None:
+    run_command(conv, "/system")
+    assert lines(conv)[-1].startswith("No system prompt.")
+    run_command(conv, "/system You are a pirate.")
+    assert conv.session.system_prompt == "You are a pirate."
+    run_command(conv, "/system")
+    assert lines(conv)[-1] == "System prompt: You are a pirate."
+    run_command(conv, "/system --clear")
+    assert conv.session.system_prompt is None
+
+
+def test_clear_keeps_system_prompt_and_settings(conv: Conversation) -> None:
+    run_command(conv, "/system Be brief.")
+    run_command(conv, "/temp 0.3")
+    conv.send("hello")
+    run_command(conv, "/clear")
+    assert conv.session.messages == [] and conv.session.system_prompt == "Be brief."
+    assert conv.session.settings.temperature == 0.3
+
+
+def test_tokens_reports_the_real_count_against_the_context(conv: Conversation) -> None:
+    conv.send("hello")
+    run_command(conv, "/tokens")
+    count = conv.session.count_tokens()
+    assert count > 0
+    assert lines(conv)[-1] == (f"{count} tokens in the conversation of a 4096-token context ({100 * count / 4096:.0f}%); "
+                               "512 kept free for the next reply")
+
+
+def test_stats_before_and_after_a_reply(conv: Conversation) -> None:
+    run_command(conv, "/stats")
+    assert lines(conv)[-1] == "No reply yet."
+    conv.send("hello")
+    run_command(conv, "/stats")
+    assert lines(conv)[-5:] == ["tokens: 3 (stop)", "TTFT: 50 ms", "decode: 10.0 tok/s", "total: 250 ms",
+                                f"prompt: {len(conv.loop.prompts[0])} tokens, 0 from the prefix cache"]  # type: ignore[attr-defined]
+
+
+def test_save_and_load_round_trip_with_default_file(conv: Conversation, tmp_path: Path) -> None:
+    run_command(conv, "/system Be brief.")
+    run_command(conv, "/temp 0.3")
+    conv.send("hello")
+    run_command(conv, "/save")
+    saved = list((tmp_path / "chats").glob("chat-*.json"))
+    assert len(saved) == 1 and lines(conv)[-1] == f"Saved 2 messages to {saved[0]}"
+    run_command(conv, "/clear")
+    run_command(conv, "/temp 1")
+    run_command(conv, "/system --clear")
+    run_command(conv, "/load")
+    assert lines(conv)[-1] == f"Loaded 2 messages from {saved[0]}"
+    assert conv.session.settings.temperature == 0.3 and conv.session.system_prompt == "Be brief."
+    assert [m.content for m in conv.session.messages] == ["hello", "reply 1"]
+
+
+def test_load_warns_about_another_model_and_errors_clearly(conv: Conversation, tmp_path: Path) -> None:
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"format": "ruvllm-chat", "model": "qwen", "messages": []}))
+    run_command(conv, f"/load {path}")
+    assert lines(conv)[-1] == "Warning: it was saved with qwen; replies now come from tiny"
+    with pytest.raises(UsageError, match="no saved chats in"):
+        run_command(conv, "/load")
+    with pytest.raises(RuvllmError, match="no chat file at"):
+        run_command(conv, f"/load {tmp_path / 'missing.json'}")
+
+
+@pytest.mark.parametrize("line", ["/quit", "/exit", "/q", "/QUIT"])
+def test_quit_commands(conv: Conversation, line: str) -> None:
+    assert run_command(conv, line) is Action.QUIT
+
+
+def test_unknown_command_suggests_the_nearest(conv: Conversation) -> None:
+    with pytest.raises(UsageError, match=r"^unknown command /histroy$") as error:
+        run_command(conv, "/histroy")
+    assert error.value.hint == "did you mean /history? /help lists the commands"
+
+
+def test_help_lists_every_command(conv: Conversation) -> None:
+    run_command(conv, "/help")
+    text = "\n".join(lines(conv))
+    for command in COMMANDS:
+        assert f"/{command.name}" in text
+    assert "/quit | /exit | /q" in text
+
+
+# ---- completion and multi-line input ----------------------------------------------------------
+
+def test_completion_of_commands_and_parameters() -> None:
+    assert completions("/he") == ["/help"]
+    assert completions("/s") == ["/system", "/set", "/save", "/stats"]
+    assert completions("/set top") == ["top_p", "top_k"]
+    assert completions("hello /he") == [] and completions("/temp 0") == []
+    found = list(SlashCompleter().get_completions(Document("/set rep"), CompleteEvent(completion_requested=True)))
+    assert [(c.text, c.start_position) for c in found] == [("repetition_penalty", -3)]
+
+
+def test_block_text_drops_markers_and_outer_blank_lines() -> None:
+    assert block_text("", ["line one", "line two", ""]) == "line one\nline two"
+    assert block_text("first", ["  indented"]) == "first\n  indented"
+
+
+# ---- defaults and the history file ------------------------------------------------------------
+
+def test_sampling_defaults_are_options_then_registry_then_builtin() -> None:
+    from ruvllm_cli.cli.chat import resolve_settings
+
+    none_given = {"max_tokens": 512, "temperature": None, "top_p": None, "seed": None}
+    recommended = {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    assert resolve_settings(none_given, None) == ChatSettings()
+    assert resolve_settings(none_given, recommended) == ChatSettings(temperature=0.3, top_p=0.8, top_k=20,
+                                                                     repetition_penalty=1.05)
+    given = {"max_tokens": 64, "temperature": 0.0, "top_p": 0.95, "seed": 3}
+    assert resolve_settings(given, recommended) == ChatSettings(temperature=0.0, top_p=0.95, top_k=20,
+                                                                repetition_penalty=1.05, max_tokens=64, seed=3)
+
+
+def test_an_unwritable_history_file_falls_back_to_memory(tmp_path: Path) -> None:
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    from ruvllm_cli.chat.repl import open_history
+
+    history, problem = open_history(tmp_path / "cache" / "chat_history")
+    assert isinstance(history, FileHistory) and problem is None
+    assert (tmp_path / "cache" / "chat_history").is_file()
+    (tmp_path / "file").write_text("")
+    history, problem = open_history(tmp_path / "file" / "chat_history")
+    assert isinstance(history, InMemoryHistory)
+    assert problem is not None and problem.startswith(f"cannot write the history file {tmp_path / 'file'}")

@@ -1,0 +1,45 @@
+"""`echo ... | ruvllm chat MODEL`: one message in, the reply alone on stdout, exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def test_piped_message_prints_only_the_reply(ruvllm: Run, tiny_model_dir: Path) -> None:
+    result = ruvllm("chat", str(tiny_model_dir), "--max-tokens", "8", "-q", "none", input="hello\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n") and result.stdout.count("\n") >= 1
+    for chrome in ("You>", "ruvllm chat", "tok/s", "TTFT", "Loaded", "Goodbye"):
+        assert chrome not in result.stdout
+    assert "Loaded" in result.stderr and "Error" not in result.stderr
+
+
+def test_piped_greedy_reply_is_the_engines_greedy_generation(ruvllm: Run, tiny_model_dir: Path,
+                                                             loaded_model: Any, template: Any) -> None:
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.sampling import SamplingParams
+    from ruvllm_cli.quantization import Quantization
+
+    message = "What is the weather like in Paris?\nAnswer briefly."
+    ids = template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": message}], True)
+    engine = LLMEngine(loaded_model, EngineConfig(device="cpu", quantization=Quantization.F32))
+    [expected] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0))
+    assert expected.token_ids
+
+    result = ruvllm("chat", str(tiny_model_dir), "-q", "none", "-t", "0", "--max-tokens", "12",
+                    "-s", "Be brief.", input=message + "\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.text + "\n"
+
+
+def test_empty_stdin_is_a_usage_error(ruvllm: Run, tiny_model_dir: Path) -> None:
+    result = ruvllm("chat", str(tiny_model_dir), "-q", "none", input="  \n")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines()[0] == "Error: no message on stdin"
