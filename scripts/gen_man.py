@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import importlib
 import inspect
 import re
 import sys

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -19,6 +17,7 @@ from typing import Any, Callable
 
 from ruvllm_cli.engine.chat_template import render_chat
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
 
 # messages (role/content dicts), add_generation_prompt -> token ids
@@ -277,16 +276,7 @@ class ChatSession:
 
     def save(self, path: Path) -> None:
         """Write the chat as JSON, atomically (a failed write leaves no half file)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".chat-", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
 
     def load(self, path: Path) -> str:
         """Replace system prompt, parameters and messages with a saved chat's; returns

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
 from ruvllm_cli.paths import resolve_cache_dir
+
+if TYPE_CHECKING:
+    from ruvllm_cli.cli.output import Output
 
 
 @dataclass

@@ -11,7 +11,6 @@ docs/design.md gives the measurements behind these choices.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ruvllm_cli.quantization import Quantization

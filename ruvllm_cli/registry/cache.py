@@ -14,15 +14,14 @@ reported as downloaded.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
 from ruvllm_cli import __version__
+from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import CacheError, NotDownloadedError
 
 DEFAULT_REVISION = "main"
@@ -190,7 +189,7 @@ class ModelCache:
             return
         ref = self.repo_dir(repo_id) / "refs" / revision
         ref.parent.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(ref, commit)
+        write_text_atomic(ref, commit)
 
     def orphaned_incomplete_files(self, repo_id: str) -> list[Path]:
         """`*.incomplete` blobs a killed run left behind: those whose download lock is free."""
@@ -324,22 +323,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    _write_text_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def _size(path: Path) -> int:

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
-import tempfile
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import CacheError, ModelNotFoundError, UsageError
 from ruvllm_cli.paths import resolve_config_dir
 from ruvllm_cli.quantization import Quantization, parse_quantization
@@ -210,19 +209,7 @@ def validate_repo_id(repo_id: str) -> str:
 
 
 def _write_user_file(path: Path, aliases: dict[str, dict[str, Any]]) -> None:
-    """Atomic: a temp file in the same directory, then os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".aliases-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump({"version": 1, "aliases": aliases}, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps({"version": 1, "aliases": aliases}, indent=2, sort_keys=True) + "\n")
 
 
 def add_user_alias(alias: str, repo_id: str, *, name: str | None = None,
