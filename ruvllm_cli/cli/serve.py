@@ -2,33 +2,233 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from typing import Any, Callable, TypeVar
+
 import click
 
-from ruvllm_cli.cli.context import global_options
+from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, quantization_option
 from ruvllm_cli.errors import RuvllmError
+
+T = TypeVar("T")
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+WILDCARD = {"0.0.0.0", "::", ""}
+
+
+class ByteSize(click.ParamType):
+    """Sizes like 512MiB, 2GiB, 1.5G (binary), 500MB (decimal) or plain bytes."""
+
+    name = "SIZE"
+    UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+             "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+             "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in self.UNITS:
+            self.fail(f"{value!r} is not a size (examples: 512MiB, 2GiB, 1048576)", param, ctx)
+        size = int(float(match.group(1)) * self.UNITS[unit])
+        if size < 1:
+            self.fail(f"{value!r} must be at least one byte", param, ctx)
+        return size
+
+
+BYTE_SIZE = ByteSize()
 
 
 @click.command("serve")
 @click.argument("model")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("-p", "--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("-p", "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Port to listen on (0: any free port).")
 @click.option("--max-concurrent", type=click.IntRange(min=1), default=16, show_default=True,
               help="Sequences decoded together.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Sequences allowed to wait beyond --max-concurrent; more get 429 at once.")
 @click.option("--max-context", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Longest prompt plus reply, in tokens.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="Token budget of one engine step (default: 1024 on CPU, 8192 on GPU).")
+@click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
+              help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
+@click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off.")
 @quantization_option()
+@click.option("--served-model-name", multiple=True,
+              help="Extra name clients may use as `model` (repeatable; the first one is reported).")
 @click.option("--api-key", envvar="RUVLLM_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (env RUVLLM_API_KEY).")
 @click.option("--cors-origins", default=None, help="Comma-separated origins allowed by CORS (off by default).")
+@click.option("--max-body-size", type=BYTE_SIZE, default="4MiB", show_default=True,
+              help="Largest request body; bigger ones get 413.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
 @device_option()
 @global_options
-def command(**options: object) -> None:
+def command(**options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
+
+    Binds 127.0.0.1 unless --host says otherwise. /health answers 503 while the model
+    loads, then 200; /metrics is in Prometheus format. Ctrl+C or SIGTERM stops accepting,
+    lets running requests finish (--shutdown-timeout), then exits.
 
     \b
     Examples:
       ruvllm serve qwen
       ruvllm serve qwen --port 8080 --api-key secret
+      ruvllm serve ./my-model --max-concurrent 32 --kv-cache-memory 2GiB
     """
-    raise RuvllmError("`serve` is not implemented yet", "follow issue #6")
+    app = app_context()
+    configure_logging(app.verbose)
+    asyncio.run(serve(app, options))
+
+
+def configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    for name in ("ruvllm.server", "aiohttp.access"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO if verbose else logging.WARNING)
+        logger.propagate = False
+
+
+async def serve(app: AppContext, options: dict[str, Any]) -> None:
+    """Listen first (health 503), load, fill the engine slot, serve until a signal."""
+    from ruvllm_cli.engine.loop import EngineLoop
+    from ruvllm_cli.server import attach_engine, create_app, start_server
+
+    from rich.markup import escape
+
+    out = app.output()
+    origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
+    web_app = create_app(None, api_key=options["api_key"], cors_origins=origins, max_queue=options["max_queue"],
+                         max_body_size=options["max_body_size"], verbose=app.verbose)
+    try:
+        server = await start_server(web_app, options["host"], options["port"],
+                                    shutdown_timeout=options["shutdown_timeout"], access_log=app.verbose)
+    except OSError as error:
+        reason = os.strerror(error.errno).lower() if error.errno else str(error)
+        raise RuvllmError(f"cannot listen on {options['host']}:{options['port']}: {reason}",
+                          "pick another --port, or stop whatever uses it") from error
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    out.info(f"[dim]Listening on {escape(server.url)}; loading the model (/health answers 503 until it is ready)[/dim]")
+    try:
+        opened = await until_stopped(run_in_daemon_thread(lambda: load(app, options)), stop)
+    except BaseException:
+        await server.stop()
+        raise
+    if opened is None:
+        await server.stop()
+        out.info("Stopped before the model finished loading.")
+        return
+    engine_loop = EngineLoop(opened.engine)
+    try:
+        names = served_names(opened.located, options["model"], options["served_model_name"])
+        attach_engine(web_app, engine_loop, names)
+        print_banner(app, server.url, opened.describe(), names, options)
+        await stop.wait()
+        out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s ...")
+        await server.stop()
+    finally:
+        engine_loop.shutdown()
+    out.info("Stopped.")
+
+
+def load(app: AppContext, options: dict[str, Any]) -> Any:
+    from ruvllm_cli.cli.engine_setup import open_engine
+
+    return open_engine(
+        app, options["model"], quantization=options["quantization"], device=options["device"],
+        max_num_seqs=options["max_concurrent"], max_model_len=options["max_context"],
+        max_num_batched_tokens=options["max_num_batched_tokens"], kv_cache_memory=options["kv_cache_memory"],
+        enable_prefix_caching=False if options["no_prefix_cache"] else None)
+
+
+def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:
+    """Names clients may send as `model`: --served-model-name first, then the alias or
+    directory name, the repo id, and the MODEL argument as typed (unless a path)."""
+    names = [*extra, located.served_name]
+    if located.ref.repo_id:
+        names.append(located.ref.repo_id)
+    if located.ref.kind != "local":
+        names.append(model_arg)
+    return list(dict.fromkeys(names))
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+
+
+async def until_stopped(work: "asyncio.Future[T]", stop: asyncio.Event) -> T | None:
+    """The result of `work`, or None if `stop` is set first."""
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({work, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if work in done:
+        return work.result()
+    return None
+
+
+def run_in_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":
+    """Run `fn` in a daemon thread, so a signal during a long model load can still
+    end the process (an executor thread would be waited for at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        result, error = None, None
+        try:
+            result = fn()
+        except BaseException as raised:  # noqa: BLE001 - handed to the event loop
+            error = raised
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:
+            pass   # the event loop has already closed: nobody waits for the model any more
+
+    threading.Thread(target=target, name="ruvllm-load", daemon=True).start()
+    return future
+
+
+def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any]) -> None:
+    from rich.markup import escape
+
+    out = app.output()
+    host = options["host"]
+    curl_url = url.replace(f"//{host}:", "//127.0.0.1:") if host in WILDCARD else url
+    auth = ' -H "Authorization: Bearer $RUVLLM_API_KEY"' if options["api_key"] else ""
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % names[0]
+    out.info(f"[bold]ruvllm serve[/bold] · {escape(described)}")
+    out.info(escape(f"  OpenAI API  {url}/v1   (model: {', '.join(names)})"))
+    out.info(escape(f"  Health      {url}/health"))
+    out.info(escape(f"  Metrics     {url}/metrics"))
+    out.info(escape(f"  Try:        curl {curl_url}/v1/chat/completions -H \"Content-Type: application/json\"{auth} "
+                    f"-d '{body}'"))
+    if host not in LOOPBACK and not options["api_key"]:
+        out.warn(f"listening on {host} without an API key: anyone who can reach this port can use the model "
+                 "(set --api-key or RUVLLM_API_KEY)")
+    out.info("[dim]Press Ctrl+C to stop.[/dim]")

@@ -1,0 +1,99 @@
+"""The app factory and the runner helpers shared by `ruvllm serve` and the tests."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from aiohttp import web
+
+from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
+from ruvllm_cli.server.routes import add_routes
+from ruvllm_cli.server.state import (DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, STATE_KEY, ServerConfig,
+                                     ServerState, get_state)
+
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+def create_app(engine_loop: EngineLoop | None, *, served_names: Sequence[str] = (), api_key: str | None = None,
+               cors_origins: Sequence[str] = (), max_queue: int = DEFAULT_MAX_QUEUE,
+               max_body_size: int = DEFAULT_MAX_BODY_SIZE, verbose: bool = False) -> web.Application:
+    """An OpenAI-compatible app around `engine_loop`.
+
+    With `engine_loop=None` the engine slot starts empty (/health answers 503, the
+    API 503 "loading") until `attach_engine` fills it. The app never owns the engine
+    loop: whoever made it shuts it down, after the app's runner is cleaned up."""
+    config = ServerConfig(api_key=api_key or None, cors_origins=tuple(cors_origins), max_queue=max_queue,
+                          max_body_size=max_body_size, verbose=verbose)
+    middlewares = [error_middleware]
+    if config.cors_origins:
+        middlewares.append(cors_middleware(config.cors_origins))
+    if config.api_key:
+        middlewares.append(auth_middleware(config.api_key))
+    # aiohttp rejects a larger body itself (413); the middleware turns that into our shape.
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_size)
+    state = ServerState(config)
+    app[STATE_KEY] = state
+    add_routes(app)
+    if config.cors_origins:
+        app.on_response_prepare.append(add_cors_headers)
+    app.on_shutdown.append(_start_draining)
+    app.on_cleanup.append(_stop_executor)
+    if engine_loop is not None:
+        attach_engine(app, engine_loop, served_names)
+    return app
+
+
+def attach_engine(app: web.Application, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
+    """Fill the engine slot of a running app; the first name is the one /health reports."""
+    get_state(app).attach(engine_loop, served_names)
+
+
+async def _start_draining(app: web.Application) -> None:
+    # Runs once the listener is closed and before in-flight handlers are waited for:
+    # requests still arriving on kept-alive connections get a 503 from now on.
+    get_state(app).draining = True
+
+
+async def _stop_executor(app: web.Application) -> None:
+    get_state(app).executor.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class RunningServer:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish within the shutdown timeout,
+        cancel what is left (their handlers cancel their engine requests)."""
+        await self.runner.cleanup()
+
+
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
+                       shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                       access_log: bool = False) -> RunningServer:
+    """Listen on host:port (0 picks a free port) and return at once."""
+    runner = web.AppRunner(
+        app, shutdown_timeout=shutdown_timeout,
+        # A client that disconnects cancels its handler, which cancels its engine requests.
+        handler_cancellation=True,
+        access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    bound = [address for address in runner.addresses if isinstance(address, tuple)]
+    return RunningServer(runner, host, bound[0][1] if bound else port)
+

@@ -1,0 +1,136 @@
+"""Between handlers and the engine thread: submit sequences without blocking the
+event loop, follow their streams, and cancel whatever a handler leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Sequence
+
+from ruvllm_cli.engine.loop import EngineLoop, RequestStream
+from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.sampler import TokenLogprob
+from ruvllm_cli.errors import UsageError
+from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.prompts import SequencePlan
+
+
+@dataclass
+class Choice:
+    """One sequence's accumulated output, as a response choice."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    first_token_at: float | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        if output.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.text += output.text
+        self.token_ids += output.token_ids
+        self.logprobs += output.logprobs
+        self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = output.num_cached_tokens
+        self.num_output_tokens = output.num_output_tokens or len(self.token_ids)
+        if output.finished:
+            self.finish_reason, self.error = output.finish_reason, output.error
+
+
+def choices_for(plans: Sequence[SequencePlan]) -> list[Choice]:
+    return [Choice(plan.index, plan.prompt_index) for plan in plans]
+
+
+def check_finished(choice: Choice) -> None:
+    """A sequence the engine cancelled (shutdown) or failed becomes an HTTP error."""
+    if choice.finish_reason == "cancelled":
+        raise ApiError(503, "The request was cancelled because the server is shutting down.")
+    if choice.finish_reason == "error":
+        raise ApiError(500, f"The engine failed on this request: {choice.error or 'unknown error'}")
+
+
+# ---- submission -------------------------------------------------------------------
+async def submit(engine_loop: EngineLoop, executor: Executor, prepare: Callable[[], list[SequencePlan]],
+                 param: str) -> tuple[list[SequencePlan], list[RequestStream]]:
+    """Run `prepare` (chat template, tokenizing) and submit its plans in a worker
+    thread, keeping that CPU work off the event loop."""
+    aio = asyncio.get_running_loop()
+    future = aio.run_in_executor(executor, _prepare_and_submit, engine_loop, aio, prepare, param)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        # The client left while we were submitting: cancel what the thread submits.
+        future.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _prepare_and_submit(engine_loop: EngineLoop, aio: asyncio.AbstractEventLoop,
+                        prepare: Callable[[], list[SequencePlan]], param: str
+                        ) -> tuple[list[SequencePlan], list[RequestStream]]:
+    plans = prepare()
+    streams: list[RequestStream] = []
+    try:
+        for plan in plans:
+            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, loop=aio))
+    except UsageError as error:
+        cancel_all(streams)
+        raise ApiError.from_ruvllm(error, param) from error
+    except BaseException:
+        cancel_all(streams)
+        raise
+    return plans, streams
+
+
+def _cancel_submitted(future: "asyncio.Future[tuple[list[SequencePlan], list[RequestStream]]]") -> None:
+    if not future.cancelled() and future.exception() is None:
+        cancel_all(future.result()[1])
+
+
+def cancel_all(streams: Sequence[RequestStream]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+# ---- following streams ----------------------------------------------------------------
+async def collect(streams: Sequence[RequestStream], choices: Sequence[Choice]) -> None:
+    """Follow every stream to its end, accumulating into the matching choice."""
+
+    async def follow(stream: RequestStream, choice: Choice) -> None:
+        async for output in stream:
+            choice.add(output)
+
+    await asyncio.gather(*(follow(s, c) for s, c in zip(streams, choices)))
+
+
+async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(position in `streams`, output) from all streams, in arrival order, until all end."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+
+    async def pump(position: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((position, output))
+        except Exception as error:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((position, error))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            position, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            remaining -= item.finished
+            yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()

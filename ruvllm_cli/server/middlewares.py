@@ -1,0 +1,123 @@
+"""Middlewares: errors in OpenAI's shape (and request metrics), CORS, API key."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Awaitable, Callable
+
+from aiohttp import web
+
+from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.state import get_state
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger("ruvllm.server")
+
+PUBLIC_PATHS = {"/health"}
+# Status a client that went away gets in the metrics (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+def endpoint_label(request: web.Request) -> str:
+    """The route's pattern, not the raw path, so unknown paths share one label."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure becomes an OpenAI-shaped JSON error; no traceback reaches a client."""
+    status = 500
+    try:
+        response = await handler(request)
+        status = CLIENT_CLOSED if request.get("client_gone") else response.status
+        return response
+    except ApiError as error:
+        status = error.status
+        return error.response()
+    except web.HTTPException as error:
+        if error.status < 400:
+            status = error.status
+            raise
+        status = error.status
+        return http_error(request, error).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = CLIENT_CLOSED
+        raise
+    except Exception as error:  # noqa: BLE001 - the last line of defence
+        state = get_state(request.app)
+        log.error("internal error on %s %s: %s: %s", request.method, request.path, type(error).__name__, error,
+                  exc_info=state.config.verbose)
+        return ApiError(500, "The server had an error while processing your request.").response()
+    finally:
+        get_state(request.app).metrics.requests.labels(endpoint_label(request), str(status)).inc()
+
+
+def http_error(request: web.Request, error: web.HTTPException) -> ApiError:
+    """aiohttp's own errors (routing, body size) in our shape, keeping their headers."""
+    headers = {k: v for k, v in error.headers.items() if k.lower() in ("allow", "retry-after")}
+    if isinstance(error, web.HTTPNotFound):
+        message = f"Unknown route: {request.method} {request.path}"
+    elif isinstance(error, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(error.allowed_methods))
+        message = f"Method {request.method} is not allowed on {request.path} (allowed: {allowed})"
+    elif isinstance(error, web.HTTPRequestEntityTooLarge):
+        limit = get_state(request.app).config.max_body_size
+        message = f"The request body is too large: the limit is {limit} bytes."
+    else:
+        message = error.text or error.reason
+    code = "request_too_large" if error.status == 413 else None
+    return ApiError(error.status, message, code=code, headers=headers)
+
+
+def cors_middleware(origins: tuple[str, ...]) -> Callable:
+    """Answers preflight requests for the allowed origins; `on_response_prepare`
+    (add_cors_headers) marks the actual responses, streamed ones included."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            origin = request.headers.get("Origin", "")
+            if not origin_allowed(origins, origin):
+                raise ApiError(403, f"Origin {origin or '(none)'} is not allowed.")
+            requested = request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
+            return web.Response(status=204, headers={
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": requested,
+                "Access-Control-Max-Age": "600"})
+        return await handler(request)
+
+    return middleware
+
+
+def origin_allowed(origins: tuple[str, ...], origin: str) -> bool:
+    return bool(origin) and ("*" in origins or origin in origins)
+
+
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    origins = get_state(request.app).config.cors_origins
+    origin = request.headers.get("Origin", "")
+    if origin_allowed(origins, origin):
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+
+
+def auth_middleware(api_key: str) -> Callable:
+    """`Authorization: Bearer <key>` on every route but /health, compared in constant time."""
+    expected = api_key.encode("utf-8")
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in PUBLIC_PATHS and request.method != "OPTIONS":
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            if not hmac.compare_digest(token.strip().encode("utf-8"), expected):
+                raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return middleware

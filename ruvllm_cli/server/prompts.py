@@ -1,0 +1,73 @@
+"""From parsed requests to engine work: prompt token ids and one plan per sequence.
+
+Runs in a worker thread (tokenizing a long prompt or rendering a template must not
+stall the event loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.server.errors import ApiError, bad_request
+from ruvllm_cli.server.protocol import Prompt, SamplingFields
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """One engine request: choice `index` of the response, for prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The conversation through the model's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions instead.", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # noqa: BLE001 - jinja's raise_exception and friends: the messages' fault
+        raise bad_request(f"The messages do not fit the model's chat template: {error}", "messages") from error
+    # The rendered text already holds BOS where the template wants it.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Completion prompts as token ids (strings the way the engine itself encodes them)."""
+    ids = []
+    for i, prompt in enumerate(prompts):
+        tokens = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise bad_request(f"Prompt {i} is empty.", "prompt")
+        ids.append(tokens)
+    return ids
+
+
+def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_model_len: int,
+                   param: str) -> list[SequencePlan]:
+    """`n` sequences per prompt, choice index prompt * n + copy; `max_tokens` defaults
+    to what the context leaves (capped by the endpoint's default), and a prompt plus an
+    explicit `max_tokens` beyond the context is a 400."""
+    plans = []
+    for prompt_index, ids in enumerate(prompt_ids):
+        max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, max_model_len, param)
+        if sampling.max_tokens is None and sampling.default_max_tokens is not None:
+            max_tokens = min(max_tokens, sampling.default_max_tokens)
+        for copy in range(sampling.n):
+            plans.append(SequencePlan(prompt_index * sampling.n + copy, prompt_index, ids,
+                                      sampling.params(max_tokens, copy)))
+    return plans
+
+
+def fit_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, param: str) -> int:
+    room = max_model_len - prompt_len
+    if room >= 1 and (requested is None or requested <= room):
+        return requested if requested is not None else room
+    asked = prompt_len + (requested if requested is not None else 1)
+    completion = f"{requested} in the completion" if requested is not None else "at least 1 to generate"
+    raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                        f"{asked} tokens ({prompt_len} in the {param}, {completion}). Please reduce the length "
+                        f"of the {param} or completion.", param=param, code="context_length_exceeded")

@@ -1,0 +1,176 @@
+"""OpenAI response bodies and stream chunks, built from accumulated choices.
+
+`ChatFormat` and `CompletionFormat` share one shape, so a single generation path
+(routes.generate) serves both endpoints, streaming or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.sampler import TokenLogprob
+from ruvllm_cli.server.bridge import Choice
+from ruvllm_cli.server.token_text import TokenTexts
+
+# Engine reasons that are also OpenAI's; cancelled and error never reach a body.
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> "ResponseMeta":
+        return cls(f"{prefix}-{uuid.uuid4().hex}", model)
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+
+class ResponseFormat(Protocol):
+    include_usage: bool
+
+    def opening(self, choice: Choice) -> list[dict[str, Any]]: ...
+    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None: ...
+    def final(self, choice: Choice) -> dict[str, Any]: ...
+    def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
+    def body(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
+
+
+def finish_reason(choice: Choice) -> str | None:
+    return FINISH_REASONS.get(choice.finish_reason or "")
+
+
+def usage(choices: Sequence[Choice]) -> dict[str, Any]:
+    """Token counts; a prompt shared by n copies counts once, as OpenAI bills it."""
+    first_copy: dict[int, Choice] = {}
+    for choice in choices:
+        first_copy.setdefault(choice.prompt_index, choice)
+    prompt = sum(c.num_prompt_tokens for c in first_copy.values())
+    cached = sum(c.num_cached_tokens for c in first_copy.values())
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---- chat -------------------------------------------------------------------------------
+@dataclass
+class ChatFormat:
+    meta: ResponseMeta
+    texts: TokenTexts
+    top_logprobs: int | None = None       # None: no logprobs
+    include_usage: bool = False
+
+    def body(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        return {**self.meta.head("chat.completion"),
+                "choices": [{"index": c.index,
+                             "message": {"role": "assistant", "content": c.text, "refusal": None},
+                             "logprobs": self._logprobs(c.logprobs),
+                             "finish_reason": finish_reason(c)} for c in choices],
+                "usage": usage(choices)}
+
+    def opening(self, choice: Choice) -> list[dict[str, Any]]:
+        return [self._chunk(choice.index, {"role": "assistant", "content": ""})]
+
+    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+        logprobs = self._logprobs(output.logprobs) if output.logprobs else None
+        if not output.text and logprobs is None:
+            return None
+        return self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
+
+    def final(self, choice: Choice) -> dict[str, Any]:
+        return self._chunk(choice.index, {}, finish=finish_reason(choice))
+
+    def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        return {**self.meta.head("chat.completion.chunk"), "choices": [], "usage": usage(choices)}
+
+    def _chunk(self, index: int, delta: dict[str, Any], *, finish: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        chunk = {**self.meta.head("chat.completion.chunk"),
+                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.include_usage:
+            chunk["usage"] = None   # OpenAI's sign that a usage chunk follows
+        return chunk
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"content": [self._token(lp) for lp in logprobs], "refusal": None}
+
+    def _token(self, lp: TokenLogprob) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text, raw = self.texts.lookup(token_id)
+            return {"token": text, "logprob": logprob, "bytes": raw}
+
+        return {**entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(t, p) for t, p in lp.top[:self.top_logprobs or 0]]}
+
+
+# ---- completions ----------------------------------------------------------------------------
+@dataclass
+class CompletionFormat:
+    meta: ResponseMeta
+    texts: TokenTexts
+    logprobs: int | None = None
+    include_usage: bool = False
+    echo_texts: Sequence[str] = ()        # per prompt, prepended to its choices (`echo`)
+
+    def body(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        return {**self.meta.head("text_completion"),
+                "choices": [{"index": c.index, "text": self._echo(c) + c.text,
+                             "logprobs": self._logprobs(c.logprobs, len(self._echo(c))),
+                             "finish_reason": finish_reason(c)} for c in choices],
+                "usage": usage(choices)}
+
+    def opening(self, choice: Choice) -> list[dict[str, Any]]:
+        echo = self._echo(choice)
+        return [self._chunk(choice.index, echo)] if echo else []
+
+    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+        if not output.text and not (output.logprobs and self.logprobs is not None):
+            return None
+        # `choice` already holds this output: its text so far ends with this delta.
+        offset = len(self._echo(choice)) + len(choice.text) - len(output.text)
+        return self._chunk(choice.index, output.text, logprobs=self._logprobs(output.logprobs, offset))
+
+    def final(self, choice: Choice) -> dict[str, Any]:
+        return self._chunk(choice.index, "", finish=finish_reason(choice))
+
+    def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        return {**self.meta.head("text_completion"), "choices": [], "usage": usage(choices)}
+
+    def _echo(self, choice: Choice) -> str:
+        return self.echo_texts[choice.prompt_index] if self.echo_texts else ""
+
+    def _chunk(self, index: int, text: str, *, finish: str | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        chunk = {**self.meta.head("text_completion"),
+                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        """The legacy format: parallel arrays, `text_offset` counted from `offset`."""
+        if self.logprobs is None:
+            return None
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = self.texts.text(lp.token_id)
+            alternatives = {self.texts.text(t): p for t, p in lp.top[:self.logprobs]}
+            alternatives.setdefault(text, lp.logprob)
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            tops.append(alternatives)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

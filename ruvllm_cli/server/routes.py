@@ -1,0 +1,194 @@
+"""Request handlers: /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, Callable, Sequence
+
+from aiohttp import web
+
+from ruvllm_cli.engine.loop import EngineLoop, RequestStream
+from ruvllm_cli.server import bridge
+from ruvllm_cli.server.bridge import Choice
+from ruvllm_cli.server.errors import ApiError, bad_request, error_body, json_response
+from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
+from ruvllm_cli.server.prompts import SequencePlan, plan_sequences, render_chat, tokenize_prompts
+from ruvllm_cli.server.protocol import parse_chat_request, parse_completion_request
+from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
+from ruvllm_cli.server.sse import EventStream
+from ruvllm_cli.server.state import ServerState, get_state
+
+METRICS_TIMEOUT_S = 10.0
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+
+
+# ---- plain routes ------------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    state = get_state(request.app)
+    if state.draining:
+        return json_response({"status": "shutting_down"}, status=503)
+    if state.engine_loop is None or state.ready_at is None:
+        return json_response({"status": "loading"}, status=503)
+    if not state.engine_loop.healthy:
+        return json_response({"status": "engine_failed"}, status=503)
+    return json_response({"status": "ok", "model": state.model_name,
+                          "uptime_s": round(time.monotonic() - state.ready_at, 3)})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = get_state(request.app)
+    engine_loop = state.require_engine()
+    created = int(time.time() - (time.monotonic() - state.started))
+    data = [{"id": name, "object": "model", "created": created, "owned_by": "ruvllm",
+             "max_model_len": engine_loop.engine.max_model_len} for name in state.served_names]
+    return json_response({"object": "list", "data": data})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = get_state(request.app)
+    snapshot = None
+    if state.engine_loop is not None:
+        engine_loop = state.engine_loop
+        aio = asyncio.get_running_loop()
+        # EngineLoop.call waits for the current step to end: keep that off the event loop.
+        snapshot = await asyncio.wait_for(
+            aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot), METRICS_TIMEOUT_S)
+    body = state.metrics.render(snapshot)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+# ---- generation ------------------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = get_state(request.app)
+    engine_loop = state.require_engine()
+    chat = parse_chat_request(await read_json(request, state))
+    state.check_model(chat.model)
+    engine = engine_loop.engine
+
+    def prepare() -> list[SequencePlan]:
+        prompt_ids = render_chat(engine.tokenizer, chat.messages)
+        return plan_sequences([prompt_ids], chat.sampling, engine.max_model_len, "messages")
+
+    assert state.token_texts is not None
+    fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
+                     chat.streaming.include_usage)
+    return await generate(request, state, engine_loop, prepare, "messages", chat.sampling.n,
+                          fmt, chat.streaming.stream)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = get_state(request.app)
+    engine_loop = state.require_engine()
+    job = parse_completion_request(await read_json(request, state))
+    state.check_model(job.model)
+    engine = engine_loop.engine
+    echo_texts: list[str] = []
+
+    def prepare() -> list[SequencePlan]:
+        prompt_ids = tokenize_prompts(engine.tokenizer, job.prompts)
+        if job.echo:
+            echo_texts.extend(p if isinstance(p, str) else engine.tokenizer.decode(ids)
+                              for p, ids in zip(job.prompts, prompt_ids))
+        return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt")
+
+    assert state.token_texts is not None
+    fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), state.token_texts, job.sampling.logprobs,
+                           job.streaming.include_usage, echo_texts)
+    return await generate(request, state, engine_loop, prepare, "prompt", len(job.prompts) * job.sampling.n,
+                          fmt, job.streaming.stream)
+
+
+async def generate(request: web.Request, state: ServerState, engine_loop: EngineLoop,
+                   prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
+                   fmt: ResponseFormat, stream: bool) -> web.StreamResponse:
+    """Admit, submit, then answer in one body or as a stream; the engine requests
+    never outlive the handler (a client that leaves cancels them)."""
+    started = time.perf_counter()
+    with state.admission.reserve(num_sequences):
+        plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
+        choices = bridge.choices_for(plans)
+        try:
+            if stream:
+                return await stream_response(request, streams, choices, fmt)
+            await bridge.collect(streams, choices)
+            for choice in choices:
+                bridge.check_finished(choice)
+            return json_response(fmt.body(choices))
+        finally:
+            bridge.cancel_all(streams)
+            record(state, started, choices)
+
+
+async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
+                          fmt: ResponseFormat) -> web.StreamResponse:
+    sse = EventStream(request)
+    try:
+        await sse.open()
+        for choice in choices:
+            for chunk in fmt.opening(choice):
+                await sse.send(chunk)
+        events = bridge.merged(streams)
+        try:
+            async for position, output in events:
+                choice = choices[position]
+                choice.add(output)
+                if output.finished and choice.finish_reason in ("cancelled", "error"):
+                    await sse.send(stream_error(choice))
+                    return await sse.close()
+                chunk = fmt.delta(choice, output)
+                if chunk is not None:
+                    await sse.send(chunk)
+                if output.finished:
+                    await sse.send(fmt.final(choice))
+        finally:
+            await events.aclose()
+        if fmt.include_usage:
+            await sse.send(fmt.usage_chunk(choices))
+        return await sse.close()
+    except ConnectionResetError:
+        request["client_gone"] = True   # counted as 499; the caller cancels the streams
+        return sse.response
+
+
+def stream_error(choice: Choice) -> dict[str, Any]:
+    try:
+        bridge.check_finished(choice)
+    except ApiError as error:
+        return error_body(error.status, error.message, code=error.code)
+    raise AssertionError("stream_error on a choice that finished normally")
+
+
+def record(state: ServerState, started: float, choices: Sequence[Choice]) -> None:
+    metrics = state.metrics
+    for choice in choices:
+        if choice.first_token_at is not None:
+            metrics.ttft.observe(choice.first_token_at - started)
+    first_copies = {c.prompt_index: c for c in reversed(choices)}
+    metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in first_copies.values()))
+    metrics.generation_tokens.inc(sum(c.num_output_tokens for c in choices))
+    metrics.e2e_latency.observe(time.perf_counter() - started)
+
+
+async def read_json(request: web.Request, state: ServerState) -> Any:
+    """The body as JSON: 413 beyond the size cap, 400 when it does not parse."""
+    limit = state.config.max_body_size
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"The request body is too large: {request.content_length} bytes, the limit is "
+                            f"{limit} bytes.", code="request_too_large")
+    raw = await request.read()   # aiohttp enforces the cap on chunked bodies (HTTPRequestEntityTooLarge)
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise bad_request(f"We could not parse the JSON body of your request: {error}", code="invalid_json") \
+            from error

@@ -1,0 +1,102 @@
+"""What one server holds: its settings, the engine slot, admission and metrics."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from aiohttp import web
+
+from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.metrics import ServerMetrics
+from ruvllm_cli.server.token_text import TokenTexts
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    verbose: bool = False
+
+
+class Admission:
+    """Bounds the sequences admitted: `capacity` = decoded together + allowed to wait."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.in_flight = 0
+
+    @contextmanager
+    def reserve(self, n: int) -> Iterator[None]:
+        # A lone request is always let in (the engine queues its extra copies itself),
+        # so `n` above the capacity is no reason to refuse on an idle server.
+        if self.in_flight and self.in_flight + n > self.capacity:
+            raise ApiError(429, f"The server is busy ({self.in_flight} sequences in flight, at most "
+                                f"{self.capacity}); retry shortly.", code="queue_full",
+                           headers={"Retry-After": "1"})
+        self.in_flight += n
+        try:
+            yield
+        finally:
+            self.in_flight -= n
+
+
+class ServerState:
+    """Shared by the handlers of one app; only touched from its event loop."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.admission = Admission()
+        self.metrics = ServerMetrics(lambda: self.admission.in_flight)
+        # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
+        self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
+        self.engine_loop: EngineLoop | None = None
+        self.served_names: tuple[str, ...] = ()
+        self.token_texts: TokenTexts | None = None
+        self.started = time.monotonic()
+        self.ready_at: float | None = None
+        self.draining = False
+
+    def attach(self, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
+        """Fill the engine slot: from now on /health is 200 and the API answers."""
+        names = tuple(dict.fromkeys(n for n in served_names if n))
+        if not names:
+            raise ValueError("a server needs at least one served model name")
+        self.served_names = names
+        self.token_texts = TokenTexts(engine_loop.engine.tokenizer)
+        self.admission.capacity = engine_loop.engine.config.max_num_seqs + self.config.max_queue
+        self.engine_loop = engine_loop
+        self.ready_at = time.monotonic()
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0] if self.served_names else ""
+
+    def require_engine(self) -> EngineLoop:
+        if self.draining:
+            raise ApiError(503, "The server is shutting down.", code="shutting_down")
+        if self.engine_loop is None:
+            raise ApiError(503, "The model is still loading; retry shortly.", code="model_loading",
+                           headers={"Retry-After": "5"})
+        return self.engine_loop
+
+    def check_model(self, name: str) -> None:
+        if name not in self.served_names:
+            raise ApiError(404, f"The model '{name}' does not exist. This server serves: "
+                                f"{', '.join(self.served_names)}.", param="model", code="model_not_found")
+
+
+STATE_KEY = web.AppKey("ruvllm_state", ServerState)
+
+
+def get_state(app: web.Application) -> ServerState:
+    return app[STATE_KEY]

@@ -1,0 +1,137 @@
+"""The app around its engine: health while loading, metrics, CORS, graceful shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from ruvllm_cli.server import attach_engine
+
+pytestmark = pytest.mark.timeout(60)
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def test_health_is_503_until_the_engine_slot_is_filled(make_server):
+    live = make_server(attach=False)
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        loading = http.get("/health")
+        assert loading.status_code == 503 and loading.json() == {"status": "loading"}
+        api = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO})
+        assert api.status_code == 503 and api.json()["error"]["code"] == "model_loading"
+        assert api.headers["Retry-After"] == "5"
+        live.thread.call(lambda: attach_engine(live.thread.app, live.engine_loop, ["tiny"]))
+        ready = http.get("/health")
+        assert ready.status_code == 200
+        assert ready.json()["status"] == "ok" and ready.json()["model"] == "tiny"
+        assert ready.json()["uptime_s"] >= 0
+        assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_metrics_expose_requests_tokens_latency_and_engine_state(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        ok = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 3})
+        assert ok.status_code == 200
+        http.post("/v1/chat/completions", json={"model": "nope", "messages": HELLO})
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    text = response.text
+    for name in ("ruvllm_http_requests_total", "ruvllm_prompt_tokens_total", "ruvllm_generation_tokens_total",
+                 "ruvllm_time_to_first_token_seconds_bucket", "ruvllm_e2e_request_latency_seconds_bucket",
+                 "ruvllm_num_requests_running", "ruvllm_num_requests_waiting", "ruvllm_kv_cache_blocks_used",
+                 "ruvllm_kv_cache_blocks_total", "ruvllm_kv_cache_usage_ratio", "ruvllm_prefix_cache_hit_rate",
+                 "ruvllm_prefix_cache_queries_total", "ruvllm_prefix_cache_hits_total",
+                 "ruvllm_num_preemptions_total", "ruvllm_engine_steps_total", "ruvllm_http_requests_in_flight"):
+        assert f"\n{name}" in text, name
+    assert 'ruvllm_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert 'ruvllm_http_requests_total{endpoint="/v1/chat/completions",status="404"}' in text
+    total = server.engine(lambda e: e.block_manager.num_blocks)
+    assert f"ruvllm_kv_cache_blocks_total {float(total)}" in text
+
+
+def test_each_app_has_its_own_registry(server, make_server):
+    other = make_server()
+    assert other.state.metrics.registry is not server.state.metrics.registry
+    httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 1})
+    assert 'endpoint="/v1/chat/completions"' not in httpx.get(other.url + "/metrics").text
+
+
+def test_cors_is_off_unless_origins_are_named(server, make_server):
+    origin = {"Origin": "http://app.example"}
+    plain = httpx.get(server.url + "/v1/models", headers=origin)
+    assert "Access-Control-Allow-Origin" not in plain.headers
+    live = make_server(cors_origins=["http://app.example"], api_key="k")
+    preflight = httpx.options(live.url + "/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 204
+    assert preflight.headers["Access-Control-Allow-Origin"] == "http://app.example"
+    assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+    allowed = httpx.get(live.url + "/v1/models", headers={**origin, "Authorization": "Bearer k"})
+    assert allowed.headers["Access-Control-Allow-Origin"] == "http://app.example"
+    stranger = httpx.options(live.url + "/v1/models", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "GET"})
+    assert stranger.status_code == 403
+    assert "Access-Control-Allow-Origin" not in stranger.headers
+
+
+def test_shutdown_lets_in_flight_requests_finish(make_server):
+    live = make_server(shutdown_timeout=10)
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 150, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            stream = response.iter_lines()
+            lines.append(next(stream))
+            stopper = threading.Thread(target=live.thread.stop)
+            stopper.start()
+            lines.extend(stream)
+            stopper.join(20)
+    lines = [line for line in lines if line]
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in "".join(lines)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(live.url + "/health", timeout=5)
+    live.engine(lambda e: e.check_integrity())
+    assert not live.engine(lambda e: e.has_unfinished)
+
+
+def test_shutdown_cancels_what_outlives_the_timeout(make_server):
+    live = make_server(shutdown_timeout=0.5, engine={"max_model_len": 4096})
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    lines: list[str] = []
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            stream = response.iter_lines()
+            lines.append(next(stream))
+            started = time.monotonic()
+            live.thread.stop()
+            assert time.monotonic() - started < 5
+            with pytest.raises(httpx.HTTPError):   # the connection drops mid-stream
+                lines.extend(stream)
+    assert "data: [DONE]" not in lines
+    deadline = time.monotonic() + 10
+    while live.engine(lambda e: e.has_unfinished) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    live.engine(lambda e: e.check_integrity())
+    assert live.engine(lambda e: e.block_manager.num_free_blocks == e.block_manager.num_blocks)
+
+
+def test_an_internal_error_is_a_500_without_a_traceback(make_server, monkeypatch, caplog):
+    from ruvllm_cli.server import routes
+
+    def explode(engine):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(routes, "read_engine_snapshot", explode)
+    live = make_server()
+    with caplog.at_level("ERROR", logger="ruvllm.server"):
+        response = httpx.get(live.url + "/metrics")
+    assert response.status_code == 500
+    assert response.json() == {"error": {"message": "The server had an error while processing your request.",
+                                         "type": "server_error", "param": None, "code": None}}
+    assert "internal error on GET /metrics: RuntimeError: boom" in caplog.text

@@ -1,0 +1,116 @@
+"""`ruvllm serve` as a user runs it: options, start-up banner, /health, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import httpx
+import pytest
+
+from ruvllm_cli.cli.serve import BYTE_SIZE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize("text, size", [("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5G", 3 * 1024**3 // 2),
+                                        ("500MB", 500 * 1000**2), ("4096", 4096), ("64 KiB", 64 * 1024)])
+def test_sizes(text, size):
+    assert BYTE_SIZE.convert(text, None, None) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "2XB", "-1", "0"])
+def test_bad_sizes(text):
+    with pytest.raises(click.BadParameter):
+        BYTE_SIZE.convert(text, None, None)
+
+
+def test_help_shows_the_server_options(ruvllm):
+    result = ruvllm("serve", "--help")
+    assert result.returncode == 0
+    for option in ("--max-queue", "--shutdown-timeout", "--served-model-name", "--max-num-batched-tokens",
+                   "--kv-cache-memory", "--no-prefix-cache", "--max-body-size", "--api-key", "--cors-origins"):
+        assert option in result.stdout
+
+
+def test_a_bad_size_is_a_usage_error(ruvllm, tiny_model_dir):
+    result = ruvllm("serve", str(tiny_model_dir), "--kv-cache-memory", "lots")
+    assert result.returncode == 2
+    assert "is not a size" in result.stderr
+
+
+def test_a_busy_port_is_a_one_line_error(ruvllm, tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = ruvllm("serve", str(tiny_model_dir), "--port", str(port), timeout=60)
+    assert result.returncode == 1
+    assert f"Error: cannot listen on 127.0.0.1:{port}: address already in use" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_model_not_downloaded_stops_the_server_with_a_hint(ruvllm, free_port):
+    result = ruvllm("serve", "qwen", "--port", str(free_port), timeout=60)
+    assert result.returncode == 1
+    assert "Error: qwen is not downloaded" in result.stderr
+    assert "Hint: run: ruvllm download qwen" in result.stderr
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 60) -> list[int]:
+    """Poll /health until 200; returns the statuses seen before."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        try:
+            status = httpx.get(url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            status = 0
+        if status == 200:
+            return seen
+        seen.append(status)
+        time.sleep(0.05)
+    raise AssertionError("the server never became healthy")
+
+
+def test_serve_starts_answers_and_stops_cleanly_on_sigterm(tiny_model_dir, cli_env, free_port):
+    port = free_port
+    url = f"http://localhost:{port}"
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(tiny_model_dir), "--host", "localhost",
+               "--port", str(port), "-q", "none", "--device", "cpu", "--max-context", "256",
+               "--kv-cache-memory", "4MiB", "--served-model-name", "tiny", "--shutdown-timeout", "5"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=cli_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        seen = wait_healthy(url, process)
+        assert set(seen) <= {0, 503}
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 40,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)   # in flight: the reply still finishes
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+        stdout, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert stdout == ""
+    assert f"OpenAI API  {url}/v1" in stderr
+    assert f"curl {url}/v1/chat/completions" in stderr and '"model": "tiny"' in stderr
+    assert "Shutting down" in stderr and "Stopped." in stderr
+    assert "Traceback" not in stderr

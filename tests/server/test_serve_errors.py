@@ -1,0 +1,213 @@
+"""Error answers over raw HTTP: status, OpenAI's body shape, the offending `param`."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None,
+                 contains: str = "") -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    error = body["error"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert contains in error["message"]
+    assert "Traceback" not in response.text
+    return error
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def post_chat(http, **body):
+    body.setdefault("model", "tiny")
+    return http.post("/v1/chat/completions", json=body)
+
+
+def test_malformed_json_is_400(http):
+    response = http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
+                         headers={"Content-Type": "application/json"})
+    error = assert_error(response, 400, code="invalid_json", contains="could not parse the JSON body")
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, message", [(b"", "empty"), (b"[1, 2]", "must be a JSON object")])
+def test_body_must_be_an_object(http, body, message):
+    assert_error(http.post("/v1/completions", content=body), 400, contains=message)
+
+
+def test_missing_messages_and_prompt(http):
+    assert_error(post_chat(http), 400, "messages", "missing_required_parameter")
+    assert_error(http.post("/v1/completions", json={"model": "tiny"}), 400, "prompt", "missing_required_parameter")
+    assert_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, "model", "missing_required_parameter")
+    assert_error(post_chat(http, model="", messages=HELLO), 400, "model", "missing_required_parameter")
+
+
+@pytest.mark.parametrize("field, value, param, code", [
+    ("max_tokens", "5", "max_tokens", "invalid_type"),
+    ("max_tokens", True, "max_tokens", "invalid_type"),
+    ("max_tokens", 0, "max_tokens", "invalid_value"),
+    ("max_completion_tokens", 1.5, "max_completion_tokens", "invalid_type"),
+    ("temperature", "hot", "temperature", "invalid_type"),
+    ("temperature", 2.5, "temperature", "invalid_value"),
+    ("top_p", 0, "top_p", "invalid_value"),
+    ("n", 0, "n", "invalid_value"),
+    ("presence_penalty", -3, "presence_penalty", "invalid_value"),
+    ("frequency_penalty", [1], "frequency_penalty", "invalid_type"),
+    ("stop", 5, "stop", "invalid_type"),
+    ("stop", ["a", "b", "c", "d", "e"], "stop", "invalid_value"),
+    ("seed", "x", "seed", "invalid_type"),
+    ("stream", "yes", "stream", "invalid_type"),
+    ("stream_options", {"include_usage": 1}, "stream_options.include_usage", "invalid_type"),
+    ("logprobs", 1, "logprobs", "invalid_type"),
+    ("top_logprobs", 21, "top_logprobs", "invalid_value"),
+    ("messages", "hello", "messages", "invalid_type"),
+    ("messages", [], "messages", None),
+    ("messages", [{"role": "robot", "content": "x"}], "messages[0].role", "invalid_value"),
+    ("messages", [{"role": "user"}], "messages[0].content", "missing_required_parameter"),
+    ("messages", [{"role": "user", "content": 3}], "messages[0].content", "invalid_type"),
+])
+def test_wrong_chat_fields_name_their_param(http, field, value, param, code):
+    body = {"messages": HELLO, field: value}
+    assert_error(post_chat(http, **body), 400, param, code)
+
+
+def test_non_text_content_parts_are_refused(http):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    assert_error(post_chat(http, messages=messages), 400, "messages[0].content[1].type",
+                 contains="only text content parts")
+
+
+def test_top_logprobs_needs_logprobs(http):
+    assert_error(post_chat(http, messages=HELLO, top_logprobs=2), 400, "top_logprobs")
+
+
+def test_later_features_say_not_supported_yet(http):
+    assert_error(post_chat(http, messages=HELLO, response_format={"type": "json_object"}), 400,
+                 "response_format", "unsupported_parameter", "not supported yet")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert_error(post_chat(http, messages=HELLO, tools=tools), 400, "tools", "unsupported_parameter",
+                 "not supported yet")
+    ok = post_chat(http, messages=HELLO, max_tokens=2, response_format={"type": "text"}, tools=[])
+    assert ok.status_code == 200
+
+
+def test_context_length_exceeded(http, server):
+    limit = server.engine(lambda e: e.max_model_len)
+    error = assert_error(post_chat(http, messages=HELLO, max_tokens=limit), 400, "messages",
+                         "context_length_exceeded", f"maximum context length is {limit} tokens")
+    assert "in the completion" in error["message"]
+    too_long = [10 + i % 400 for i in range(limit)]
+    assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": too_long}), 400, "prompt",
+                 "context_length_exceeded")
+
+
+def test_bad_prompts(http):
+    assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": []}), 400, "prompt")
+    assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [[1, 2], "x", 3]}), 400,
+                 "prompt[2]", "invalid_type")
+    assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 99999]}), 400, "prompt",
+                 contains="token ids must be in")
+    assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": ""}), 400, "prompt",
+                 contains="empty")
+
+
+def test_unknown_model_is_404(http):
+    error = assert_error(post_chat(http, model="gpt-4o", messages=HELLO), 404, "model", "model_not_found",
+                         "'gpt-4o' does not exist")
+    assert error["type"] == "invalid_request_error"
+    assert_error(post_chat(http, model="TINY", messages=HELLO), 404, "model")   # names are case-sensitive
+
+
+def test_unknown_route_and_wrong_method(http):
+    assert_error(http.get("/v1/nothing"), 404, contains="Unknown route: GET /v1/nothing")
+    response = http.get("/v1/chat/completions")
+    assert_error(response, 405)
+    assert response.headers["Allow"] == "POST"
+
+
+def test_api_key_guards_every_route_but_health(make_server):
+    live = make_server(api_key="s3cret")
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        for path in ("/v1/models", "/metrics", "/v1/nothing"):
+            error = assert_error(http.get(path), 401, code="invalid_api_key", contains="Missing API key")
+            assert error["type"] == "invalid_request_error"
+        wrong = http.get("/v1/models", headers={"Authorization": "Bearer s3cret-not"})
+        assert_error(wrong, 401, code="invalid_api_key", contains="Incorrect API key")
+        assert wrong.headers["WWW-Authenticate"] == "Bearer"
+        assert_error(http.get("/v1/models", headers={"Authorization": "Basic s3cret"}), 401)
+        good = {"Authorization": "Bearer s3cret"}
+        assert http.get("/v1/models", headers=good).status_code == 200
+        ok = http.post("/v1/chat/completions", headers=good, json={"model": "tiny", "messages": HELLO,
+                                                                   "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_body_over_the_cap_is_413(make_server):
+    live = make_server(max_body_size=2048)
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 4096}]}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        assert_error(http.post("/v1/chat/completions", json=big), 413, code="request_too_large",
+                     contains="limit is 2048 bytes")
+
+        def chunked():   # no Content-Length: aiohttp's own cap must answer in our shape too
+            data = json.dumps(big).encode()
+            for start in range(0, len(data), 1024):
+                yield data[start:start + 1024]
+
+        assert_error(http.post("/v1/chat/completions", content=chunked()), 413, code="request_too_large")
+        small = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
+        assert small.status_code == 200
+
+
+def test_queue_full_is_429_with_retry_after(make_server):
+    live = make_server(engine={"max_num_seqs": 1}, max_queue=0)
+    long = {"model": "tiny", "messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=long) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")
+            busy = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
+            error = assert_error(busy, 429, code="queue_full", contains="busy")
+            assert error["type"] == "rate_limit_exceeded"
+            assert busy.headers["Retry-After"] == "1"
+        live.wait_idle()   # closing the first stream cancelled it
+        again = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 2})
+        assert again.status_code == 200
+    live.assert_clean()
+
+
+def test_a_waiting_request_is_admitted_within_the_queue(make_server):
+    live = make_server(engine={"max_num_seqs": 1}, max_queue=1)
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 40, "ignore_eos": True}
+    results: list[int] = []
+
+    def send() -> None:
+        with httpx.Client(base_url=live.url, timeout=30) as client:
+            results.append(client.post("/v1/chat/completions", json=body).status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == [200, 200]
+    live.assert_clean()

@@ -1,0 +1,219 @@
+"""The official openai SDK against the real server socket: chat and completions,
+streaming and not, n, stop, seeds, usage, logprobs and prefix-cache accounting."""
+
+from __future__ import annotations
+
+import uuid
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def chat(client, server, **kwargs):
+    kwargs.setdefault("messages", HELLO)
+    return client.chat.completions.create(model=server.model, **kwargs)
+
+
+def test_models_lists_every_served_name(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny", "org/tiny-model"]
+    assert all(m.owned_by == "ruvllm" for m in models.data)
+
+
+def test_chat_returns_a_message_with_real_usage(client, server):
+    reply = chat(client, server, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
+    assert reply.model == "tiny"
+    [choice] = reply.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    prompt_ids = server.engine(lambda e: e.tokenizer.apply_chat_template(
+        HELLO, add_generation_prompt=True, tokenize=False))
+    assert reply.usage.prompt_tokens == len(server.engine(lambda e: e.tokenizer.encode(
+        prompt_ids, add_special_tokens=False)))
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_any_served_name_is_accepted_and_echoed(client, server):
+    reply = client.chat.completions.create(model="org/tiny-model", messages=HELLO, max_tokens=2)
+    assert reply.model == "org/tiny-model"
+
+
+def test_chat_stream_matches_the_plain_reply(client, server):
+    plain = chat(client, server, max_tokens=16, temperature=0)
+    chunks = list(chat(client, server, max_tokens=16, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == plain.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks][-1] == plain.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
+
+
+def test_stream_include_usage_ends_with_a_usage_chunk(client, server):
+    chunks = list(chat(client, server, max_tokens=10, temperature=0, stream=True,
+                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_copies_use_consecutive_seeds(client, server):
+    two = chat(client, server, n=2, max_tokens=12, temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.completion_tokens == 24
+    first = chat(client, server, max_tokens=12, temperature=1.0, seed=1234, extra_body={"ignore_eos": True})
+    second = chat(client, server, max_tokens=12, temperature=1.0, seed=1235, extra_body={"ignore_eos": True})
+    assert two.choices[0].message.content == first.choices[0].message.content
+    assert two.choices[1].message.content == second.choices[0].message.content
+
+
+def test_same_seed_same_text(client, server):
+    replies = [chat(client, server, max_tokens=16, temperature=1.0, top_p=0.9, seed=7).choices[0].message.content
+               for _ in range(2)]
+    assert replies[0] == replies[1]
+
+
+def test_n_streams_every_choice(client, server):
+    chunks = list(chat(client, server, n=2, max_tokens=6, temperature=0, stream=True,
+                       extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+    texts = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in (0, 1)]
+    assert texts[0] == texts[1]   # greedy: both copies agree
+
+
+def test_stop_string_cuts_the_reply(client, server):
+    full = chat(client, server, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    text = full.message.content
+    start = next(i for i in range(2, len(text) - 1) if text[i:i + 2].isalnum())
+    stop = text[start:start + 2]
+    cut = chat(client, server, max_tokens=24, temperature=0, stop=[stop, "never-seen"],
+               extra_body={"ignore_eos": True}).choices[0]
+    assert cut.message.content == text[:text.index(stop)]
+    assert cut.finish_reason == "stop"
+    streamed = chat(client, server, max_tokens=24, temperature=0, stop=stop, stream=True,
+                    extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[:text.index(stop)]
+
+
+def test_chat_logprobs(client, server):
+    reply = chat(client, server, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+                 extra_body={"ignore_eos": True})
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 8
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        assert item.logprob <= 0 and item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+        assert item.token == item.top_logprobs[0].token   # greedy picks the most likely token
+    raw = b"".join(bytes(item.bytes) for item in content)
+    # A reply that ends inside a UTF-8 character shows the tokenizer's U+FFFD there
+    # (one per byte), Python's decode one per sequence: compare what precedes them.
+    text = reply.choices[0].message.content
+    assert raw.decode("utf-8", errors="replace").rstrip("\ufffd") == text.rstrip("\ufffd")
+
+
+def test_chat_logprobs_stream_with_the_deltas(client, server):
+    chunks = list(chat(client, server, max_tokens=6, temperature=0, logprobs=True, stream=True,
+                       extra_body={"ignore_eos": True}))
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert len(tokens) == 6 and all(t.top_logprobs == [] for t in tokens)
+
+
+def test_completion_plain_and_streamed(client, server):
+    done = client.completions.create(model=server.model, prompt="The quick brown fox", max_tokens=10,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert done.object == "text_completion" and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 10
+    streamed = client.completions.create(model=server.model, prompt="The quick brown fox", max_tokens=10,
+                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_of_several_prompts_and_token_ids(client, server):
+    ids = server.engine(lambda e: e.tokenizer.encode("Hello there"))
+    done = client.completions.create(model=server.model, prompt=["The cat", "Hello there"], n=2, max_tokens=4,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert done.usage.completion_tokens == 16
+    by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == done.choices[2].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_completion_logprobs_and_echo(client, server):
+    done = client.completions.create(model=server.model, prompt="Bread needs flour", max_tokens=5, temperature=0,
+                                     logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = done.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert all(len(top) <= 3 and tok in top for tok, top in zip(logprobs.tokens, logprobs.top_logprobs))
+    echoed = client.completions.create(model=server.model, prompt="Bread needs flour", max_tokens=5,
+                                       temperature=0, echo=True, extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "Bread needs flour" + done.choices[0].text
+
+
+def test_repeated_long_prompt_reports_cached_tokens(client, server):
+    unique = uuid.uuid4().hex
+    long_prompt = f"{unique} " + "Computers store numbers in binary. A byte has eight bits. " * 20
+    messages = [{"role": "user", "content": long_prompt}]
+    first = chat(client, server, messages=messages, max_tokens=2)
+    second = chat(client, server, messages=messages, max_tokens=2)
+    assert first.usage.prompt_tokens > 200
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached >= first.usage.prompt_tokens - 16
+
+
+def test_penalties_and_text_parts_are_accepted(client, server):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+                {"role": "assistant", "content": "Hi."},
+                {"role": "user", "content": "Tell me more."}]
+    reply = chat(client, server, messages=messages, max_tokens=5, presence_penalty=1.5, frequency_penalty=0.5,
+                 temperature=0.7, seed=3)
+    assert reply.choices[0].message.content is not None
+    assert reply.usage.completion_tokens <= 5
+
+
+def test_default_max_tokens_is_what_the_context_leaves(server, client):
+    limit = server.engine(lambda e: e.max_model_len)
+    ids = [10 + i % 400 for i in range(limit - 5)]
+    done = client.completions.create(model=server.model, prompt=ids, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+    short = client.completions.create(model=server.model, prompt="Hello", temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16   # OpenAI's default for completions
+
+
+def test_a_tool_conversation_renders_through_the_template(client, server):
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]
+    reply = chat(client, server, messages=messages, max_tokens=3)
+    assert reply.choices[0].message.role == "assistant"
+    rendered = server.engine(lambda e: e.tokenizer.apply_chat_template(
+        [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "get_weather",
+                                                                   "arguments": {"city": "Paris"}}}]},
+         messages[2]], add_generation_prompt=True, tokenize=False))
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in rendered
+    assert reply.usage.prompt_tokens == len(server.engine(lambda e: e.tokenizer.encode(
+        rendered, add_special_tokens=False)))
