@@ -31,6 +31,14 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix):]
 
+    def flush(self) -> str:
+        """At the end of a reply: the text still held back (an incomplete character
+        decodes to U+FFFD, as tokenizer.decode would show it)."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""
+
 
 class StopMatcher:
     """Finds stop strings in the generated text, holding back a tail that could

@@ -59,8 +59,7 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
         params = params or SamplingParams()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(prompt_ids)
+        prompt_ids = self.prepare_prompt(prompt)
         request = Request(prompt_ids=prompt_ids, params=params, cache_salt=cache_salt)
         if request_id is not None:
             request.request_id = request_id
@@ -73,6 +72,13 @@ class LLMEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request
+
+    def prepare_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Tokenize and validate a prompt (UsageError if bad). Reads only what never
+        changes after start-up, so any thread may call it."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(prompt_ids)
+        return prompt_ids
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -144,7 +150,8 @@ class LLMEngine:
             return self._output(request, [token], text, logprob)
         self.scheduler.finish(request, reason)
         if not hit_stop:
-            text += stream.matcher.flush()
+            # A reply may end inside a multi-byte character: show what there is.
+            text += stream.matcher.feed(stream.detokenizer.flush())[0] + stream.matcher.flush()
         return self._final(request, text, [token], logprob)
 
     def _output(self, request: Request, tokens: list[int], text: str,

@@ -8,6 +8,7 @@ the GIL in its kernels, so an asyncio server stays responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
@@ -15,8 +16,15 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.errors import RuvllmError
 
 _STOP = object()
+
+
+class EngineFailedError(RuvllmError):
+    """The engine thread died; nothing more can be generated."""
+
+    http_status = 503
 
 
 class RequestStream:
@@ -31,7 +39,8 @@ class RequestStream:
         self.finished = False
 
     def _deliver(self, output: RequestOutput) -> None:  # engine thread
-        if self._aio is not None and self._async is not None:
+        if self._aio is not None:
+            assert self._async is not None
             try:
                 self._aio.call_soon_threadsafe(self._async.put_nowait, output)
             except RuntimeError:
@@ -66,41 +75,39 @@ class EngineLoop:
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._on_step = on_step
+        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="ruvllm-engine", daemon=True)
         self._error: BaseException | None = None
         self._thread.start()
 
     # ---- submission (any thread) -------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               cache_salt: str | None = None) -> RequestStream:
-        return self._submit(prompt, params, cache_salt, None)
+               cache_salt: str | None = None, loop: asyncio.AbstractEventLoop | None = None
+               ) -> RequestStream:
+        """Queue a request and return its stream at once, without waiting for the
+        engine thread (a step can take a while). A bad prompt raises UsageError here.
+
+        With `loop`, the stream is for `async for` on that event loop; any thread may
+        call this either way."""
+        if self._error is not None:
+            raise EngineFailedError(f"the engine has stopped after an error: {self._error}")
+        prompt_ids = self.engine.prepare_prompt(prompt)
+        params = params or SamplingParams()
+        stream = RequestStream(self, f"req-{next(self._ids)}", loop)
+        self._commands.put(_Add(self, stream, prompt_ids, params, cache_salt))
+        if self._error is not None:  # died while we queued: the thread may never see it
+            stream._deliver(_failed(stream.request_id, self._error))
+        return stream
 
     def submit_async(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      cache_salt: str | None = None) -> RequestStream:
-        return self._submit(prompt, params, cache_salt, asyncio.get_running_loop())
+        """`submit` for the running event loop's own thread."""
+        return self.submit(prompt, params, cache_salt, asyncio.get_running_loop())
 
-    def _submit(self, prompt: str | Sequence[int], params: SamplingParams | None, cache_salt: str | None,
-                aio: asyncio.AbstractEventLoop | None) -> RequestStream:
-        if self._error is not None:
-            raise RuntimeError("the engine thread has failed") from self._error
-        done = threading.Event()
-        result: dict[str, Any] = {}
-
-        def add() -> None:
-            try:
-                request = self.engine.add_request(prompt, params, cache_salt=cache_salt)
-                stream = RequestStream(self, request.request_id, aio)
-                self._streams[request.request_id] = stream
-                result["stream"] = stream
-            except BaseException as error:  # noqa: BLE001 - handed back to the caller
-                result["error"] = error
-            done.set()
-
-        self._commands.put(add)
-        done.wait()
-        if "error" in result:
-            raise result["error"]
-        return result["stream"]
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has died (an error in a step)."""
+        return self._error is None and self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self._deliver(self.engine.abort(request_id)))
@@ -118,7 +125,9 @@ class EngineLoop:
             done.set()
 
         self._commands.put(run)
-        done.wait()
+        while not done.wait(0.25):
+            if not self.healthy:
+                raise EngineFailedError(f"the engine has stopped after an error: {self._error}")
         if "error" in box:
             raise box["error"]
         return box.get("value")
@@ -170,6 +179,36 @@ class EngineLoop:
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            stream._deliver(RequestOutput(request_id=request_id, token_ids=[], text="", finished=True,
-                                          finish_reason="error", error=f"engine failure: {error}"))
+            stream._deliver(_failed(request_id, error))
         self._streams.clear()
+        while True:  # requests queued but never added hear of it too
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.stream._deliver(_failed(command.stream.request_id, error))
+
+
+class _Add:
+    """The engine-thread half of `EngineLoop.submit`."""
+
+    def __init__(self, loop: EngineLoop, stream: RequestStream, prompt_ids: list[int],
+                 params: SamplingParams, cache_salt: str | None) -> None:
+        self.loop, self.stream = loop, stream
+        self.prompt_ids, self.params, self.cache_salt = prompt_ids, params, cache_salt
+
+    def __call__(self) -> None:
+        stream = self.stream
+        try:
+            self.loop.engine.add_request(self.prompt_ids, self.params, request_id=stream.request_id,
+                                         cache_salt=self.cache_salt)
+        except Exception as error:  # noqa: BLE001 - the stream ends with it instead
+            stream._deliver(_failed(stream.request_id, error, prefix=""))
+            return
+        self.loop._streams[stream.request_id] = stream
+
+
+def _failed(request_id: str, error: BaseException, prefix: str = "engine failure: ") -> RequestOutput:
+    return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True,
+                         finish_reason="error", error=f"{prefix}{error}")

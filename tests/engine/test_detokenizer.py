@@ -34,3 +34,15 @@ def test_stop_split_over_many_deltas_and_earliest_wins():
     out = [m.feed(c) for c in "hello world"]
     assert "".join(o[0] for o in out) == "hel"
     assert any(hit for _, hit in out)
+
+
+def test_streamed_text_equals_one_decode_of_the_reply(make_engine, loaded):
+    """Whatever the model emits, including a reply cut inside a multi-byte
+    character, the stream's text is exactly the reply decoded in one go."""
+    from ruvllm_cli.engine.sampling import SamplingParams
+
+    engine = make_engine()
+    for seed in range(6):
+        out = engine.generate([[7 + seed, 200, 31, 5]], SamplingParams(
+            max_tokens=5 + seed, temperature=1.0, seed=seed, ignore_eos=True))[0]
+        assert out.text == loaded.tokenizer.decode(out.token_ids, skip_special_tokens=True)

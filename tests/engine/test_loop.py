@@ -65,3 +65,35 @@ def test_async_streams_run_concurrently_and_cancel_alone(loop):
 def test_bad_request_raises_in_the_caller(loop):
     with pytest.raises(UsageError):
         loop.submit([], PARAMS)
+
+
+def test_submit_returns_without_waiting_for_a_step(loop):
+    """A long step in progress must not block the caller (the server's event loop)."""
+    import time
+
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    running = loop.submit([5 + i % 500 for i in range(600)], long)
+    started = time.perf_counter()
+    streams = [loop.submit([7, 8, 9], PARAMS) for _ in range(20)]
+    assert time.perf_counter() - started < 0.5
+    for stream in streams:
+        assert list(stream)[-1].finish_reason == "length"
+    running.cancel()
+    assert list(running)[-1].finish_reason == "cancelled"
+
+
+def test_a_failed_engine_is_reported_not_hung(make_engine):
+    engine = make_engine()
+    engine_loop = EngineLoop(engine)
+
+    def explode():
+        raise RuntimeError("boom")
+
+    engine.step = explode  # the next step fails
+    stream = engine_loop.submit([5, 6, 7], PARAMS)
+    final = list(stream)[-1]
+    assert final.finish_reason == "error" and "boom" in final.error
+    assert not engine_loop.healthy
+    with pytest.raises(Exception, match="stopped"):
+        engine_loop.submit([5, 6, 7], PARAMS)
+    engine_loop.shutdown()
