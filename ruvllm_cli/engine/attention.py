@@ -51,7 +51,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor                # [T] slot of each packed token
     num_decodes: int = 0                      # the first num_decodes tokens are single-token queries
     decode_slots: torch.Tensor | None = None  # [B, L] slots of each decode's context
-    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] bool, None when no padding
+    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] bool (True = attend), None when no padding
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -78,12 +78,20 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       step: StepMetadata, scaling: float | None) -> torch.Tensor:
-    q = query[0, :, :step.num_decodes].transpose(0, 1).unsqueeze(2)          # [B, Hq, 1, D]
-    k = k_cache[step.decode_slots].transpose(1, 2)                           # [B, Hkv, L, D]
-    v = v_cache[step.decode_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=step.decode_mask, scale=scaling,
-                                       enable_gqa=q.shape[1] != k.shape[1])
-    return o[:, :, 0]                                                        # [B, Hq, D]
+    """One query row per request, as two batched matmuls over the GQA groups.
+
+    CPU SDPA (flash) takes a slow path for one-row queries with a padding mask: 3.5 ms
+    a layer for 16 requests here, against a fraction of that for these matmuls."""
+    batch, kv_heads, head_dim = step.num_decodes, k_cache.shape[1], query.shape[3]
+    groups = query.shape[1] // kv_heads
+    q = query[0, :, :batch].transpose(0, 1).reshape(batch, kv_heads, groups, head_dim)
+    k = k_cache[step.decode_slots].permute(0, 2, 3, 1)                       # [B, Hkv, D, L]
+    v = v_cache[step.decode_slots].transpose(1, 2)                           # [B, Hkv, L, D]
+    scores = torch.matmul(q, k).float() * (scaling if scaling is not None else head_dim ** -0.5)
+    if step.decode_mask is not None:
+        scores.masked_fill_(~step.decode_mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)                               # [B, Hkv, G, L]
+    return torch.matmul(probs, v).reshape(batch, kv_heads * groups, head_dim)  # [B, Hq, D]
 
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

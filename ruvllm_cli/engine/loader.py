@@ -126,6 +126,8 @@ def load_model(path: str | Path, device: str = "auto",
         raise ModelLoadError(f"cannot load the model in {path}: {str(error).splitlines()[0]}") from None
     if not extra:
         model.to(target)
+    if target.type == "cpu":
+        _own_weights(model)
     model.eval()
     quant_path = quantize_model(model, quantization, target)
     load_seconds = time.perf_counter() - started
@@ -134,6 +136,16 @@ def load_model(path: str | Path, device: str = "auto",
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path)
+
+
+@torch.no_grad()
+def _own_weights(model: torch.nn.Module) -> None:
+    """Copy weights that still map the safetensors file into process memory.
+
+    Matmuls over file-backed pages ran 12% slower here (decode 69 vs 61 ms per token
+    on the Qwen2.5-0.5B shape): page-cache pages get no transparent huge pages."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()
 
 
 def _bitsandbytes_options(quantization: Quantization, device: torch.device) -> dict[str, Any]:
