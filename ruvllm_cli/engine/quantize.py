@@ -106,6 +106,32 @@ class Int8Embedding(nn.Module):
         return self.qweight[ids].to(torch.bfloat16) * self.scales[ids].unsqueeze(-1)
 
 
+class Int4Embedding(nn.Module):
+    """An embedding table stored as 4-bit codes (two per byte) with a scale and zero
+    per group of 32 values; rows are dequantized as they are looked up."""
+
+    def __init__(self, embedding: nn.Embedding, group_size: int = 32) -> None:
+        super().__init__()
+        weight = embedding.weight.detach().float()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.group_size = group_size if self.embedding_dim % group_size == 0 else self.embedding_dim
+        groups = weight.reshape(self.num_embeddings, -1, self.group_size)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scales = (high - low).clamp(min=1e-8) / 15.0
+        codes = ((groups - low) / scales).round().clamp(0, 15).to(torch.uint8).reshape(self.num_embeddings, -1)
+        self.register_buffer("packed", codes[:, 0::2] | (codes[:, 1::2] << 4))
+        self.register_buffer("scales", scales.squeeze(-1).to(torch.bfloat16))
+        self.register_buffer("lows", low.squeeze(-1).to(torch.bfloat16))
+        self.padding_idx = embedding.padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = self.packed[ids]
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+        groups = codes.reshape(*ids.shape, -1, self.group_size).to(torch.bfloat16)
+        rows = groups * self.scales[ids].unsqueeze(-1) + self.lows[ids].unsqueeze(-1)
+        return rows.flatten(-2)
+
+
 def _int4_fits(linear: nn.Linear, group_size: int) -> bool:
     return linear.in_features % group_size == 0 and linear.out_features % 8 == 0
 
@@ -148,5 +174,8 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
         count = _replace_linears(model, Int4Linear, group)
         path = (f"int4 weight-only, group {group} (torch int4pack kernel), {count} linear layers "
                 "incl. LM head")
-    model.set_input_embeddings(Int8Embedding(embeddings))
-    return path + "; int8 embeddings"
+    if quantization is Quantization.Q8_0:
+        model.set_input_embeddings(Int8Embedding(embeddings))
+        return path + "; int8 embeddings"
+    model.set_input_embeddings(Int4Embedding(embeddings))
+    return path + "; int4 embeddings"
