@@ -19,11 +19,14 @@ ATTN_IMPLEMENTATION = "ruvllm_paged"
 
 
 class PagedKVCache:
-    """Per-layer key and value pools of shape [num_slots, num_kv_heads, head_dim]."""
+    """Per-layer key and value pools of shape [num_kv_heads, num_slots, head_dim].
+
+    Heads first: the layer's new keys arrive as [heads, tokens, dim], and a gather of
+    slots comes out in the layout the attention matmuls read, with no copy."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_slots, head_dim)
         # Zeroed, not empty: padded decode slots read stale rows with weight 0, and
         # uninitialised memory could hold NaN (0 * NaN = NaN).
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -51,7 +54,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor                # [T] slot of each packed token
     num_decodes: int = 0                      # the first num_decodes tokens are single-token queries
     decode_slots: torch.Tensor | None = None  # [B, L] slots of each decode's context
-    decode_mask: torch.Tensor | None = None   # [B, 1, 1, L] bool (True = attend), None when no padding
+    decode_mask: torch.Tensor | None = None   # [B, 1, L] bool (True = attend), None when no padding
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -65,8 +68,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     step = ruvllm_step
     layer = module.layer_idx
     k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
-    k_cache.index_copy_(0, step.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, step.slot_mapping, value[0].transpose(0, 1))
+    k_cache.index_copy_(1, step.slot_mapping, key[0])
+    v_cache.index_copy_(1, step.slot_mapping, value[0])
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     if step.num_decodes:
         out[:step.num_decodes] = _decode_attention(query, k_cache, v_cache, step, scaling)
@@ -82,16 +85,19 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     CPU SDPA (flash) takes a slow path for one-row queries with a padding mask: 3.5 ms
     a layer for 16 requests here, against a fraction of that for these matmuls."""
-    batch, kv_heads, head_dim = step.num_decodes, k_cache.shape[1], query.shape[3]
+    slots = step.decode_slots
+    batch, length = slots.shape
+    kv_heads, head_dim = k_cache.shape[0], query.shape[3]
     groups = query.shape[1] // kv_heads
-    q = query[0, :, :batch].transpose(0, 1).reshape(batch, kv_heads, groups, head_dim)
-    k = k_cache[step.decode_slots].permute(0, 2, 3, 1)                       # [B, Hkv, D, L]
-    v = v_cache[step.decode_slots].transpose(1, 2)                           # [B, Hkv, L, D]
-    scores = torch.matmul(q, k).float() * (scaling if scaling is not None else head_dim ** -0.5)
+    q = query[0, :, :batch].reshape(kv_heads, groups, batch, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
+    k = k_cache[:, slots.reshape(-1)].view(kv_heads, batch, length, head_dim)         # [Hkv, B, L, D]
+    v = v_cache[:, slots.reshape(-1)].view(kv_heads, batch, length, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float()                              # [Hkv, B, G, L]
+    scores *= scaling if scaling is not None else head_dim ** -0.5
     if step.decode_mask is not None:
         scores.masked_fill_(~step.decode_mask, float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)                               # [B, Hkv, G, L]
-    return torch.matmul(probs, v).reshape(batch, kv_heads * groups, head_dim)  # [B, Hq, D]
+    out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)                          # [Hkv, B, G, D]
+    return out.permute(1, 0, 2, 3).reshape(batch, kv_heads * groups, head_dim)        # [B, Hq, D]
 
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -104,8 +110,8 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         v = value[:, :, seg.start:seg.start + seg.length]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:
-        k = k_cache[seg.slots].transpose(0, 1).unsqueeze(0)                  # [1, Hkv, L, D]
-        v = v_cache[seg.slots].transpose(0, 1).unsqueeze(0)
+        k = k_cache[:, seg.slots].unsqueeze(0)                               # [1, Hkv, L, D]
+        v = v_cache[:, seg.slots].unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=gqa)
     return o[0].transpose(0, 1)                                              # [n, Hq, D]
 

@@ -93,7 +93,7 @@ class ModelRunner:
         if min(lengths) != longest:
             positions = torch.arange(longest, device=self.device)
             mask = positions.unsqueeze(0) < self._tensor(lengths).unsqueeze(1)
-            step.decode_mask = mask.view(len(decodes), 1, 1, longest)
+            step.decode_mask = mask.view(len(decodes), 1, longest)  # broadcasts over [Hkv, B, G, L]
 
     def _describe_prefills(self, step: StepMetadata, prefills: list[ScheduledChunk], offset: int) -> None:
         for chunk in prefills:
