@@ -90,8 +90,10 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     kv_heads, head_dim = k_cache.shape[0], query.shape[3]
     groups = query.shape[1] // kv_heads
     q = query[0, :, :batch].reshape(kv_heads, groups, batch, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
-    k = k_cache[:, slots.reshape(-1)].view(kv_heads, batch, length, head_dim)         # [Hkv, B, L, D]
-    v = v_cache[:, slots.reshape(-1)].view(kv_heads, batch, length, head_dim)
+    # index_select: 5.6x faster than advanced indexing for this gather (57 vs 317 us).
+    flat = slots.reshape(-1)
+    k = k_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim)          # [Hkv, B, L, D]
+    v = v_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float()                              # [Hkv, B, G, L]
     scores *= scaling if scaling is not None else head_dim ** -0.5
     if step.decode_mask is not None:
@@ -110,8 +112,8 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         v = value[:, :, seg.start:seg.start + seg.length]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:
-        k = k_cache[:, seg.slots].unsqueeze(0)                               # [1, Hkv, L, D]
-        v = v_cache[:, seg.slots].unsqueeze(0)
+        k = k_cache.index_select(1, seg.slots).unsqueeze(0)                  # [1, Hkv, L, D]
+        v = v_cache.index_select(1, seg.slots).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=gqa)
     return o[0].transpose(0, 1)                                              # [n, Hq, D]
 
