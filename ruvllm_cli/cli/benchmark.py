@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import click
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, quantization_option
+from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
 
@@ -32,6 +32,7 @@ from ruvllm_cli.quantization import Quantization
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write the result, in the same format, to FILE.")
 @device_option()
+@prefix_cache_option()
 @click.option("--compare", "compare_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A previous `--format json` result: show each metric beside it; exit 1 on a regression.")
 @click.option("--threshold", type=click.FloatRange(min=0.0), default=10.0, show_default=True,
@@ -70,7 +71,7 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
 
 def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, prompt_length: int,
                   gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
-                  seed: int, **rest: Any) -> dict[str, Any]:
+                  seed: int, no_prefix_cache: bool = False, **rest: Any) -> dict[str, Any]:
     """Load MODEL, run the iterations with a progress bar on stderr, build the report."""
     from ruvllm_cli.bench.memory import cuda_max_allocated_mb, peak_rss_mb
     from ruvllm_cli.bench.report import Measurements, build_report, model_section
@@ -81,7 +82,8 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     settings = BenchSettings(warmup, iterations, prompt_length, gen_length, concurrency, seed)
     # A KV pool sized for this workload, so that peak memory reflects the run.
     opened = open_engine(app, model, quantization=quantization, device=device,
-                         max_num_seqs=concurrency, max_model_len=prompt_length + gen_length)
+                         max_num_seqs=concurrency, max_model_len=prompt_length + gen_length,
+                         enable_prefix_caching=prefix_caching(no_prefix_cache))
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
     with _progress(app, settings) as (on_tokens, on_phase):

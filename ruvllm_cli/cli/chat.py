@@ -9,7 +9,7 @@ import click
 from click.core import ParameterSource
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, quantization_option
+from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
 from ruvllm_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None)
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @quantization_option()
+@prefix_cache_option()
 @device_option()
 @global_options
 def command(**options: Any) -> None:
@@ -53,7 +54,8 @@ def command(**options: Any) -> None:
     # One reply at a time: one sequence's worth of KV blocks, which the prefix cache
     # keeps between turns.
     opened = open_engine(app, options["model"], quantization=options["quantization"],
-                         device=options["device"], max_num_seqs=1)
+                         device=options["device"], max_num_seqs=1,
+                         enable_prefix_caching=prefix_caching(options["no_prefix_cache"]))
     loop = EngineLoop(opened.engine)
     try:
         conversation = build_conversation(app, opened, loop, options, interactive)

@@ -32,3 +32,14 @@ def quantization_option(default: str | None = None, help_extra: str = "") -> Any
 def device_option() -> Any:
     return click.option("--device", type=DEVICE, default="auto", show_default=True,
                         help="Where to run the model: CUDA, then MPS, then CPU when auto.")
+
+
+def prefix_cache_option() -> Any:
+    """--no-prefix-cache, exposed as `no_prefix_cache`."""
+    return click.option("--no-prefix-cache", is_flag=True,
+                        help="Turn automatic prefix caching off (it is on by default).")
+
+
+def prefix_caching(no_prefix_cache: bool) -> bool | None:
+    """The EngineConfig value for the flag (None keeps the engine's default: on)."""
+    return False if no_prefix_cache else None

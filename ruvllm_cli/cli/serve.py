@@ -14,7 +14,7 @@ from typing import Any, Callable, TypeVar
 import click
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, quantization_option
+from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
 from ruvllm_cli.errors import RuvllmError
 
 T = TypeVar("T")
@@ -61,7 +61,7 @@ BYTE_SIZE = ByteSize()
               help="Token budget of one engine step (default: 1024 on CPU, 8192 on GPU).")
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
               help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
-@click.option("--no-prefix-cache", is_flag=True, help="Turn prefix caching off.")
+@prefix_cache_option()
 @quantization_option()
 @click.option("--served-model-name", multiple=True,
               help="Extra name clients may use as `model` (repeatable; the first one is reported).")
@@ -152,7 +152,7 @@ def load(app: AppContext, options: dict[str, Any]) -> Any:
         app, options["model"], quantization=options["quantization"], device=options["device"],
         max_num_seqs=options["max_concurrent"], max_model_len=options["max_context"],
         max_num_batched_tokens=options["max_num_batched_tokens"], kv_cache_memory=options["kv_cache_memory"],
-        enable_prefix_caching=False if options["no_prefix_cache"] else None)
+        enable_prefix_caching=prefix_caching(options["no_prefix_cache"]))
 
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:

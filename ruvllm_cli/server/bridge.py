@@ -80,7 +80,7 @@ def _prepare_and_submit(engine_loop: EngineLoop, aio: asyncio.AbstractEventLoop,
     streams: list[RequestStream] = []
     try:
         for plan in plans:
-            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, loop=aio))
+            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.cache_salt, loop=aio))
     except UsageError as error:
         cancel_all(streams)
         raise ApiError.from_ruvllm(error, param) from error

@@ -26,6 +26,8 @@ class EngineSnapshot:
     kv_blocks_total: int
     prefix_queries: int
     prefix_hits: int
+    prefix_cached_blocks: int
+    prefix_evictions: int
     preemptions: int
     steps: int
 
@@ -37,6 +39,7 @@ def read_engine_snapshot(engine: Any) -> EngineSnapshot:
         running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting),
         kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_blocks,
         prefix_queries=blocks.stats.queries, prefix_hits=blocks.stats.hits,
+        prefix_cached_blocks=blocks.num_cached_blocks, prefix_evictions=blocks.stats.evictions,
         preemptions=engine.stats.preemptions, steps=engine.stats.steps)
 
 
@@ -62,6 +65,10 @@ class EngineCollector(Collector):
         yield _counter("ruvllm_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_hits)
         yield _gauge("ruvllm_prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.",
                      s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
+        yield _gauge("ruvllm_prefix_cache_blocks", "KV blocks that hold a reusable prefix.",
+                     s.prefix_cached_blocks)
+        yield _counter("ruvllm_prefix_cache_evictions", "Cached prefix blocks reused for new content.",
+                       s.prefix_evictions)
         yield _counter("ruvllm_num_preemptions", "Sequences preempted for want of KV blocks.", s.preemptions)
         yield _counter("ruvllm_engine_steps", "Engine steps (forward passes).", s.steps)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.protocol import Prompt, SamplingFields
 
@@ -21,6 +23,7 @@ class SequencePlan:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None   # keeps this tenant's prefix-cache blocks apart
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -28,11 +31,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as error:  # noqa: BLE001 - jinja's raise_exception and friends: the messages' fault
-        raise bad_request(f"The messages do not fit the model's chat template: {error}", "messages") from error
-    # The rendered text already holds BOS where the template wants it.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+        return engine_render_chat(tokenizer, messages)
+    except UsageError as error:   # jinja's raise_exception and friends: the messages' fault
+        raise bad_request(f"The messages do not fit the model's chat template: {error.message}",
+                          "messages") from error
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -58,7 +60,7 @@ def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_mo
             max_tokens = min(max_tokens, sampling.default_max_tokens)
         for copy in range(sampling.n):
             plans.append(SequencePlan(prompt_index * sampling.n + copy, prompt_index, ids,
-                                      sampling.params(max_tokens, copy)))
+                                      sampling.params(max_tokens, copy), sampling.cache_salt))
     return plans
 
 

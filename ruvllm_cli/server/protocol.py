@@ -40,6 +40,7 @@ class SamplingFields:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
+    cache_salt: str | None = None     # prefix-cache blocks are shared only within one salt
 
     def params(self, max_tokens: int, copy: int) -> SamplingParams:
         """Engine parameters for copy `copy` of `n`."""
@@ -264,6 +265,7 @@ def _sampling(fields: Fields, max_tokens: int | None, logprobs: int | None,
         stop=_stop(fields.raw("stop")),
         ignore_eos=fields.boolean("ignore_eos"),
         logprobs=logprobs,
+        cache_salt=fields.string("cache_salt") or None,
     )
 
 

@@ -45,6 +45,7 @@ def test_metrics_expose_requests_tokens_latency_and_engine_state(server):
                  "ruvllm_num_requests_running", "ruvllm_num_requests_waiting", "ruvllm_kv_cache_blocks_used",
                  "ruvllm_kv_cache_blocks_total", "ruvllm_kv_cache_usage_ratio", "ruvllm_prefix_cache_hit_rate",
                  "ruvllm_prefix_cache_queries_total", "ruvllm_prefix_cache_hits_total",
+                 "ruvllm_prefix_cache_blocks", "ruvllm_prefix_cache_evictions_total",
                  "ruvllm_num_preemptions_total", "ruvllm_engine_steps_total", "ruvllm_http_requests_in_flight"):
         assert f"\n{name}" in text, name
     assert 'ruvllm_http_requests_total{endpoint="/v1/chat/completions",status="200"}' in text

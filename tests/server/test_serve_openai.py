@@ -180,6 +180,16 @@ def test_repeated_long_prompt_reports_cached_tokens(client, server):
     assert cached > 0 and cached % 16 == 0 and cached >= first.usage.prompt_tokens - 16
 
 
+def test_cache_salt_keeps_tenants_apart(client, server):
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "Tenants share a server. " * 20}]
+    first = chat(client, server, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    other = chat(client, server, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-b"})
+    same = chat(client, server, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-a"})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert same.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
 def test_penalties_and_text_parts_are_accepted(client, server):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
