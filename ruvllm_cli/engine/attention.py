@@ -54,7 +54,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor                # [T] slot of each packed token
     num_decodes: int = 0                      # the first num_decodes tokens are single-token queries
     decode_slots: torch.Tensor | None = None  # [B, L] slots of each decode's context
-    decode_mask: torch.Tensor | None = None   # [B, 1, L] bool (True = attend), None when no padding
+    decode_padding: torch.Tensor | None = None  # [B, 1, L] bool, True past a request's length; None if none
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -96,8 +96,8 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     v = v_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)).float()                              # [Hkv, B, G, L]
     scores *= scaling if scaling is not None else head_dim ** -0.5
-    if step.decode_mask is not None:
-        scores.masked_fill_(~step.decode_mask, float("-inf"))
+    if step.decode_padding is not None:
+        scores.masked_fill_(step.decode_padding, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)                          # [Hkv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, kv_heads * groups, head_dim)        # [B, Hq, D]
 

@@ -92,8 +92,8 @@ class ModelRunner:
         step.decode_slots = self._block_slots([c.request.block_table for c in decodes], longest)
         if min(lengths) != longest:
             positions = torch.arange(longest, device=self.device)
-            mask = positions.unsqueeze(0) < self._tensor(lengths).unsqueeze(1)
-            step.decode_mask = mask.view(len(decodes), 1, longest)  # broadcasts over [Hkv, B, G, L]
+            padding = positions.unsqueeze(0) >= self._tensor(lengths).unsqueeze(1)
+            step.decode_padding = padding.view(len(decodes), 1, longest)  # broadcasts over [Hkv, B, G, L]
 
     def _describe_prefills(self, step: StepMetadata, prefills: list[ScheduledChunk], offset: int) -> None:
         for chunk in prefills:
