@@ -41,3 +41,15 @@ def parse_quantization(name: str | Quantization) -> Quantization:
         return _NAMES[name.strip().lower()]
     except KeyError:
         raise UsageError(f"unknown quantization '{name}'", f"choose one of {CHOICES}") from None
+
+
+def quantization_of_gguf(file_name: str) -> Quantization | None:
+    """The quantization a GGUF file name announces (llama.cpp's naming), if any."""
+    name = file_name.lower()
+    for marker, quantization in (("q4_k", Quantization.Q4_K_M), ("q4_0", Quantization.Q4_K_M),
+                                 ("q8_0", Quantization.Q8_0), ("bf16", Quantization.F16),
+                                 ("f16", Quantization.F16), ("fp16", Quantization.F16),
+                                 ("f32", Quantization.F32)):
+        if marker in name:
+            return quantization
+    return None

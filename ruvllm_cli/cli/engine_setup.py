@@ -6,11 +6,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ruvllm_cli.cli.context import AppContext
-from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.quantization import Quantization, quantization_of_gguf
 from ruvllm_cli.registry.locate import LocatedModel, locate_model
 
 # Until load-time q8/q4k quantization lands everywhere, 16-bit is the default.
 DEFAULT_QUANTIZATION = Quantization.F16
+
+
+def default_quantization(located: LocatedModel) -> Quantization:
+    """A GGUF file keeps its own quantization (a Q4_K_M file must not become a
+    16-bit model in memory); anything else loads 16-bit."""
+    if located.path.suffix == ".gguf":
+        return quantization_of_gguf(located.path.name) or DEFAULT_QUANTIZATION
+    return DEFAULT_QUANTIZATION
 
 
 @dataclass
@@ -42,7 +50,7 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
         from ruvllm_cli.engine.engine import LLMEngine
         from ruvllm_cli.engine.loader import load_model
 
-        config = EngineConfig(device=device, quantization=quantization or DEFAULT_QUANTIZATION,
+        config = EngineConfig(device=device, quantization=quantization or default_quantization(located),
                               **{k: v for k, v in engine_options.items() if v is not None})
         loaded = load_model(located.path, config.device, config.quantization)
         engine = LLMEngine(loaded, config)

@@ -70,15 +70,28 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {config_file}: {error}") from None
 
 
+def _pretrained_args(path: Path) -> dict[str, Any]:
+    """from_pretrained's arguments for a model directory or a GGUF file."""
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file")
+        return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
+    _read_config(path)
+    return {"pretrained_model_name_or_path": path}
+
+
 def _check_memory(path: Path, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse early, with a clear message, a model that cannot fit."""
     import psutil
 
-    weight_files = list(path.glob("*.safetensors"))
-    on_disk = sum(f.stat().st_size for f in weight_files)
-    if not on_disk:
+    if path.suffix == ".gguf":
+        # Loading dequantizes the whole file first: a 4-bit file grows about 4x in 16-bit.
+        needed = path.stat().st_size * (8 if dtype == torch.float32 else 4)
+    else:
+        on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        needed = on_disk * 4 // 2 if dtype == torch.float32 else on_disk  # bf16 files grow in fp32
+    if not needed:
         return
-    needed = on_disk * 4 // 2 if dtype == torch.float32 else on_disk  # bf16 files grow in fp32
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
@@ -109,17 +122,18 @@ def load_model(path: str | Path, device: str = "auto",
     from ruvllm_cli.engine.quantize import quantize_model
 
     path = Path(path).expanduser()
-    _read_config(path)
+    source = _pretrained_args(path)
     target = select_device(device)
     dtype = dtype_for(quantization, target)
     _check_memory(path, target, dtype)
     hf_logging.disable_progress_bar()  # our own output says what is happening
+    hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
     extra = _bitsandbytes_options(quantization, target)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(**source)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attention.register(), **extra)
+            **source, dtype=dtype, attn_implementation=attention.register(), **extra)
     except ValueError as error:
         raise ModelLoadError(f"unsupported model in {path}: {str(error).splitlines()[0]}") from None
     except OSError as error:
@@ -130,6 +144,8 @@ def load_model(path: str | Path, device: str = "auto",
         _own_weights(model)
     model.eval()
     quant_path = quantize_model(model, quantization, target)
+    if path.suffix == ".gguf":
+        quant_path = f"GGUF {path.name} dequantized, then {quant_path}"
     load_seconds = time.perf_counter() - started
     return LoadedModel(model=model, tokenizer=tokenizer, device=target, dtype=dtype,
                        quantization=quantization, load_seconds=load_seconds,

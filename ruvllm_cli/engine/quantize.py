@@ -10,6 +10,8 @@ docs/design.md gives the measurements behind these choices.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -35,8 +37,10 @@ class DynamicInt8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0).double()
-        qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long),
-                                             axis=0, dtype=torch.qint8)
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm needs them
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long),
+                                                 axis=0, dtype=torch.qint8)
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.qlinear = QLinear(self.in_features, self.out_features, bias_=bias is not None,
                                dtype=torch.qint8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ruvllm_cli.errors import ModelLoadError, NotDownloadedError
+from ruvllm_cli.errors import NotDownloadedError
 from ruvllm_cli.registry.cache import ModelCache
 from ruvllm_cli.registry.registry import ModelRef, resolve_model
 
@@ -13,7 +13,7 @@ from ruvllm_cli.registry.registry import ModelRef, resolve_model
 @dataclass(frozen=True)
 class LocatedModel:
     ref: ModelRef
-    path: Path          # a directory with config.json (or a .gguf file)
+    path: Path          # a directory with config.json, or a .gguf file
     served_name: str    # what /v1/models and banners call it
 
 
@@ -23,9 +23,6 @@ def locate_model(name: str, cache_dir: Path) -> LocatedModel:
     ref = resolve_model(name)
     if ref.kind == "local":
         assert ref.local_path is not None
-        if ref.local_path.suffix == ".gguf":
-            raise ModelLoadError(f"{ref.local_path}: loading GGUF files is not supported yet",
-                                 "use a safetensors model directory")
         return LocatedModel(ref, ref.local_path, ref.local_path.name)
     assert ref.repo_id is not None
     found = ModelCache(cache_dir).find(ref.repo_id, ref.revision)
