@@ -16,13 +16,19 @@ from ruvllm_cli.quantization import Quantization
                      "safetensors are quantized at load time.")
 @click.option("-f", "--force", is_flag=True, help="Fetch every file again, even if complete.")
 @click.option("--revision", metavar="REV", help="Branch, tag or commit (also MODEL@REV).")
+@click.option("--safetensors", is_flag=True,
+              help="Fetch the full-precision safetensors even where the registry names a GGUF file.")
 @global_options
-def command(model: str, quantization: Quantization, force: bool, revision: str | None) -> None:
+def command(model: str, quantization: Quantization, force: bool, revision: str | None,
+            safetensors: bool) -> None:
     """Download MODEL (an alias, or a Hugging Face id org/name) into the cache.
 
     Fetches only the files the model needs, shows progress on stderr, skips a model
-    that is already complete, and keeps revisions apart. Private and gated repos
-    need HF_TOKEN; HF_ENDPOINT points at another hub.
+    that is already complete, and keeps revisions apart. For an alias whose registry
+    entry names a GGUF file of the chosen quantization, that one file is fetched
+    (smaller; quantized again at load); --safetensors fetches the full-precision
+    weights instead. Private and gated repos need HF_TOKEN; HF_ENDPOINT points at
+    another hub.
 
     \b
     Examples:
@@ -32,6 +38,7 @@ def command(model: str, quantization: Quantization, force: bool, revision: str |
     """
     from ruvllm_cli.registry.cache import ModelCache
     from ruvllm_cli.registry.download import download_model
+    from ruvllm_cli.registry.locate import gguf_variant
     from ruvllm_cli.registry.progress import DownloadProgress
     from ruvllm_cli.registry.registry import resolve_model
 
@@ -44,6 +51,12 @@ def command(model: str, quantization: Quantization, force: bool, revision: str |
     revision = _merge_revision(ref.revision, revision)
     _quiet_hub_logs(app.verbose)
     progress = DownloadProgress(out.err, verbose=app.verbose)
+    variant = None if safetensors or revision else gguf_variant(ref, quantization)
+    if variant is not None:
+        ref, file_name = variant
+        download_model(ref, quantization, ModelCache(app.cache_dir), force=force, progress=progress,
+                       file_name=file_name)
+        return
     download_model(ref, quantization, ModelCache(app.cache_dir), force=force, revision=revision,
                    progress=progress)
 

@@ -43,7 +43,7 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
     """Locate MODEL, load it with a spinner on stderr, and build the engine.
 
     `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, ...)."""
-    located = locate_model(model, app.cache_dir)
+    located = locate_model(model, app.cache_dir, quantization)
     out = app.output()
     with out.err.status(f"Loading {located.served_name} ..."):
         from ruvllm_cli.engine.config import EngineConfig

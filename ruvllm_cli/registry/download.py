@@ -105,11 +105,12 @@ def _is_root(name: str) -> bool:
 # -- the download --------------------------------------------------------------------------
 def download_model(ref: ModelRef, quantization: Quantization | str, cache: ModelCache, *, force: bool = False,
                    revision: str | None = None, token: str | None = None,
-                   progress: DownloadObserver | None = None) -> DownloadedModel:
+                   progress: DownloadObserver | None = None, file_name: str | None = None) -> DownloadedModel:
     """Downloads `ref` (a registry.ModelRef of kind "registry" or "hub") into `cache`.
 
     Skips everything, without touching the network, when the revision is already
-    complete (unless `force`). Raises DownloadError (one line plus a hint) on failure;
+    complete (unless `force`). `file_name` fetches exactly that one file (a GGUF
+    variant the registry names) instead of planning from the repo's file list. Raises DownloadError (one line plus a hint) on failure;
     Ctrl-C propagates as KeyboardInterrupt and leaves the cache consistent.
     """
     if ref.kind == "local" or ref.repo_id is None:
@@ -118,12 +119,14 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
     repo_id, revision = ref.repo_id, revision or ref.revision
     progress = progress or DownloadObserver()
     existing = cache.find(repo_id, revision)
-    if existing is not None and not force and _has_quantization(existing, quantization):
+    if existing is not None and not force and _has_quantization(existing, quantization) and (
+            file_name is None or any(f.name == file_name for f in existing.files)):
         progress.already_downloaded(existing)
         return existing
     progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id))
     with hub_errors(repo_id, revision, cache):
-        return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress)
+        return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress,
+                      file_name=file_name)
 
 
 def _has_quantization(model: DownloadedModel, quantization: Quantization) -> bool:
@@ -133,7 +136,8 @@ def _has_quantization(model: DownloadedModel, quantization: Quantization) -> boo
 
 
 def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache: ModelCache, *,
-           force: bool, token: str | None, progress: DownloadObserver) -> DownloadedModel:
+           force: bool, token: str | None, progress: DownloadObserver,
+           file_name: str | None = None) -> DownloadedModel:
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
@@ -149,7 +153,10 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
         index = _hf_download(repo_id, SAFETENSORS_INDEX, commit, cache, force=force, token=token,
                              tqdm_class=DownloadObserver().tqdm_class)
         shards, done = _index_shards(Path(index)), {SAFETENSORS_INDEX}
-    records = [FileRecord(name, sizes[name]) for name in plan_files(sizes, quantization, shards)]
+    if file_name is not None and file_name not in sizes:
+        raise DownloadError(f"{repo_id} has no file {file_name}", "try --safetensors")
+    names = [file_name] if file_name else plan_files(sizes, quantization, shards)
+    records = [FileRecord(name, sizes[name]) for name in names]
     _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
     model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit,
                                  quantization=quantization.value, files=records)

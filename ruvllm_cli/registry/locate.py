@@ -1,4 +1,4 @@
-"""From a MODEL argument to the local directory the engine loads (no network, no torch)."""
+"""From a MODEL argument to the local weights the engine loads (no network, no torch)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ruvllm_cli.errors import NotDownloadedError
+from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.cache import ModelCache
 from ruvllm_cli.registry.registry import ModelRef, resolve_model
 
@@ -17,19 +18,48 @@ class LocatedModel:
     served_name: str    # what /v1/models and banners call it
 
 
-def locate_model(name: str, cache_dir: Path) -> LocatedModel:
-    """Resolve `name` (path, alias or HF id) and find its files: a local path as is,
-    anything else in the cache, or a NotDownloadedError that says how to fetch it."""
+def gguf_variant(ref: ModelRef, quantization: Quantization) -> tuple[ModelRef, str] | None:
+    """The registry's pre-quantized GGUF file for `quantization`, where it names one:
+    (a reference to the GGUF repo, the exact file name)."""
+    entry = ref.entry
+    if ref.kind != "registry" or entry is None or not entry.gguf_repo:
+        return None
+    name = entry.gguf_files.get(quantization)
+    return (ModelRef(kind="hub", repo_id=entry.gguf_repo, entry=entry), name) if name else None
+
+
+def locate_model(name: str, cache_dir: Path, quantization: Quantization | None = None) -> LocatedModel:
+    """Resolve `name` (path, alias or HF id) and find its files: a local path as is;
+    else the downloaded safetensors, or for an alias its downloaded GGUF variant (of
+    `quantization` when given); else a NotDownloadedError that says how to fetch it."""
     ref = resolve_model(name)
     if ref.kind == "local":
         assert ref.local_path is not None
         return LocatedModel(ref, ref.local_path, ref.local_path.name)
     assert ref.repo_id is not None
-    found = ModelCache(cache_dir).find(ref.repo_id, ref.revision)
-    if found is None:
-        target = name.split("@")[0] if ref.kind == "registry" else ref.repo_id
-        revision = f" --revision {ref.revision}" if ref.revision else ""
-        raise NotDownloadedError(f"{ref.display_name} is not downloaded",
-                                 f"run: ruvllm download {target}{revision}")
+    cache = ModelCache(cache_dir)
     served = ref.entry.alias if ref.kind == "registry" and ref.entry else ref.repo_id
-    return LocatedModel(ref, found.path, served)
+    found = cache.find(ref.repo_id, ref.revision)
+    if found is not None:
+        return LocatedModel(ref, found.path, served)
+    gguf = None if ref.revision else _downloaded_gguf(ref, cache, quantization)
+    if gguf is not None:
+        return LocatedModel(ref, gguf, served)
+    target = name.split("@")[0] if ref.kind == "registry" else ref.repo_id
+    revision = f" --revision {ref.revision}" if ref.revision else ""
+    quant = f" -q {quantization.value}" if quantization else ""
+    raise NotDownloadedError(f"{ref.display_name} is not downloaded",
+                             f"run: ruvllm download {target}{quant}{revision}")
+
+
+def _downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantization | None) -> Path | None:
+    wanted = [quantization] if quantization else list(Quantization)
+    for quant in wanted:
+        variant = gguf_variant(ref, quant)
+        if variant is None:
+            continue
+        gguf_ref, file_name = variant
+        found = cache.find(gguf_ref.repo_id)  # type: ignore[arg-type]
+        if found is not None and any(f.name == file_name for f in found.files):
+            return found.path / file_name
+    return None

@@ -71,7 +71,7 @@ def repo(fake_hub: FakeHub, tiny_model_dir: Path) -> tuple[str, str]:
 def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path,
                                                             isolated_env) -> None:
     commit = fake_hub.add_model_dir(ALIAS_REPO, tiny_model_dir)
-    result = ruvllm("download", "qwen-0.5b")
+    result = ruvllm("download", "qwen-0.5b", "--safetensors")
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     snapshot = snapshot_of(isolated_env.cache_dir, ALIAS_REPO, commit)
@@ -87,6 +87,31 @@ def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hu
     assert manifest["quantization"] == "q4k"
     assert manifest["files"] == [{"name": n, "size": (tiny_model_dir / n).stat().st_size} for n in TINY_FILES]
     assert manifest["total_bytes"] == sum(f["size"] for f in manifest["files"])
+
+
+def test_alias_downloads_the_registry_gguf_variant_and_chat_loads_it(
+        ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path, isolated_env, tmp_path: Path) -> None:
+    from ruvllm_cli.quantization import Quantization
+    from ruvllm_cli.registry.registry import builtin_entries
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    entry = builtin_entries()["qwen-0.5b"]
+    wanted = entry.gguf_files[Quantization.Q4_K_M]
+    tiny = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf").read_bytes()
+    other = entry.gguf_files[Quantization.Q8_0]
+    commit = fake_hub.add_repo(entry.gguf_repo, {wanted: tiny, other: tiny, "README.md": b"# GGUF"})
+    result = ruvllm("download", "qwen-0.5b")                     # -q q4k by default
+    assert result.returncode == 0, result.stderr
+    snapshot = snapshot_of(isolated_env.cache_dir, entry.gguf_repo, commit)
+    assert [p.name for p in snapshot.iterdir()] == [wanted]          # exactly the named file
+    assert resolve_gets(fake_hub) == [wanted]
+    listed = json.loads(ruvllm("list", "--json").stdout)
+    assert next(m for m in listed["models"] if m["alias"] == "qwen-0.5b")["downloaded"] is True
+    chat = ruvllm("chat", "qwen-0.5b", "--max-tokens", "3", input="hello\n")
+    assert chat.returncode == 0, chat.stderr
+    assert wanted in chat.stderr and "Q4_K_M" in chat.stderr      # the file's own quantization
+    missing = ruvllm("chat", "qwen-0.5b", "-q", "q8", input="hello\n")
+    assert_one_error(missing, "qwen-0.5b is not downloaded", "run: ruvllm download qwen-0.5b -q q8")
 
 
 def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
