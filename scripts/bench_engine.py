@@ -146,6 +146,12 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
+# llama.cpp on this machine (SPEC.md section 6, measured 2026-11-22 with 2 threads on
+# the same model shape): quoted for comparison, not measured by this script.
+LLAMA_CPP_REFERENCE = {"f16": ("F16", 34), "q8": ("Q8_0", 51), "q4k": ("Q4_K_M", 58)}
+LLAMA_CPP_16_STREAMS = "160-166 tok/s (F16, 16 sequences)"
+
+
 def report(r: dict) -> None:
     s, b, t = r["single_stream_decode_tok_s"], r["batch_decode_tok_s"], r["ttft_512_s"]
     print(f"single-stream decode  engine {s['engine']:7.2f} tok/s   generate() {s['generate']:7.2f} tok/s"
@@ -158,6 +164,10 @@ def report(r: dict) -> None:
           f"{w['generate_static']:6.1f} s")
     print(f"TTFT, 512-token prompt  engine {t['engine'] * 1000:7.1f} ms   generate() "
           f"{t['generate'] * 1000:7.1f} ms   ratio {t['ratio']:.2f}x  (target <= 1.1x)")
+    if r["quantization"] in LLAMA_CPP_REFERENCE:
+        name, rate = LLAMA_CPP_REFERENCE[r["quantization"]]
+        print(f"llama.cpp reference (SPEC.md section 6, not measured here): {name} batch-1 decode {rate} tok/s "
+              f"-> engine at {s['engine'] / rate:.2f}x; 16 streams {LLAMA_CPP_16_STREAMS}")
 
 
 def main() -> None:
