@@ -9,7 +9,8 @@ from ruvllm_cli.cli.context import AppContext
 from ruvllm_cli.quantization import Quantization, quantization_of_gguf
 from ruvllm_cli.registry.locate import LocatedModel, locate_model
 
-# Until load-time q8/q4k quantization lands everywhere, 16-bit is the default.
+# 16-bit unless asked: q4k prefill runs 2x slower here and q8 costs some accuracy
+# (docs/design.md section 4); a GGUF file keeps its own type instead.
 DEFAULT_QUANTIZATION = Quantization.F16
 
 

@@ -3,8 +3,8 @@
 `none` and `f16` are a matter of dtype (chosen at load). On a CPU, `q8` and `q4k`
 replace every linear layer (the LM head included) with int8 (fbgemm's dynamic
 int8 GEMM) or int4 (torch's int4pack weight-only kernel) ones, and the embedding
-table with an int8 one, so the whole model shrinks; activations stay bfloat16
-between layers. On CUDA the loader asks bitsandbytes instead.
+table with an int8 (q8) or int4 (q4k) one, so the whole model shrinks; activations
+stay bfloat16 between layers. On CUDA the loader asks bitsandbytes instead.
 docs/design.md gives the measurements behind these choices.
 """
 
@@ -36,7 +36,7 @@ class DynamicInt8Linear(nn.Module):
 
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
-        scales = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0).double()
+        scales = absmax_scales(weight).double()
         with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm needs them
             warnings.simplefilter("ignore")
             qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long),
@@ -81,15 +81,29 @@ class Int4Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int32 codes 0..15 [N, K], bf16 scales+zeros [K/g, N, 2]);
-    w ≈ (q - 8) * scale + zero, the int4 kernel's convention."""
+def absmax_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 scale per row of [N, K]: w ≈ round(w / scale) * scale."""
+    return weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+
+
+def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of `group_size` along each row of [N, K]:
+    (codes 0..15 [N, K] as int32, scales [N, K/g, 1], lows [N, K/g, 1]);
+    w ≈ code * scale + low."""
     n, k = weight.shape
     groups = weight.reshape(n, k // group_size, group_size)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scales = (high - low).clamp(min=1e-8) / 15.0
+    codes = ((groups - low) / scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    return codes, scales, low
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int32 codes 0..15 [N, K], bf16 scales+zeros [K/g, N, 2]);
+    w ≈ (q - 8) * scale + zero, the int4 kernel's convention."""
+    n = weight.shape[0]
+    q, scales, low = int4_groups(weight, group_size)
     zeros = low + scales * 8
-    q = ((groups - low) / scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
     packed = torch.cat([scales.reshape(n, -1, 1), zeros.reshape(n, -1, 1)], dim=2)
     return q, packed.transpose(0, 1).contiguous().to(torch.bfloat16)
 
@@ -100,7 +114,7 @@ class Int8Embedding(nn.Module):
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
         weight = embedding.weight.detach().float()
-        scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        scales = absmax_scales(weight)
         self.register_buffer("qweight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
         self.register_buffer("scales", scales.to(torch.bfloat16))
         self.num_embeddings, self.embedding_dim = weight.shape
@@ -119,10 +133,8 @@ class Int4Embedding(nn.Module):
         weight = embedding.weight.detach().float()
         self.num_embeddings, self.embedding_dim = weight.shape
         self.group_size = group_size if self.embedding_dim % group_size == 0 else self.embedding_dim
-        groups = weight.reshape(self.num_embeddings, -1, self.group_size)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scales = (high - low).clamp(min=1e-8) / 15.0
-        codes = ((groups - low) / scales).round().clamp(0, 15).to(torch.uint8).reshape(self.num_embeddings, -1)
+        codes, scales, low = int4_groups(weight, self.group_size)
+        codes = codes.to(torch.uint8)
         self.register_buffer("packed", codes[:, 0::2] | (codes[:, 1::2] << 4))
         self.register_buffer("scales", scales.squeeze(-1).to(torch.bfloat16))
         self.register_buffer("lows", low.squeeze(-1).to(torch.bfloat16))
