@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from ruvllm_cli.bench.runner import random_prompts as bench_prompts  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
@@ -40,8 +41,7 @@ def log(message: str) -> None:
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
+    return bench_prompts(range(10, vocab), count, length, random.Random(seed))
 
 
 class Stamps:

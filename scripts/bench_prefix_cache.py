@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from ruvllm_cli.bench.runner import random_prompts  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.loader import load_model  # noqa: E402
@@ -32,7 +33,7 @@ from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 
 def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(10, vocab) for _ in range(n)]
+    return random_prompts(range(10, vocab), 1, n, rng)[0]
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:

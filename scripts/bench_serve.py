@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 import torch  # noqa: E402
 
+from ruvllm_cli.bench.runner import random_prompts  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.loop import EngineLoop  # noqa: E402
@@ -79,7 +80,7 @@ def main() -> None:
                                                              max_num_seqs=STREAMS))
     vocab = engine.loaded.model.config.vocab_size
     rng = random.Random(0)
-    fresh = lambda: [[rng.randrange(10, vocab) for _ in range(PROMPT)] for _ in range(STREAMS)]  # noqa: E731
+    fresh = lambda: random_prompts(range(10, vocab), STREAMS, PROMPT, rng)  # noqa: E731
     engine.generate([fresh()[0][:32]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     engine_loop = EngineLoop(engine)
     direct, http = [], []

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
+from ruvllm_cli.bench.runner import random_prompts  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
@@ -30,8 +31,7 @@ from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+    return random_prompts(range(10, vocab), n, length, random.Random(seed))
 
 
 def greedy_config(new_tokens: int) -> GenerationConfig:
