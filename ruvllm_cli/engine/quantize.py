@@ -1,6 +1,7 @@
 """Load-time weight quantization: the hook the loader calls after loading.
 
-`none` and `f16` are a matter of dtype (chosen at load). On a CPU, `q8` and `q4k`
+`none` and `f16` are a matter of dtype (chosen at load); on a CPU their linear
+layers keep the weights in oneDNN's blocked layout (`PackedLinear`). On a CPU, `q8` and `q4k`
 replace every linear layer (the LM head included) with int8 (fbgemm's dynamic
 int8 GEMM) or int4 (torch's int4pack weight-only kernel) ones, and the embedding
 table with an int8 (q8) or int4 (q4k) one, so the whole model shrinks; activations
@@ -10,6 +11,7 @@ docs/design.md gives the measurements behind these choices.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -20,6 +22,45 @@ from ruvllm_cli.quantization import Quantization
 INT4_GROUP = 128      # weights per scale/zero group (llama.cpp's Q4_K uses 32-weight sub-blocks)
 INT4_INNER_K_TILES = 2
 REDUCE_RANGE = False
+
+
+PACK_ENV = "RUVLLM_PACK_WEIGHTS"  # "0" keeps plain nn.Linear layers (for comparisons)
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 or float32 linear layer whose weight is kept in oneDNN's blocked
+    layout, reordered once at load.
+
+    nn.Linear reorders nothing and runs 1.5-2.5x slower here in bfloat16 (and 3-4x
+    in float32) on the decode shapes; the outputs are identical in bfloat16
+    (docs/design.md). The packed weight is an opaque tensor, so the module counts
+    its bytes itself."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.quantized_nbytes = weight.numel() * weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run PackedLinear for `dtype` (checked on a
+    small layer against nn.Linear), unless RUVLLM_PACK_WEIGHTS=0 turns it off."""
+    if os.environ.get(PACK_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        linear = nn.Linear(64, 32, dtype=dtype)
+        x = torch.randn(3, 64, dtype=dtype)
+        return torch.allclose(PackedLinear(linear)(x).float(), linear(x).float(), atol=1e-2, rtol=1e-2)
+    except (RuntimeError, AttributeError):
+        return False
 
 
 class DynamicInt8Linear(nn.Module):
@@ -177,7 +218,15 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
     """Quantize `model` in place (CPU paths); returns a one-line description of the path."""
     dtype = next(model.parameters()).dtype
     if quantization in (Quantization.F32, Quantization.F16):
-        return f"{str(dtype).replace('torch.', '')} weights, no quantization"
+        path = f"{str(dtype).replace('torch.', '')} weights, no quantization"
+        if device.type == "cpu" and packing_works(dtype):
+            # A tied LM head gets its own packed copy (the embedding lookup keeps the
+            # plain table): the vocabulary matrix is held twice, for the fastest
+            # head at every batch size (docs/design.md).
+            model.config.tie_word_embeddings = False
+            count = _replace_linears(model, PackedLinear, None)
+            path += f", {count} linear layers incl. LM head in oneDNN's packed layout"
+        return path
     if device.type != "cpu":
         return "bitsandbytes " + ("8-bit" if quantization is Quantization.Q8_0 else "4-bit NF4")
     model.config.tie_word_embeddings = False  # the head gets its own quantized copy

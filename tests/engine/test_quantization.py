@@ -10,8 +10,8 @@ import torch
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
-from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding,
-                                        quantize_int4)
+from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
+                                        Int8Embedding, PackedLinear, packing_works, quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
@@ -90,6 +90,46 @@ def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
         assert any(isinstance(m, kind) for m in model.modules())
         assert isinstance(model.get_input_embeddings(), table)
         assert isinstance(model.lm_head, kind)
+
+
+def test_full_precision_linears_are_packed_on_cpu(engines):
+    for quant in (Q.F32, Q.F16):
+        if not packing_works(engines[quant].loaded.dtype):
+            continue  # a torch build or CPU without oneDNN's packed path keeps nn.Linear
+        loaded = engines[quant].loaded
+        model = loaded.model
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        assert isinstance(model.lm_head, PackedLinear)  # tied in the checkpoint: a packed copy
+        assert type(model.get_input_embeddings()) is torch.nn.Embedding
+        assert "packed layout" in loaded.quantization_path
+        # The packed copies are counted: embedding table + head + the layers' weights.
+        dense = sum(m.quantized_nbytes for m in model.modules() if isinstance(m, PackedLinear))
+        assert loaded.weight_bytes > dense + model.get_input_embeddings().weight.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 256), (5, 256), (1, 64, 256)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_nn_linear(dtype, shape, bias):
+    if not packing_works(dtype):
+        pytest.skip(f"oneDNN packing for {dtype} is not available here")
+    linear = torch.nn.Linear(256, 96, bias=bias, dtype=dtype)
+    x = torch.randn(*shape, dtype=dtype)
+    with torch.inference_mode():
+        expected, got = linear(x), PackedLinear(linear)(x)
+    assert got.shape == expected.shape and got.dtype == dtype
+    # Exactly equal in bfloat16 here (the same oneDNN kernel family); other CPUs may
+    # round differently, within a bfloat16 step.
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_packing_can_be_turned_off(model_dir, monkeypatch):
+    monkeypatch.setenv(PACK_ENV, "0")
+    assert not packing_works(torch.bfloat16)
+    loaded = load_model(model_dir, "cpu", Q.F16)
+    assert isinstance(loaded.model.lm_head, torch.nn.Linear)
+    assert "packed" not in loaded.quantization_path
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
