@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""The linear layers of one decode step, alone: Qwen2.5-0.5B's 169 weight shapes
+(24 x q/k/v/o/gate/up/down + the LM head), random bf16 weights, run in model order
+so that every weight streams from memory as in a real step.
+
+Prints ms per step at 1 and 16 rows for nn.Linear and the oneDNN-packed layer, the
+16-row / 1-row cost ratio (which bounds the aggregate/single-stream decode ratio),
+and one layer's GFLOP/s with its weight resident in cache, for the compute ceiling.
+
+    .venv/bin/python scripts/bench_linear_shapes.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ruvllm_cli.engine.quantize import PackedLinear  # noqa: E402
+
+HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 896, 4864, 128, 151936, 24
+
+
+def shapes() -> list[tuple[int, int]]:
+    layer = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
+             (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    return layer * LAYERS + [(VOCAB, HIDDEN)]
+
+
+def step_ms(layers: list[nn.Module], rows: int, repeats: int) -> tuple[float, float]:
+    """(ms for the layers without the head, ms for the head) per step."""
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+    body, head = 0.0, 0.0
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        for layer in layers[:-1]:
+            layer(inputs[layer.in_features])
+        middle = time.perf_counter()
+        layers[-1](inputs[HIDDEN])
+        end = time.perf_counter()
+        if attempt:  # the first pass warms up
+            body += middle - start
+            head += end - middle
+    return body / repeats * 1000, head / repeats * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        plain = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for n, k in shapes()]
+        packed = [PackedLinear(layer) for layer in plain]
+        flops = 2 * sum(n * k for n, k in shapes()[:-1])
+        results = {}
+        for name, layers in (("nn.Linear", plain), ("packed", packed)):
+            for rows in (1, 16):
+                body, head = step_ms(layers, rows, args.repeats)
+                results[name, rows] = body + head
+                print(f"{name:9s} {rows:2d} rows: layers {body:6.1f} ms + LM head {head:5.1f} ms"
+                      f"  ({rows * flops / body / 1e6:5.0f} GFLOP/s in the layers)")
+            print(f"{name:9s} 16 rows cost {results[name, 16] / results[name, 1]:.2f}x one row: "
+                  f"aggregate/single-stream decode bounded near "
+                  f"{16 * results[name, 1] / results[name, 16]:.1f}x")
+        layer = packed[4]  # 4864 x 896, 8.7 MB: fits the L3 cache
+        x = torch.randn(16, HIDDEN, dtype=torch.bfloat16)
+        for _ in range(20):
+            layer(x)
+        start = time.perf_counter()
+        for _ in range(200):
+            layer(x)
+        seconds = (time.perf_counter() - start) / 200
+        print(f"packed 4864x896, 16 rows, weight in cache: {seconds * 1e3:.3f} ms = "
+              f"{16 * 2 * INTERMEDIATE * HIDDEN / seconds / 1e9:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
