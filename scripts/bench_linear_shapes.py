@@ -3,11 +3,12 @@
 (24 x q/k/v/o/gate/up/down + the LM head), random bf16 weights, run in model order
 so that every weight streams from memory as in a real step.
 
-Prints ms per step at 1 and 16 rows for nn.Linear and the oneDNN-packed layer, the
-16-row / 1-row cost ratio (which bounds the aggregate/single-stream decode ratio),
-and one layer's GFLOP/s with its weight resident in cache, for the compute ceiling.
+Prints ms per step at 1 and 16 rows for nn.Linear and the oneDNN-packed layer (and,
+with --quantized, the q8 and q4k layers), the 16-row / 1-row cost ratio (which
+bounds the aggregate/single-stream decode ratio), and one layer's GFLOP/s with its
+weight resident in cache, for the compute ceiling.
 
-    .venv/bin/python scripts/bench_linear_shapes.py [--threads 2]
+    .venv/bin/python scripts/bench_linear_shapes.py [--threads 2] [--quantized]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from ruvllm_cli.engine.quantize import PackedLinear  # noqa: E402
+from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 896, 4864, 128, 151936, 24
 
@@ -54,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--quantized", action="store_true", help="also q8 (fbgemm int8) and q4k (int4pack)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -62,7 +64,12 @@ def main() -> None:
         packed = [PackedLinear(layer) for layer in plain]
         flops = 2 * sum(n * k for n, k in shapes()[:-1])
         results = {}
-        for name, layers in (("nn.Linear", plain), ("packed", packed)):
+        kinds = [("nn.Linear", lambda: plain), ("packed", lambda: packed)]
+        if args.quantized:
+            kinds += [("q8 int8", lambda: [DynamicInt8Linear(layer) for layer in plain]),
+                      ("q4k int4", lambda: [Int4Linear(layer) for layer in plain])]
+        for name, build in kinds:
+            layers = build()
             for rows in (1, 16):
                 body, head = step_ms(layers, rows, args.repeats)
                 results[name, rows] = body + head
