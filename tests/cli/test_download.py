@@ -112,6 +112,12 @@ def test_alias_downloads_the_registry_gguf_variant_and_chat_loads_it(
     assert wanted in chat.stderr and "Q4_K_M" in chat.stderr      # the file's own quantization
     missing = ruvllm("chat", "qwen-0.5b", "-q", "q8", input="hello\n")
     assert_one_error(missing, "qwen-0.5b is not downloaded", "run: ruvllm download qwen-0.5b -q q8")
+    # The second variant joins the first: both stay usable.
+    assert ruvllm("download", "qwen-0.5b", "-q", "q8").returncode == 0
+    assert sorted(p.name for p in snapshot.iterdir()) == sorted([wanted, other])
+    for args, name in ((["-q", "q8"], other), ([], wanted)):
+        chat = ruvllm("chat", "qwen-0.5b", *args, "--max-tokens", "3", input="hello\n")
+        assert chat.returncode == 0 and name in chat.stderr, chat.stderr
 
 
 def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
@@ -229,6 +235,17 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
     # another quantization of the same commit is another file, so not "already downloaded"
     result = ruvllm("download", repo_id, "-q", "q4k")
     assert result.returncode == 0 and "Fetched 1 file(s)" in result.stderr
+    # ... and the commit's one manifest now lists both files, so neither is forgotten
+    both = ModelCache(isolated_env.cache_dir).find(repo_id)
+    assert [f.name for f in both.files] == ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+    assert both.quantization == "q4k,q8"
+    assert sorted(p.name for p in snapshot.iterdir()) == ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+    listed = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    assert [f["name"] for f in next(m for m in listed["models"] if m["repo_id"] == repo_id)["files"]] == [
+        "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
+    fake_hub.reset()
+    again = ruvllm("download", repo_id, "-q", "q8")
+    assert again.returncode == 0 and "already downloaded" in again.stderr and fake_hub.requests == []
     missing = ruvllm("download", repo_id, "-q", "none")
     assert_one_error(missing, "no F32 GGUF file in the repo (available: tiny-F16.gguf, tiny-Q4_K_M.gguf, "
                               "tiny-Q8_0.gguf)", "choose another --quantization")
