@@ -54,9 +54,9 @@ def packing_works(dtype: torch.dtype) -> bool:
     small layer against nn.Linear), unless RUVLLM_PACK_WEIGHTS=0 turns it off."""
     if os.environ.get(PACK_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    try:
+    try:  # private oneDNN ops: another torch build may lack or reject them
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
         with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
             linear = nn.Linear(64, 32, dtype=dtype)
             x = torch.randn(3, 64, dtype=dtype)
