@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ruvllm_cli.engine.chat_template import render_chat
-from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
 from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
 
@@ -52,18 +52,11 @@ PARAM_ALIASES = {"temp": "temperature", "max": "max_tokens", "repeat_penalty": "
 
 
 @dataclass(frozen=True)
-class ChatSettings:
+class ChatSettings(SamplingKnobs):
     """The sampling parameters of every reply (what /temp, /max and /set change)."""
 
     temperature: float = 0.7
     max_tokens: int = 512
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.sampling_params()  # validates every field, with the parameter's name in the message

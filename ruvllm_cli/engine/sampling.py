@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 from ruvllm_cli.errors import UsageError
@@ -12,9 +12,12 @@ from ruvllm_cli.errors import UsageError
 LogitsProcessor = Callable[[Sequence[int], Any], Any]
 
 
-@dataclass
-class SamplingParams:
-    max_tokens: int = 256
+@dataclass(frozen=True)
+class SamplingKnobs:
+    """The sampling settings a user turns, each defaulting to "off" (plain sampling
+    at temperature 1). The engine's SamplingParams, chat's settings and the server's
+    request fields all extend it, so each knob is declared once."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -23,17 +26,25 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+
+    def knobs(self) -> dict[str, Any]:
+        """The knobs alone, by name (what a subclass passes on to SamplingParams)."""
+        return {f.name: getattr(self, f.name) for f in fields(SamplingKnobs)}
+
+
+@dataclass(frozen=True)
+class SamplingParams(SamplingKnobs):
+    max_tokens: int = 256
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
-    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    logits_processors: list[LogitsProcessor] = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = (self.stop,)
-        self.stop = tuple(s for s in self.stop if s)
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", tuple(s for s in stop if s))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self.validate()
 
     def validate(self) -> None:

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
@@ -22,21 +22,13 @@ Prompt = Union[str, list[int]]
 
 
 @dataclass(frozen=True)
-class SamplingFields:
+class SamplingFields(SamplingKnobs):
     """The sampling fields both endpoints share. `max_tokens` None: up to the context,
     or at most `default_max_tokens` where the endpoint has such a default."""
 
-    max_tokens: int | None
+    max_tokens: int | None = None
     default_max_tokens: int | None = None
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
@@ -48,11 +40,8 @@ class SamplingFields:
         # exactly: copy i samples with seed + i (wrapped into torch's seed range).
         seed = None if self.seed is None else (self.seed + copy) % 2**64
         try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                seed=seed, stop=self.stop, ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+            return SamplingParams(**{**self.knobs(), "seed": seed}, max_tokens=max_tokens, stop=self.stop,
+                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs)
         except UsageError as error:
             name = error.message.split(" ", 1)[0]
             raise bad_request(error.message, name if hasattr(self, name) else None) from error
