@@ -80,7 +80,8 @@ def _pretrained_args(path: Path) -> dict[str, Any]:
     return {"pretrained_model_name_or_path": path}
 
 
-def _check_memory(path: Path, device: torch.device, dtype: torch.dtype) -> None:
+def _check_memory(path: Path, device: torch.device, dtype: torch.dtype,
+                  quantization: Quantization = Quantization.F16) -> None:
     """Refuse early, with a clear message, a model that cannot fit."""
     import psutil
 
@@ -88,8 +89,12 @@ def _check_memory(path: Path, device: torch.device, dtype: torch.dtype) -> None:
         # Loading dequantizes the whole file first: a 4-bit file grows about 4x in 16-bit.
         needed = path.stat().st_size * (8 if dtype == torch.float32 else 4)
     else:
+        config = _read_config(path)
         on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        needed = on_disk * 4 // 2 if dtype == torch.float32 else on_disk  # bf16 files grow in fp32
+        # The file's dtype to ours: a bf16 checkpoint doubles in float32, and so on.
+        needed = on_disk * _element_size(dtype) // _element_size(_config_dtype(config))
+        if on_disk and device.type == "cpu" and quantization in (Quantization.F16, Quantization.F32):
+            needed += _packed_head_copy_bytes(config, dtype)
     if not needed:
         return
     if device.type == "cuda":
@@ -100,6 +105,30 @@ def _check_memory(path: Path, device: torch.device, dtype: torch.dtype) -> None:
         raise ModelLoadError(f"not enough memory: the weights need about {needed / 2**30:.1f} GiB, "
                              f"{free / 2**30:.1f} GiB is free on {device.type}",
                              "try --quantization q4k or q8, or a smaller model")
+
+
+def _config_dtype(config: dict[str, Any]) -> torch.dtype:
+    """The checkpoint's dtype as its config names it (bfloat16 when it says nothing)."""
+    name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    found = getattr(torch, name.replace("torch.", ""), None)
+    return found if isinstance(found, torch.dtype) else torch.bfloat16
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _packed_head_copy_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
+    """A tied LM head gets its own packed copy on a CPU (quantize.PackedLinear)."""
+    from ruvllm_cli.registry.model_config import shape_from_dict
+
+    try:
+        shape = shape_from_dict(config)
+    except ModelLoadError:
+        return 0  # from_pretrained will say what is wrong with the config
+    if not shape.tie_word_embeddings:
+        return 0
+    return shape.vocab_size * shape.hidden_size * _element_size(dtype)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -125,7 +154,7 @@ def load_model(path: str | Path, device: str = "auto",
     source = _pretrained_args(path)
     target = select_device(device)
     dtype = dtype_for(quantization, target)
-    _check_memory(path, target, dtype)
+    _check_memory(path, target, dtype, quantization)
     hf_logging.disable_progress_bar()  # our own output says what is happening
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()

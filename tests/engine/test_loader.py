@@ -1,0 +1,70 @@
+"""load_model's refusals: each a ModelLoadError with one clear line, before any weights
+are read where that is possible."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.errors import ModelLoadError
+from ruvllm_cli.quantization import Quantization as Q
+
+Memory = namedtuple("Memory", "available")
+
+
+def copy_model(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_a_directory_without_config_is_not_a_model(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"is not a model directory \(no config.json\)$") as error:
+        load_model(tmp_path, "cpu", Q.F32)
+    assert error.value.hint == "download the model first: ruvllm download MODEL"
+
+
+def test_an_unknown_architecture_is_unsupported(engine_model_dir, tmp_path):
+    model = copy_model(engine_model_dir, tmp_path / "odd")
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="no-such-family", architectures=["NoSuchForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"^unsupported model in .*odd: ") as error:
+        load_model(model, "cpu", Q.F32)
+    assert "\n" not in error.value.message
+
+
+def weights_on_disk(model: Path) -> int:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors"))
+
+
+def test_too_little_memory_is_refused_before_loading(engine_model_dir, monkeypatch):
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=1024))
+    with pytest.raises(ModelLoadError, match=r"^not enough memory: the weights need about .* GiB, "
+                                             r".* GiB is free on cpu$") as error:
+        load_model(engine_model_dir, "cpu", Q.F16)
+    assert error.value.hint == "try --quantization q4k or q8, or a smaller model"
+
+
+def test_memory_needed_is_the_weights_in_our_dtype_plus_a_tied_heads_packed_copy(engine_model_dir, monkeypatch):
+    import psutil
+
+    config = json.loads((engine_model_dir / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["dtype"] == "float32"
+    head_copy = config["vocab_size"] * config["hidden_size"] * 4      # float32 (none)
+    on_disk = weights_on_disk(engine_model_dir)                       # a float32 file: no growth
+    free = {"bytes": on_disk + head_copy + 1024}
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=free["bytes"]))
+    assert load_model(engine_model_dir, "cpu", Q.F32).quantization is Q.F32   # just fits
+    # Room for the file's weights but not for the head's second, packed copy.
+    free["bytes"] = on_disk + head_copy // 2
+    with pytest.raises(ModelLoadError, match="not enough memory"):
+        load_model(engine_model_dir, "cpu", Q.F32)
+    # q8 quantizes the head instead of packing a full-precision copy: it fits.
+    assert load_model(engine_model_dir, "cpu", Q.Q8_0).quantization is Q.Q8_0
