@@ -169,10 +169,12 @@ def load_model(path: str | Path, device: str = "auto",
         raise ModelLoadError(f"cannot load the model in {path}: {str(error).splitlines()[0]}") from None
     if not extra:
         model.to(target)
-    if target.type == "cpu":
-        _own_weights(model)
     model.eval()
     quant_path = quantize_model(model, quantization, target)
+    if target.type == "cpu":
+        # After quantizing: packed and quantized layers are already fresh copies, so
+        # only what is left (embeddings, norms, biases, unpacked layers) is copied.
+        _own_weights(model)
     if path.suffix == ".gguf":
         quant_path = f"GGUF {path.name} dequantized, then {quant_path}"
     load_seconds = time.perf_counter() - started
