@@ -76,19 +76,17 @@ class DynamicInt8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        from torch.ao.nn.quantized.dynamic import Linear as QLinear
-
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         scales = absmax_scales(weight).double()
+        bias = None if linear.bias is None else linear.bias.detach().float()
         with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm needs them
             warnings.simplefilter("ignore")
             qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long),
                                                  axis=0, dtype=torch.qint8)
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.qlinear = QLinear(self.in_features, self.out_features, bias_=bias is not None,
-                               dtype=torch.qint8)
-        self.qlinear.set_weight_bias(qweight, bias)
+            # Packed straight into fbgemm's layout: torch's dynamic Linear module would
+            # pack a placeholder weight first and then this one (3 packings, not 1).
+            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
         # fbgemm keeps its packed copy outside the module's tensors: count it here.
         self.quantized_nbytes = qweight.numel() + scales.numel() * 16 + (
             0 if bias is None else bias.numel() * 4)
@@ -97,8 +95,7 @@ class DynamicInt8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).float()
         # Full 8-bit activation range (reduce_range=False): half the rounding error of
         # the module's default 7 bits; VNNI's int8 dot products do not saturate.
-        out = torch.ops.quantized.linear_dynamic(rows, self.qlinear._packed_params._packed_params,
-                                                 REDUCE_RANGE)
+        out = torch.ops.quantized.linear_dynamic(rows, self.packed, REDUCE_RANGE)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -127,7 +124,8 @@ class Int4Linear(nn.Module):
 
 def absmax_scales(weight: torch.Tensor) -> torch.Tensor:
     """Symmetric int8 scale per row of [N, K]: w ≈ round(w / scale) * scale."""
-    return weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    low, high = torch.aminmax(weight, dim=1)  # no |w| temporary of the whole matrix
+    return torch.maximum(-low, high).clamp(min=1e-8) / 127.0
 
 
 def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
