@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "ruvllm_paged"
+SINGLE_DECODE_SDPA = True  # one decoding request: SDPA (see _single_decode_attention)
 
 
 class PagedKVCache:
@@ -89,6 +90,8 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     batch, length = slots.shape
     kv_heads, head_dim = k_cache.shape[0], query.shape[3]
     groups = query.shape[1] // kv_heads
+    if batch == 1 and SINGLE_DECODE_SDPA:
+        return _single_decode_attention(query, k_cache, v_cache, slots[0], scaling)
     q = query[0, :, :batch].reshape(kv_heads, groups, batch, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
     # index_select: 5.6x faster than advanced indexing for this gather (57 vs 317 us).
     flat = slots.reshape(-1)
@@ -100,6 +103,22 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         scores.masked_fill_(step.decode_padding, float("-inf"))
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)                          # [Hkv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, kv_heads * groups, head_dim)        # [B, Hq, D]
+
+
+def _single_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slots: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One request's decode: the query heads sharing a KV head become that head's
+    query rows, so SDPA runs one unmasked [G, L] attention per KV head (every cached
+    key precedes the query). Inside real steps: 65 vs 189 us a layer at 128 tokens,
+    205 vs 304 at 1,500, and decode steps 1.10x faster (scripts/bench_decode_attention.py).
+    With several requests and their padding mask, SDPA is the slower (772 vs 584 us
+    a layer for 16 requests), so they keep the batched matmuls."""
+    kv_heads, head_dim = k_cache.shape[0], query.shape[3]
+    q = query[0, :, :1].reshape(1, kv_heads, -1, head_dim)                   # [1, Hkv, G, D]
+    k = k_cache.index_select(1, slots).unsqueeze(0)                          # [1, Hkv, L, D]
+    v = v_cache.index_select(1, slots).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q, k, v, scale=scaling)             # [1, Hkv, G, D]
+    return out.reshape(1, -1, head_dim)                                      # [1, Hq, D]
 
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
