@@ -12,7 +12,6 @@ median step time for each path.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -21,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
 from ruvllm_cli.bench.runner import random_prompts  # noqa: E402
 from ruvllm_cli.engine import attention  # noqa: E402
@@ -29,21 +27,16 @@ from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
 from ruvllm_cli.quantization import parse_quantization  # noqa: E402
-from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
 
 LABELS = {True: "SDPA (one request)", False: "batched matmuls"}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model")
-    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "ruvllm-bench-models"))
-    parser.add_argument("--quantization", default="f16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = script_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=80, help="new tokens per prompt")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model_dir = args.model or cached_tiny_model(Path(args.cache), bench=True)
+    model_dir = script_model(args)
     engine = LLMEngine.from_path(str(model_dir), EngineConfig(
         device="cpu", quantization=parse_quantization(args.quantization)))
     vocab = engine.loaded.model.config.vocab_size

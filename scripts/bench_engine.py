@@ -33,7 +33,7 @@ from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
 from ruvllm_cli.quantization import parse_quantization  # noqa: E402
-from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
 
 
 def log(message: str) -> None:
@@ -92,8 +92,7 @@ def steady_decode_rate(token_times: list[list[float]]) -> float:
 def measure(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else cached_tiny_model(Path(args.cache) , bench=True)
+    model_dir = script_model(args)
     quant = parse_quantization(args.quantization)
     log(f"model: {model_dir}  threads: {torch.get_num_threads()}  quantization: {quant.value}")
     engine = LLMEngine.from_path(str(model_dir), EngineConfig(device="cpu", quantization=quant,
@@ -125,7 +124,7 @@ def measure(args: argparse.Namespace) -> dict:
     log("3/3 TTFT, 512-token prompt (median of 3)")
     hf_ttft, eng_ttft = [], []
     for seed in range(3):
-        p = random_prompts(1, 512, vocab, 10 + seed)
+        p = random_prompts(1, 512, vocab - 1, 10 + seed)  # ids + 1 stay in the vocabulary
         times, start = hf_generate(hf, p, 1)
         hf_ttft.append(times[0] - start)
         timings, start = engine_run(engine, [[x + 1 for x in p[0]]], 1)  # no prefix-cache hit
@@ -171,11 +170,7 @@ def report(r: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model directory (default: build the Qwen2.5-0.5B-shaped one)")
-    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "ruvllm-bench-models"))
-    parser.add_argument("--quantization", default="f16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = script_parser(__doc__)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()

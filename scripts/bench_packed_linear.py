@@ -12,7 +12,6 @@ round measures decode ms/step for one stream (128-token prompt) and for 16 strea
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -31,7 +30,7 @@ from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.quantize import PACK_ENV, PackedLinear  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
 from ruvllm_cli.quantization import parse_quantization  # noqa: E402
-from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
 
 
 def twins(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, PackedLinear]]:
@@ -66,17 +65,12 @@ def decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model")
-    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "ruvllm-bench-models"))
-    parser.add_argument("--quantization", default="f16", choices=["f16", "none"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser = script_parser(__doc__, quantizations=["f16", "none"])
     parser.add_argument("--rounds", type=int, default=4, help="ABBA rounds (default 4)")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     os.environ[PACK_ENV] = "0"  # load plain layers; the packed twins are built below
-    model_dir = args.model or cached_tiny_model(Path(args.cache), bench=True)
+    model_dir = script_model(args)
     engine = LLMEngine.from_path(str(model_dir), EngineConfig(
         device="cpu", quantization=parse_quantization(args.quantization), max_num_seqs=16))
     model = engine.loaded.model

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -29,7 +28,7 @@ from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.loader import load_model  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
 from ruvllm_cli.quantization import parse_quantization  # noqa: E402
-from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
 
 
 def ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -51,18 +50,13 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model")
-    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "ruvllm-bench-models"))
-    parser.add_argument("--quantization", default="f16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = script_parser(__doc__)
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--suffix", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model_dir = Path(args.model) if args.model else cached_tiny_model(Path(args.cache), bench=True)
+    model_dir = script_model(args)
     quant = parse_quantization(args.quantization)
     loaded = load_model(model_dir, "cpu", quant)
     on = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quant))

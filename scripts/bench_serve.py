@@ -11,7 +11,6 @@ Alternating rounds; medians. Prints the aggregate output tok/s of both and the r
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import statistics
@@ -22,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import aiohttp  # noqa: E402
-import torch  # noqa: E402
 
 from ruvllm_cli.bench.runner import random_prompts  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
@@ -31,7 +29,7 @@ from ruvllm_cli.engine.loop import EngineLoop  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
 from ruvllm_cli.quantization import parse_quantization  # noqa: E402
 from ruvllm_cli.server import create_app, start_server  # noqa: E402
-from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
 
 STREAMS, PROMPT, NEW = 16, 256, 128
 
@@ -67,15 +65,11 @@ async def http_rate(engine_loop: EngineLoop, prompts: list[list[int]]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache", default=str(Path.home() / ".cache" / "ruvllm-bench-models"))
-    parser.add_argument("--quantization", default="f16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser = script_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
     quant = parse_quantization(args.quantization)
-    model_dir = cached_tiny_model(Path(args.cache), bench=True)
+    model_dir = script_model(args)
     engine = LLMEngine.from_path(str(model_dir), EngineConfig(device="cpu", quantization=quant,
                                                              max_num_seqs=STREAMS))
     vocab = engine.loaded.model.config.vocab_size

@@ -1,0 +1,46 @@
+"""The engine benchmark scripts start, and share their common options (they take
+minutes on the benchmark model, so CI runs them only this far; docs/design.md has
+their figures)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+ENGINE_SCRIPTS = ["bench_engine", "bench_prefix_cache", "bench_packed_linear", "bench_decode_attention",
+                  "bench_serve"]
+
+
+@pytest.mark.parametrize("name", ENGINE_SCRIPTS)
+def test_script_help_lists_the_common_options(name):
+    result = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for option in ("--model", "--cache", "--quantization", "--threads"):
+        assert option in result.stdout
+
+
+def test_decode_attention_script_runs_on_a_small_model(engine_model_dir):
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_decode_attention.py"), "--model",
+                             str(engine_model_dir), "--quantization", "none", "--tokens", "6"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(",")[0] for line in lines[:3]] == ["prompt  128", "prompt  512", "prompt 1500"]
+    assert lines[3].startswith("median decode step: batched matmuls ")
+
+
+def test_engine_benchmark_runs_on_a_small_model_and_prints_its_ratios_as_json(engine_model_dir):
+    import json
+
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_engine.py"), "--model", str(engine_model_dir),
+                             "--quantization", "none", "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    for key in ("single_stream_decode_tok_s", "batch_decode_tok_s", "ttft_512_s"):
+        assert report[key]["engine"] > 0 and report[key]["ratio"] > 0
+    assert report["batch_decode_tok_s"]["streams"] == 16
