@@ -60,7 +60,7 @@ def plan_files(repo_files: Iterable[str], quantization: Quantization | str,
             raise DownloadError("the repo has safetensors weights but no config.json",
                                 "pass a transformers model repo, or a GGUF repo")
         return sorted({*extras, *_safetensors_weights(files, safetensors, index_shards)})
-    ggufs = sorted(name for name in files if name.lower().endswith(".gguf"))
+    ggufs = sorted(_gguf_names(files))
     if ggufs:
         return sorted({*extras, choose_gguf(ggufs, quantization)})
     if any(name.endswith(PICKLE_SUFFIXES) for name in files):
@@ -92,6 +92,11 @@ def choose_gguf(names: Sequence[str], quantization: Quantization) -> str:
                             "choose another --quantization")
     # Prefer a root-level, shortest name: split or variant files carry longer names.
     return min(matches, key=lambda name: (name.count("/"), len(name), name))
+
+
+def _gguf_names(names: Iterable[str]) -> list[str]:
+    """The GGUF files among `names`."""
+    return [name for name in names if name.lower().endswith(".gguf")]
 
 
 def _has_token(name: str, token: str) -> bool:
@@ -131,7 +136,7 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
 
 def _has_quantization(model: DownloadedModel, quantization: Quantization) -> bool:
     """A GGUF download holds one quantization; safetensors are quantized at load time."""
-    ggufs = [f.name for f in model.files if f.name.lower().endswith(".gguf")]
+    ggufs = _gguf_names(f.name for f in model.files)
     return not ggufs or any(_has_token(Path(n).name, p) for n in ggufs for p in GGUF_PATTERNS[quantization])
 
 
@@ -160,7 +165,7 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
     _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
     label = quantization.value
     earlier = cache.find(repo_id, commit)
-    if earlier is not None and _ggufs(earlier.files) and _ggufs(records):
+    if earlier is not None and _gguf_names(f.name for f in earlier.files) and _gguf_names(names):
         # Another quantization of the same GGUF repo commit: one manifest lists both.
         records, label = _merge_gguf_downloads(earlier, records, quantization)
     model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit,
@@ -168,10 +173,6 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
     cache.write_ref(repo_id, revision or DEFAULT_REVISION, commit)
     progress.finished(model)
     return model
-
-
-def _ggufs(records: Iterable[FileRecord]) -> list[str]:
-    return [r.name for r in records if r.name.lower().endswith(".gguf")]
 
 
 def _merge_gguf_downloads(earlier: DownloadedModel, records: list[FileRecord],
