@@ -92,7 +92,7 @@ def _check_memory(path: Path, device: torch.device, dtype: torch.dtype,
         config = _read_config(path)
         on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         # The file's dtype to ours: a bf16 checkpoint doubles in float32, and so on.
-        needed = on_disk * _element_size(dtype) // _element_size(_config_dtype(config))
+        needed = on_disk * dtype.itemsize // _config_dtype(config).itemsize
         if on_disk and device.type == "cpu" and quantization in (Quantization.F16, Quantization.F32):
             needed += _packed_head_copy_bytes(config, dtype)
     if not needed:
@@ -114,10 +114,6 @@ def _config_dtype(config: dict[str, Any]) -> torch.dtype:
     return found if isinstance(found, torch.dtype) else torch.bfloat16
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
-
-
 def _packed_head_copy_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
     """A tied LM head gets its own packed copy on a CPU (quantize.PackedLinear)."""
     from ruvllm_cli.registry.model_config import shape_from_dict
@@ -128,7 +124,7 @@ def _packed_head_copy_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
         return 0  # from_pretrained will say what is wrong with the config
     if not shape.tie_word_embeddings:
         return 0
-    return shape.vocab_size * shape.hidden_size * _element_size(dtype)
+    return shape.vocab_size * shape.hidden_size * dtype.itemsize
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
