@@ -24,8 +24,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear  # noqa: E402
+from ruvllm_cli.testing.tiny_model import QWEN25_05B_SHAPE as SHAPE  # noqa: E402
 
-HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 896, 4864, 128, 151936, 24
+HIDDEN, INTERMEDIATE, VOCAB, LAYERS = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
+                                                          "num_layers"))
+KV = SHAPE["num_kv_heads"] * HIDDEN // SHAPE["num_heads"]  # key/value projection width
 
 
 def shapes() -> list[tuple[int, int]]:
