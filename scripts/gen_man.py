@@ -11,17 +11,16 @@ writing nothing, when man/ruvllm.1 differs from a fresh rendering).
 
 from __future__ import annotations
 
-import argparse
 import enum
 import inspect
 import re
 import sys
-from pathlib import Path
 
 import click
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+import _generated
+
+sys.path.insert(0, str(_generated.REPO_ROOT))
 
 from ruvllm_cli import __version__  # noqa: E402
 from ruvllm_cli.cli.main import COMMANDS, cli  # noqa: E402
@@ -283,26 +282,8 @@ def render_man() -> str:
 
 # --- entry point -------------------------------------------------------------------------------
 
-def sync(text: str, root: Path, check: bool) -> int:
-    """Writes the page under `root`, or with `check` only reports it stale (exit 1)."""
-    path = root / MAN_PATH
-    if path.is_file() and path.read_text(encoding="utf-8") == text:
-        return 0
-    if check:
-        print(f"stale: {MAN_PATH} (run {COMMAND})", file=sys.stderr)
-        return 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    print(f"wrote {MAN_PATH}", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
-    parser.add_argument("--root", type=Path, default=REPO_ROOT, help="write under this directory")
-    args = parser.parse_args(argv)
-    return sync(render_man(), args.root, args.check)
+    return _generated.main(__doc__, lambda: {MAN_PATH: render_man()}, COMMAND, argv)
 
 
 if __name__ == "__main__":
