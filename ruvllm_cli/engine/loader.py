@@ -70,26 +70,25 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {config_file}: {error}") from None
 
 
-def _pretrained_args(path: Path) -> dict[str, Any]:
-    """from_pretrained's arguments for a model directory or a GGUF file."""
+def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """from_pretrained's arguments for a model directory or a GGUF file, and the
+    directory's config.json (None for a GGUF file)."""
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"{path}: no such GGUF file")
-        return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
-    _read_config(path)
-    return {"pretrained_model_name_or_path": path}
+        return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}, None
+    return {"pretrained_model_name_or_path": path}, _read_config(path)
 
 
-def _check_memory(path: Path, device: torch.device, dtype: torch.dtype,
-                  quantization: Quantization = Quantization.F16) -> None:
+def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype,
+                  quantization: Quantization) -> None:
     """Refuse early, with a clear message, a model that cannot fit."""
     import psutil
 
-    if path.suffix == ".gguf":
-        # Loading dequantizes the whole file first: a 4-bit file grows about 4x in 16-bit.
+    if config is None:
+        # A GGUF file: loading dequantizes it all first, a 4-bit file growing about 4x in 16-bit.
         needed = path.stat().st_size * (8 if dtype == torch.float32 else 4)
     else:
-        config = _read_config(path)
         on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         # The file's dtype to ours: a bf16 checkpoint doubles in float32, and so on.
         needed = on_disk * dtype.itemsize // _config_dtype(config).itemsize
@@ -147,10 +146,10 @@ def load_model(path: str | Path, device: str = "auto",
     from ruvllm_cli.engine.quantize import quantize_model
 
     path = Path(path).expanduser()
-    source = _pretrained_args(path)
+    source, config = _pretrained_args(path)
     target = select_device(device)
     dtype = dtype_for(quantization, target)
-    _check_memory(path, target, dtype, quantization)
+    _check_memory(path, config, target, dtype, quantization)
     hf_logging.disable_progress_bar()  # our own output says what is happening
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
