@@ -19,7 +19,7 @@ from ruvllm_cli.engine.loader import LoadedModel, load_model
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
 from ruvllm_cli.engine.request import FinishReason, Request
-from ruvllm_cli.engine.sampler import TokenLogprob, sample
+from ruvllm_cli.engine.sampler import SamplingFailure, TokenLogprob, sample
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig
 from ruvllm_cli.errors import UsageError
@@ -127,7 +127,12 @@ class LLMEngine:
             outputs += [self._accept(r, t, lp) for r, t, lp in zip(sampled, tokens, logprobs)]
         return outputs
 
-    def _accept(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _accept(self, request: Request, token: int | SamplingFailure,
+                logprob: TokenLogprob | None) -> RequestOutput:
+        if isinstance(token, SamplingFailure):
+            request.error = token.message
+            self.scheduler.finish(request, FinishReason.ERROR)
+            return self._final(request, "")
         now = time.perf_counter()
         if request.timings.first_token is None:
             request.timings.first_token = now

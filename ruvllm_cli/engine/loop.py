@@ -70,11 +70,15 @@ class RequestStream:
 class EngineLoop:
     """The engine thread: applies submitted commands, then steps while there is work."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        """`on_failure(error)` runs on the engine thread once it has died: a server
+        uses it to exit non-zero, so a supervisor restarts it."""
         self.engine = engine
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._on_step = on_step
+        self._on_failure = on_failure
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="ruvllm-engine", daemon=True)
         self._error: BaseException | None = None
@@ -152,6 +156,8 @@ class EngineLoop:
         except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
             self._error = error
             self._fail_all(error)
+            if self._on_failure is not None:
+                self._on_failure(error)
 
     def _drain(self, block: bool) -> bool:
         """Apply pending commands; False when asked to stop."""

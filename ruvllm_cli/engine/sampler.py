@@ -57,12 +57,27 @@ def filter_min_p(row: torch.Tensor, min_p: float) -> torch.Tensor:
     return row.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
+# Below this temperature sampling is greedy (vLLM's threshold): dividing by a smaller
+# one overflows float32 and the softmax turns into NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+def finite_logits(row: torch.Tensor) -> torch.Tensor:
+    """NaN becomes -inf (never chosen) and +inf the largest float (the overflowed
+    tokens tie for first), so a softmax over the row is always defined."""
+    return torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+
+
 def sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    if params.greedy:
+    """One token from a row, numerically safe for any parameters validation admits."""
+    row = finite_logits(row)
+    if params.greedy or params.temperature < MIN_TEMPERATURE:
         return int(row.argmax())
-    row = row / params.temperature
-    row = filter_min_p(filter_top_p(filter_top_k(row, params.top_k), params.top_p), params.min_p)
-    probs = row.softmax(-1)
+    scaled = finite_logits(row / params.temperature)
+    scaled = filter_min_p(filter_top_p(filter_top_k(scaled, params.top_k), params.top_p), params.min_p)
+    probs = scaled.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(row.argmax())   # every token filtered out: the best one is the only sane pick
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -74,24 +89,40 @@ def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogp
     return TokenLogprob(token_id, float(logprobs_row[token_id]), top)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+@dataclass(frozen=True)
+class SamplingFailure:
+    """In place of a token: sampling this row raised, and only its request ends."""
+
+    message: str
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]
+           ) -> tuple[list[int | SamplingFailure], list[TokenLogprob | None]]:
     """One next token per row of `logits` [S, V], with the row's request's parameters."""
     logits = logits.float()
     if all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests):
         return logits.argmax(-1).tolist(), [None] * len(requests)
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-    tokens: list[int] = []
+    tokens: list[int | SamplingFailure] = []
     logprobs: list[TokenLogprob | None] = []
     for i, request in enumerate(requests):
-        params = request.params
-        row = logits[i]
-        if params.needs_history:
-            row = apply_penalties(row.clone(), request.prompt_ids, request.output_ids, params)
-            for processor in params.logits_processors:
-                row = processor(request.output_ids, row)
-        token = sample_row(row, params, request.generator)
+        try:
+            token = _sample_request(logits[i], request)
+        except Exception as error:  # noqa: BLE001 - one request's failure ends that request alone
+            tokens.append(SamplingFailure(f"sampling failed: {type(error).__name__}: {error}"))
+            logprobs.append(None)
+            continue
         tokens.append(token)
-        logprobs.append(top_logprobs(raw_logprobs[i], token, params.logprobs)
-                        if raw_logprobs is not None and params.logprobs is not None else None)
+        logprobs.append(top_logprobs(raw_logprobs[i], token, request.params.logprobs)
+                        if raw_logprobs is not None and request.params.logprobs is not None else None)
     return tokens, logprobs
+
+
+def _sample_request(row: torch.Tensor, request: Request) -> int:
+    params = request.params
+    if params.needs_history:
+        row = apply_penalties(row.clone(), request.prompt_ids, request.output_ids, params)
+        for processor in params.logits_processors:
+            row = processor(request.output_ids, row)
+    return sample_row(row, params, request.generator)

@@ -198,3 +198,18 @@ def test_randomized_stress_keeps_integrity(make_engine, loaded):
         engine.check_integrity()
     engine.block_manager.check_integrity([])
     assert engine.stats.preemptions > 0 and engine.block_manager.stats.evictions > 0
+
+
+def test_a_request_that_fails_to_sample_ends_alone(make_engine):
+    def broken(ids, row):
+        raise RuntimeError("boom")
+
+    engine = make_engine()
+    alone = make_engine().generate([PROMPTS[1]], GREEDY)[0].token_ids
+    bad = SamplingParams(max_tokens=8, temperature=1.0, logits_processors=[broken])
+    results = engine.generate([PROMPTS[0], PROMPTS[1]], [bad, GREEDY])
+    assert results[0].finish_reason == "error" and "boom" in results[0].error
+    assert results[1].token_ids == alone and results[1].finish_reason == "length"
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == alone

@@ -97,3 +97,19 @@ def test_a_failed_engine_is_reported_not_hung(make_engine):
     with pytest.raises(Exception, match="stopped"):
         engine_loop.submit([5, 6, 7], PARAMS)
     engine_loop.shutdown()
+
+
+def test_a_dead_engine_reports_through_on_failure(make_engine):
+    engine = make_engine()
+    failures = []
+
+    def explode(chunks):
+        raise RuntimeError("device lost")
+
+    engine.runner.execute = explode
+    engine_loop = EngineLoop(engine, on_failure=failures.append)
+    outputs = list(engine_loop.submit([5, 6, 7], PARAMS))
+    engine_loop._thread.join(5)
+    assert outputs[-1].finish_reason == "error" and "device lost" in outputs[-1].error
+    assert [str(f) for f in failures] == ["device lost"]
+    assert not engine_loop.healthy

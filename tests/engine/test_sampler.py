@@ -1,9 +1,10 @@
 """Sampling filters and penalties as pure functions."""
 
+import pytest
 import torch
 
 from ruvllm_cli.engine.request import Request
-from ruvllm_cli.engine.sampler import (apply_penalties, filter_min_p, filter_top_k, filter_top_p,
+from ruvllm_cli.engine.sampler import (SamplingFailure, apply_penalties, filter_min_p, filter_top_k, filter_top_p,
                                        sample)
 from ruvllm_cli.engine.sampling import SamplingParams
 
@@ -55,3 +56,42 @@ def test_seeded_sampling_is_reproducible():
         request.generator = torch.Generator().manual_seed(3)
         picks.append([sample(logits, [request])[0][0] for _ in range(5)])
     assert picks[0] == picks[1]
+
+
+# Values validation admits that once made the softmax NaN and killed the engine (issue 18).
+EXTREME = [
+    dict(temperature=1e-40), dict(temperature=1e-300), dict(temperature=5e-324),
+    dict(top_p=1e-300), dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300),
+    dict(temperature=1e-8, top_k=5), dict(min_p=1.0), dict(temperature=2.0, top_p=1e-300, min_p=1.0),
+    dict(presence_penalty=2.0, frequency_penalty=-2.0, temperature=1e-30),
+]
+
+
+@pytest.mark.parametrize("knobs", EXTREME, ids=lambda k: ",".join(f"{n}={v}" for n, v in k.items()))
+def test_extreme_but_valid_parameters_always_sample_a_real_token(knobs):
+    logits = torch.randn(2, 64) * 30
+    logits[1, 7] = float("inf")   # an overflowed logit must not poison the softmax either
+    requests = [Request(prompt_ids=[1, 2, 3], params=SamplingParams(**knobs)) for _ in range(2)]
+    for request in requests:
+        request.output_ids += [4, 4, 5]
+    tokens, _ = sample(logits, requests)
+    assert all(isinstance(t, int) and 0 <= t < 64 for t in tokens)
+    assert tokens[1] == 7
+
+
+def test_nan_logits_are_never_chosen():
+    row = torch.tensor([float("nan"), 1.0, float("nan"), 0.5])
+    request = Request(prompt_ids=[1], params=SamplingParams(temperature=1.0, seed=0))
+    request.generator = torch.Generator().manual_seed(0)
+    assert {sample(row.unsqueeze(0), [request])[0][0] for _ in range(20)} <= {1, 3}
+
+
+def test_a_failing_row_fails_alone():
+    def broken(ids, row):
+        raise RuntimeError("boom")
+
+    requests = [Request(prompt_ids=[1], params=SamplingParams(temperature=1.0, logits_processors=[broken])),
+                Request(prompt_ids=[1], params=SamplingParams(temperature=0.0))]
+    tokens, _ = sample(torch.tensor([[0.0, 1.0], [2.0, 1.0]]), requests)
+    assert isinstance(tokens[0], SamplingFailure) and "boom" in tokens[0].message
+    assert tokens[1] == 0
