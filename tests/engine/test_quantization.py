@@ -20,14 +20,15 @@ from ruvllm_cli.testing.tiny_model import cached_tiny_model
 SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536)
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 5, list(range(40, 90)), [300, 12, 77, 401, 9, 9, 23]]
 MAX_RATIO = {Q.F16: 0.55, Q.Q8_0: 0.55, Q.Q4_K_M: 0.35}
-# Measured on this model (3 prompts): f16 0.0002-0.0007, q8 0.009-0.025 (weight-only
+# Measured on this model (3 prompts): f16 0.0002-0.0007, q8 0.009-0.025 with AVX-512
+# VNNI, 0.032-0.054 on an AVX2-only CPU, where activations keep 7 bits (weight-only
 # int8: 0.003-0.006; bitsandbytes int8: 0.004-0.005; fbgemm's default 7-bit activations:
 # 0.015-0.054), q4k 0.35-0.91 with int4 embeddings, 0.59-0.75 with int8 ones
 # (bitsandbytes NF4, which leaves the LM head and the embeddings unquantized:
 # 0.31-0.39). Random Gaussian weights make 4-bit rounding noise far louder than on
 # trained models; the bounds catch a broken kernel (wrong zero points or scales give
 # KL of several nats), not that noise.
-MAX_KL = {Q.F16: 0.01, Q.Q8_0: 0.05, Q.Q4_K_M: 1.5}
+MAX_KL = {Q.F16: 0.01, Q.Q8_0: 0.1, Q.Q4_K_M: 1.5}
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +79,27 @@ def test_quantized_engine_batches_and_streams(engines, quant):
     alone = [engine.generate([p], params)[0] for p in PROMPTS]
     assert all(len(c.token_ids) == 6 for c in together)
     assert engine.stats.steps < 4 * 6 + 6
-    # Batched rows and single rows go through the same int kernels per row.
-    assert sum(a.token_ids == b.token_ids for a, b in zip(together, alone)) >= 2
+    assert all(len(c.token_ids) == 6 for c in alone)
+    # fbgemm quantizes activations per call, over every row of the batch, so batched
+    # and single rows need not pick the same argmax on random weights: compare their
+    # next-token distributions instead.
+    batched = next_token_logits_together(engine, PROMPTS)
+    for prompt, row in zip(PROMPTS, batched):
+        single = next_token_logits(engine, prompt).log_softmax(-1)
+        kl = torch.sum(single.exp() * (single - row.log_softmax(-1))).item()
+        assert kl < MAX_KL[quant]
     engine.check_integrity()
+
+
+def next_token_logits_together(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Tensor]:
+    seen: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def capture(slot):
+        return lambda _ids, row: slot.append(row.detach().float().clone()) or row
+
+    engine.generate(prompts, [SamplingParams(max_tokens=1, temperature=0.0, logits_processors=[capture(s)])
+                              for s in seen])
+    return [s[0] for s in seen]
 
 
 def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
