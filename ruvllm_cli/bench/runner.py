@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ruvllm_cli.bench.metrics import IterationSample, RequestSample
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import RuvllmError, UsageError
 
 # Called after every engine step with the number of tokens the step produced.
@@ -116,10 +117,10 @@ class BenchmarkRunner:
     def _sample(self, output: Any) -> RequestSample:
         timings = output.timings
         expected = self.settings.gen_length
-        if output.finish_reason != "length" or len(timings.token_times) != expected:
+        if output.finish_reason is not FinishReason.LENGTH or len(timings.token_times) != expected:
             detail = f": {output.error}" if output.error else ""
             raise RuvllmError(
-                f"a benchmark request ended with {output.finish_reason} after "
+                f"a benchmark request ended with {output.finish_reason.value} after "
                 f"{len(timings.token_times)} of {expected} tokens{detail}")
         return RequestSample(
             prompt_tokens=output.num_prompt_tokens,
@@ -129,5 +130,5 @@ class BenchmarkRunner:
             first_token=timings.first_token,
             finished=timings.finished,
             token_times=tuple(timings.token_times),
-            finish_reason=output.finish_reason,
+            finish_reason=output.finish_reason.value,
         )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ruvllm_cli.chat.reply import Reply, stream_reply
 from ruvllm_cli.chat.session import ChatSession
+from ruvllm_cli.engine.request import FinishReason
 
 if TYPE_CHECKING:
     from ruvllm_cli.chat.render import Renderer
@@ -36,7 +37,7 @@ class Conversation:
         except BaseException:
             self.session.drop_last_user()
             raise
-        if reply.finish_reason == "error":
+        if reply.finish_reason is FinishReason.ERROR:
             self.session.drop_last_user()
         return reply
 
@@ -48,7 +49,7 @@ class Conversation:
         except BaseException:
             self.session.messages.append(previous)
             raise
-        if reply.finish_reason == "error":
+        if reply.finish_reason is FinishReason.ERROR:
             self.session.messages.append(previous)
         return reply
 
@@ -62,7 +63,7 @@ class Conversation:
         reply = stream_reply(self.loop, fit.prompt_ids, self.session.settings.sampling_params(),
                              self.renderer.reply_text)
         self.renderer.reply_end(reply, self.session.settings.max_tokens)
-        if reply.finish_reason == "error":
+        if reply.finish_reason is FinishReason.ERROR:
             return reply
         self.session.add_reply(reply.text, reply.interrupted)
         self.last_reply = reply

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 from rich.console import Console
 from rich.markup import escape
 
+from ruvllm_cli.engine.request import FinishReason
+
 if TYPE_CHECKING:
     from ruvllm_cli.chat.reply import Reply, ReplyStats
     from ruvllm_cli.chat.session import ChatSession
@@ -37,7 +39,7 @@ def format_stats_details(reply: "Reply") -> list[tuple[str, str]]:
     """The rows of /stats."""
     stats = reply.stats
     return [
-        ("tokens", f"{stats.tokens} ({reply.finish_reason})"),
+        ("tokens", f"{stats.tokens} ({reply.finish_reason.value})"),
         ("TTFT", format_duration(stats.ttft_s)),
         ("decode", format_rate(stats.decode_tok_s)),
         ("total", format_duration(stats.total_s)),
@@ -75,11 +77,11 @@ class TerminalRenderer:
         if reply.interrupted:
             self.console.print("[yellow]Interrupted:[/yellow] the partial reply stays in the "
                                "conversation (/retry generates it again)")
-        elif reply.finish_reason == "error":
+        elif reply.finish_reason is FinishReason.ERROR:
             self.error(reply.error or "the engine failed while generating")
             return
         line = format_stats_line(reply.stats)
-        if reply.finish_reason == "length":
+        if reply.finish_reason is FinishReason.LENGTH:
             line += f" · stopped at the {max_tokens}-token limit (/max)"
         self.console.print(f"[dim]{escape(line)}[/dim]")
 
@@ -115,7 +117,7 @@ class PipeRenderer:
         sys.stdout.flush()
         if reply.interrupted:
             self.warn("interrupted; the reply above is partial")
-        elif reply.finish_reason == "error":
+        elif reply.finish_reason is FinishReason.ERROR:
             self.error(reply.error or "the engine failed while generating")
 
     def rows(self, rows: list[tuple[str, str]]) -> None:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ruvllm_cli.engine.request import FinishReason
+
 if TYPE_CHECKING:
     from ruvllm_cli.engine.loop import EngineLoop, RequestStream
     from ruvllm_cli.engine.outputs import RequestOutput
@@ -48,13 +50,13 @@ class ReplyStats:
 @dataclass(frozen=True)
 class Reply:
     text: str
-    finish_reason: str           # stop | length | cancelled | error
+    finish_reason: FinishReason
     stats: ReplyStats
     error: str | None = None
 
     @property
     def interrupted(self) -> bool:
-        return self.finish_reason == "cancelled"
+        return self.finish_reason is FinishReason.CANCELLED
 
 
 def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "SamplingParams",
@@ -73,7 +75,7 @@ def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "Samplin
                 on_text(output.text)
             final = output
     assert final is not None and final.finished
-    return Reply("".join(parts), final.finish_reason or "stop", ReplyStats.from_output(final), final.error)
+    return Reply("".join(parts), final.finish_reason or FinishReason.STOP, ReplyStats.from_output(final), final.error)
 
 
 @contextmanager

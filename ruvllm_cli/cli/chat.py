@@ -10,6 +10,7 @@ from click.core import ParameterSource
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conv
 def answer_once(conversation: "Conversation", message: str) -> None:
     """The scripted mode: one message in, the reply alone on stdout."""
     reply = conversation.send(message)
-    if reply.finish_reason == "error":
+    if reply.finish_reason is FinishReason.ERROR:
         raise click.exceptions.Exit(1)  # the renderer has printed the error
     if reply.interrupted:
         raise click.exceptions.Exit(130)

@@ -14,24 +14,15 @@ import torch
 
 from ruvllm_cli.engine.block_manager import BlockManager
 from ruvllm_cli.engine.config import EngineConfig
-from ruvllm_cli.engine.detokenizer import IncrementalDetokenizer, StopMatcher
 from ruvllm_cli.engine.loader import LoadedModel, load_model
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
+from ruvllm_cli.engine.output_processor import OutputProcessor
 from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
 from ruvllm_cli.engine.request import FinishReason, Request
 from ruvllm_cli.engine.sampler import SamplingFailure, TokenLogprob, sample
 from ruvllm_cli.engine.sampling import SamplingParams
-from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig
+from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ruvllm_cli.errors import UsageError
-
-
-@dataclass
-class _Stream:
-    """Per-request text state: detokenizer plus stop-string matcher."""
-
-    detokenizer: IncrementalDetokenizer
-    matcher: StopMatcher
-    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -48,7 +39,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, _Stream] = {}
+        self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,
+                                       self.scheduler, self.stats)
         self._vocab_size = int(loaded.model.config.vocab_size)
 
     @classmethod
@@ -65,10 +57,7 @@ class LLMEngine:
             request.request_id = request_id
         if request.request_id in self.requests:
             raise UsageError(f"request id {request.request_id} is already in use")
-        if params.seed is not None:
-            request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
-        self._streams[request.request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, prompt_ids), StopMatcher(params.stop))
+        self.outputs.attach(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request
@@ -97,7 +86,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.finish(request, FinishReason.CANCELLED)
-        return self._final(request, "")
+        return self._finished(self.outputs.final(request, ""))
 
     @property
     def has_unfinished(self) -> bool:
@@ -107,75 +96,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass over every scheduled token, sample, emit."""
         plan = self.scheduler.schedule()
-        outputs = [self._final(r, "") for r in plan.rejected]
+        outputs = [self.outputs.final(r, "") for r in plan.rejected]
         self.stats.preemptions = self.scheduler.num_preemptions
-        if not plan.chunks:
-            return outputs
+        if plan.chunks:
+            outputs += self._run(plan)
+        return [self._finished(o) if o.finished else o for o in outputs]
+
+    def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
         now = time.perf_counter()
         for chunk in plan.chunks:
             if chunk.request.timings.scheduled is None:
                 chunk.request.timings.scheduled = now
         logits, sampled = self.runner.execute(plan.chunks)
-        for chunk in plan.chunks:
-            chunk.request.num_computed_tokens += chunk.num_new_tokens
-            self.block_manager.cache_full_blocks(chunk.request)
+        self.scheduler.postprocess(plan)
         self.stats.steps += 1
         self.stats.last_step_tokens = plan.num_tokens
         self.stats.batched_tokens += plan.num_tokens
-        if logits is not None:
-            tokens, logprobs = sample(logits, sampled)
-            outputs += [self._accept(r, t, lp) for r, t, lp in zip(sampled, tokens, logprobs)]
-        return outputs
+        if logits is None:
+            return []
+        tokens, logprobs = sample(logits, sampled)
+        return [self.outputs.fail(r, t.message) if isinstance(t, SamplingFailure) else self.outputs.accept(r, t, lp)
+                for r, t, lp in zip(sampled, tokens, logprobs)]
 
-    def _accept(self, request: Request, token: int | SamplingFailure,
-                logprob: TokenLogprob | None) -> RequestOutput:
-        if isinstance(token, SamplingFailure):
-            request.error = token.message
-            self.scheduler.finish(request, FinishReason.ERROR)
-            return self._final(request, "")
-        now = time.perf_counter()
-        if request.timings.first_token is None:
-            request.timings.first_token = now
-        request.timings.token_times.append(now)
-        request.append_token(token)
-        self.stats.generated_tokens += 1
-        stream = self._streams[request.request_id]
-        if logprob is not None:
-            stream.logprobs.append(logprob)
-        params = request.params
-        is_eos = token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.loaded.eos_token_ids)
-        text, hit_stop = ("", False) if is_eos else stream.matcher.feed(stream.detokenizer.add(token))
-        reason = None
-        if is_eos or hit_stop:
-            reason = FinishReason.STOP
-        elif len(request.output_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        if reason is None:
-            return self._output(request, [token], text, logprob)
-        self.scheduler.finish(request, reason)
-        if not hit_stop:
-            # A reply may end inside a multi-byte character: show what there is.
-            text += stream.matcher.feed(stream.detokenizer.flush())[0] + stream.matcher.flush()
-        return self._final(request, text, [token], logprob)
-
-    def _output(self, request: Request, tokens: list[int], text: str,
-                logprob: TokenLogprob | None) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id, token_ids=tokens, text=text,
-            logprobs=[logprob] if logprob is not None else [],
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=len(request.output_ids), timings=request.timings)
-
-    def _final(self, request: Request, text: str, tokens: list[int] | None = None,
-               logprob: TokenLogprob | None = None) -> RequestOutput:
-        output = self._output(request, tokens or [], text, logprob)
-        output.finished = True
-        output.finish_reason = request.finish_reason.value if request.finish_reason else None
-        output.error = request.error
-        self.stats.prompt_tokens += request.num_prompt_tokens
-        del self.requests[request.request_id]
-        del self._streams[request.request_id]
+    def _finished(self, output: RequestOutput) -> RequestOutput:
+        del self.requests[output.request_id]
         return output
 
     # ---- conveniences -------------------------------------------------------------
@@ -206,7 +150,7 @@ class Completion:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)

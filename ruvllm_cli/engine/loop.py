@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import RuvllmError
 
@@ -217,4 +218,4 @@ class _Add:
 
 def _failed(request_id: str, error: BaseException, prefix: str = "engine failure: ") -> RequestOutput:
     return RequestOutput(request_id=request_id, token_ids=[], text="", finished=True,
-                         finish_reason="error", error=f"{prefix}{error}")
+                         finish_reason=FinishReason.ERROR, error=f"{prefix}{error}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ruvllm_cli.engine.request import RequestTimings
+from ruvllm_cli.engine.request import FinishReason, RequestTimings
 from ruvllm_cli.engine.sampler import TokenLogprob
 
 
@@ -14,7 +14,7 @@ class RequestOutput:
     token_ids: list[int]                 # tokens generated in this step (usually one)
     text: str                            # text that became safe to show in this step
     finished: bool = False
-    finish_reason: str | None = None     # stop | length | cancelled | error
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -6,9 +6,15 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ruvllm_cli.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from ruvllm_cli.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+    from ruvllm_cli.engine.grammar import GrammarMatcher
 
 
 class RequestStatus(Enum):
@@ -18,6 +24,8 @@ class RequestStatus(Enum):
 
 
 class FinishReason(Enum):
+    """Why a request ended; callers compare members, `.value` is for display."""
+
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
@@ -60,9 +68,13 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
-    generator: Any = None  # torch.Generator when the request has a seed
-    detokenizer: Any = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    # Per-sequence state the engine attaches when it adds the request:
+    generator: "torch.Generator | None" = None           # when the request has a seed
+    detokenizer: "IncrementalDetokenizer | None" = None  # token ids -> text deltas
+    stop_matcher: "StopMatcher | None" = None            # stop strings on that text
+    grammar: "GrammarMatcher | None" = None              # constrained decoding, when asked for
+    adapter_id: int = 0                                  # LoRA adapter slot; 0 is the base model
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

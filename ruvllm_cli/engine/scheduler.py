@@ -142,6 +142,13 @@ class Scheduler:
         request.finish(FinishReason.ERROR)
         out.rejected.append(request)
 
+    def postprocess(self, out: SchedulerOutput) -> None:
+        """After the step ran: every scheduled chunk's KV is now in the cache, and
+        its full blocks join the prefix cache."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+            self.blocks.cache_full_blocks(chunk.request)
+
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Take a request out of the queues and free its blocks."""
         if request in self.running:

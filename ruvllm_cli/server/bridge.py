@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError
@@ -26,7 +27,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -52,9 +53,9 @@ def choices_for(plans: Sequence[SequencePlan]) -> list[Choice]:
 
 def check_finished(choice: Choice) -> None:
     """A sequence the engine cancelled (shutdown) or failed becomes an HTTP error."""
-    if choice.finish_reason == "cancelled":
+    if choice.finish_reason is FinishReason.CANCELLED:
         raise ApiError(503, "The request was cancelled because the server is shutting down.")
-    if choice.finish_reason == "error":
+    if choice.finish_reason is FinishReason.ERROR:
         raise ApiError(500, f"The engine failed on this request: {choice.error or 'unknown error'}")
 
 

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.token_text import TokenTexts
 
 # Engine reasons that are also OpenAI's; cancelled and error never reach a body.
-FINISH_REASONS = {"stop": "stop", "length": "length"}
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class ResponseFormat(Protocol):
 
 
 def finish_reason(choice: Choice) -> str | None:
-    return FINISH_REASONS.get(choice.finish_reason or "")
+    return FINISH_REASONS.get(choice.finish_reason) if choice.finish_reason else None
 
 
 def usage(choices: Sequence[Choice]) -> dict[str, Any]:

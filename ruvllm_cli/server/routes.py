@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.server import bridge
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, bad_request, error_body, json_response
@@ -141,7 +142,7 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             async for position, output in events:
                 choice = choices[position]
                 choice.add(output)
-                if output.finished and choice.finish_reason in ("cancelled", "error"):
+                if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
                     await sse.send(stream_error(choice))
                     return await sse.close()
                 chunk = fmt.delta(choice, output)

@@ -13,6 +13,7 @@ import pytest
 from prompt_toolkit.completion import CompleteEvent
 from prompt_toolkit.document import Document
 
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.chat.commands import COMMANDS, Action, completions, run_command
 from ruvllm_cli.chat.conversation import Conversation
 from ruvllm_cli.chat.render import format_stats_line
@@ -33,7 +34,7 @@ class RecordingRenderer:
         self.streamed.append(text)
 
     def reply_end(self, reply: Any, max_tokens: int) -> None:
-        self.lines.append(f"<end {reply.finish_reason}>")
+        self.lines.append(f"<end {reply.finish_reason.value}>")
 
     def rows(self, rows: list[tuple[str, str]]) -> None:
         self.lines += [f"{key}: {value}" for key, value in rows]
@@ -64,7 +65,7 @@ class ScriptedLoop:
     """Replies "reply 1", "reply 2", ... as two text pieces each, with engine-like timings."""
 
     prompts: list[list[int]] = field(default_factory=list)
-    finish_reason: str = "stop"
+    finish_reason: FinishReason = FinishReason.STOP
 
     def submit(self, prompt: list[int], params: Any) -> ScriptedStream:
         self.prompts.append(prompt)
@@ -73,7 +74,7 @@ class ScriptedLoop:
         first = RequestOutput("r", [5], "reply ", timings=timings)
         last = RequestOutput("r", [6], str(n), finished=True, finish_reason=self.finish_reason,
                              num_prompt_tokens=len(prompt), num_output_tokens=3, timings=timings,
-                             error="boom" if self.finish_reason == "error" else None)
+                             error="boom" if self.finish_reason is FinishReason.ERROR else None)
         return ScriptedStream([first, last])
 
 
@@ -92,7 +93,7 @@ def lines(conv: Conversation) -> list[str]:
 def test_send_streams_the_reply_and_keeps_it(conv: Conversation) -> None:
     reply = conv.send("hello")
     assert conv.renderer.streamed == ["reply ", "1"]  # type: ignore[attr-defined]
-    assert reply.text == "reply 1" and reply.finish_reason == "stop"
+    assert reply.text == "reply 1" and reply.finish_reason is FinishReason.STOP
     assert [m.to_dict() for m in conv.session.messages] == [{"role": "user", "content": "hello"},
                                                             {"role": "assistant", "content": "reply 1"}]
     assert conv.loop.prompts[0] == conv.session.template(  # type: ignore[attr-defined]
@@ -128,15 +129,15 @@ def test_retry_without_a_reply_is_an_error(conv: Conversation) -> None:
 
 def test_a_failed_reply_takes_the_message_back(conv: Conversation) -> None:
     conv.send("hello")
-    conv.loop.finish_reason = "error"  # type: ignore[attr-defined]
-    assert conv.send("again").finish_reason == "error"
+    conv.loop.finish_reason = FinishReason.ERROR  # type: ignore[attr-defined]
+    assert conv.send("again").finish_reason is FinishReason.ERROR
     assert [m.content for m in conv.session.messages] == ["hello", "reply 1"]
     conv.retry()
     assert [m.content for m in conv.session.messages] == ["hello", "reply 1"]
 
 
 def test_a_cancelled_reply_stays_marked_interrupted(conv: Conversation) -> None:
-    conv.loop.finish_reason = "cancelled"  # type: ignore[attr-defined]
+    conv.loop.finish_reason = FinishReason.CANCELLED  # type: ignore[attr-defined]
     reply = conv.send("hello")
     assert reply.interrupted
     assert conv.session.messages[-1].to_dict() == {"role": "assistant", "content": "reply 1", "interrupted": True}

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.chat.conversation import Conversation
 from ruvllm_cli.chat.session import ChatSession, ChatSettings
 
@@ -73,7 +74,7 @@ def test_a_long_conversation_drops_its_oldest_turns_and_keeps_going(make_convers
     conv.session.system_prompt = "Be brief."
     for i in range(8):
         reply = conv.send(f"Tell me about the weather in Paris, question {i}.")
-        assert reply.finish_reason in ("stop", "length")
+        assert reply.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         assert reply.stats.prompt_tokens <= conv.session.budget == 112
     warnings = conv.renderer.warnings  # type: ignore[attr-defined]
     first_warning = next(i for i, w in enumerate(warnings) if w.startswith("the conversation uses"))
@@ -91,10 +92,10 @@ def test_sigint_mid_reply_cancels_it_and_keeps_the_partial_reply(make_conversati
     recorder.on_first_text = lambda: os.kill(os.getpid(), signal.SIGINT)
     handler_before = signal.getsignal(signal.SIGINT)
     reply = conv.send("Tell me a long story about a cat.")
-    assert reply.finish_reason == "cancelled" and reply.interrupted
+    assert reply.finish_reason is FinishReason.CANCELLED and reply.interrupted
     assert 1 <= reply.stats.tokens < 2000
     assert conv.session.messages[-1].interrupted and conv.session.messages[-1].content == reply.text
     assert signal.getsignal(signal.SIGINT) is handler_before
     conv.session.settings = conv.session.settings.replace(max_tokens=4)
     after = conv.send("Go on.")
-    assert after.finish_reason in ("stop", "length") and len(conv.session.messages) == 4
+    assert after.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and len(conv.session.messages) == 4

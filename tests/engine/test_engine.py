@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.model_runner import kv_bytes_per_block
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
@@ -110,7 +111,7 @@ def test_cancel_frees_blocks_and_others_finish_unchanged(make_engine, expected):
         for out in engine.step():
             got[out.request_id] += out.token_ids
     final = engine.abort(victim.request_id)
-    assert final.finished and final.finish_reason == "cancelled"
+    assert final.finished and final.finish_reason is FinishReason.CANCELLED
     assert victim.block_table == []
     engine.check_integrity()
     while engine.has_unfinished:
@@ -126,11 +127,11 @@ def test_max_tokens_and_eos_finish_reasons(make_engine, loaded):
     engine = make_engine()
     eos = loaded.eos_token_ids[0]
     length = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
-    assert (len(length.token_ids), length.finish_reason) == (5, "length")
+    assert (len(length.token_ids), length.finish_reason) == (5, FinishReason.LENGTH)
     first = length.token_ids[0]
     stop = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=5, temperature=0.0,
                                                         stop_token_ids=(first,)))[0]
-    assert (stop.token_ids, stop.finish_reason) == ([first], "stop")
+    assert (stop.token_ids, stop.finish_reason) == ([first], FinishReason.STOP)
     assert eos in loaded.eos_token_ids
 
 
@@ -142,7 +143,7 @@ def test_stop_string_cuts_text_and_finishes(make_engine):
     stop = text[3:6]
     cut = engine.generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                        stop=(stop,)))[0]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason is FinishReason.STOP
     assert cut.text == text[:text.find(stop)]
 
 
@@ -171,7 +172,7 @@ def test_bad_prompts_are_usage_errors(make_engine):
 def test_generation_stops_at_the_context_limit(make_engine):
     engine = make_engine(max_model_len=40)
     out = engine.generate([PROMPTS[4]], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(PROMPTS[4]) + len(out.token_ids) == 40
+    assert out.finish_reason is FinishReason.LENGTH and len(PROMPTS[4]) + len(out.token_ids) == 40
 
 
 def test_randomized_stress_keeps_integrity(make_engine, loaded):
@@ -208,8 +209,8 @@ def test_a_request_that_fails_to_sample_ends_alone(make_engine):
     alone = make_engine().generate([PROMPTS[1]], GREEDY)[0].token_ids
     bad = SamplingParams(max_tokens=8, temperature=1.0, logits_processors=[broken])
     results = engine.generate([PROMPTS[0], PROMPTS[1]], [bad, GREEDY])
-    assert results[0].finish_reason == "error" and "boom" in results[0].error
-    assert results[1].token_ids == alone and results[1].finish_reason == "length"
+    assert results[0].finish_reason is FinishReason.ERROR and "boom" in results[0].error
+    assert results[1].token_ids == alone and results[1].finish_reason is FinishReason.LENGTH
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == alone

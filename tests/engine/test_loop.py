@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
@@ -25,7 +26,7 @@ def test_sync_stream_yields_every_token_then_a_final_output(loop):
     outputs = list(stream)
     assert sum(len(o.token_ids) for o in outputs) == 12
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
-    assert outputs[-1].finish_reason == "length"
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
     assert outputs[0].timings.first_token is not None
 
 
@@ -55,8 +56,8 @@ def test_async_streams_run_concurrently_and_cancel_alone(loop):
 
     results = asyncio.run(main())
     tokens, reason = results[0]
-    assert reason == "cancelled" and 3 <= len(tokens) < 200
-    assert all(r == "length" and len(t) == 12 for t, r in results[1:])
+    assert reason is FinishReason.CANCELLED and 3 <= len(tokens) < 200
+    assert all(r is FinishReason.LENGTH and len(t) == 12 for t, r in results[1:])
     loop.call(lambda engine: engine.block_manager.check_integrity([]))
     steps = loop.call(lambda engine: engine.stats.steps)
     assert steps < 12 + 10  # the four streams shared their steps
@@ -77,9 +78,9 @@ def test_submit_returns_without_waiting_for_a_step(loop):
     streams = [loop.submit([7, 8, 9], PARAMS) for _ in range(20)]
     assert time.perf_counter() - started < 0.5
     for stream in streams:
-        assert list(stream)[-1].finish_reason == "length"
+        assert list(stream)[-1].finish_reason is FinishReason.LENGTH
     running.cancel()
-    assert list(running)[-1].finish_reason == "cancelled"
+    assert list(running)[-1].finish_reason is FinishReason.CANCELLED
 
 
 def test_a_failed_engine_is_reported_not_hung(make_engine):
@@ -92,7 +93,7 @@ def test_a_failed_engine_is_reported_not_hung(make_engine):
     engine.step = explode  # the next step fails
     stream = engine_loop.submit([5, 6, 7], PARAMS)
     final = list(stream)[-1]
-    assert final.finish_reason == "error" and "boom" in final.error
+    assert final.finish_reason is FinishReason.ERROR and "boom" in final.error
     assert not engine_loop.healthy
     with pytest.raises(Exception, match="stopped"):
         engine_loop.submit([5, 6, 7], PARAMS)
@@ -110,6 +111,6 @@ def test_a_dead_engine_reports_through_on_failure(make_engine):
     engine_loop = EngineLoop(engine, on_failure=failures.append)
     outputs = list(engine_loop.submit([5, 6, 7], PARAMS))
     engine_loop._thread.join(5)
-    assert outputs[-1].finish_reason == "error" and "device lost" in outputs[-1].error
+    assert outputs[-1].finish_reason is FinishReason.ERROR and "device lost" in outputs[-1].error
     assert [str(f) for f in failures] == ["device lost"]
     assert not engine_loop.healthy

@@ -1,7 +1,7 @@
 """Scheduling decisions without a model: budgets, chunking, admission, preemption."""
 
 from ruvllm_cli.engine.block_manager import BlockManager
-from ruvllm_cli.engine.request import Request, RequestStatus
+from ruvllm_cli.engine.request import FinishReason, Request, RequestStatus
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -13,12 +13,10 @@ def make(n, start=0):
 def run_step(scheduler: Scheduler, sample_token: int = 7):
     """Apply a plan as the engine would (minus the model)."""
     plan = scheduler.schedule()
-    for chunk in plan.chunks:
-        completes = chunk.completes
-        chunk.request.num_computed_tokens += chunk.num_new_tokens
-        scheduler.blocks.cache_full_blocks(chunk.request)
-        if completes:
-            chunk.request.append_token(sample_token)
+    completing = [chunk.request for chunk in plan.chunks if chunk.completes]
+    scheduler.postprocess(plan)
+    for request in completing:
+        request.append_token(sample_token)
     return plan
 
 
@@ -71,5 +69,5 @@ def test_a_request_larger_than_the_pool_is_rejected_not_hung():
     r = make(20)
     s.add(r)
     plan = s.schedule()
-    assert plan.rejected == [r] and r.finish_reason.value == "error"
+    assert plan.rejected == [r] and r.finish_reason is FinishReason.ERROR
     assert not s.has_work

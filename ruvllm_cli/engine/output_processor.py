@@ -1,0 +1,114 @@
+"""What happens to a request after each sampled token: timings, grammar advance,
+detokenizing, stop strings and EOS, the finish decision, and the output handed back.
+
+`LLMEngine.step` runs the model and the sampler; everything per token after that
+lives here, so the engine loop stays a short list of stages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Collection
+
+import torch
+
+from ruvllm_cli.engine.detokenizer import IncrementalDetokenizer, StopMatcher
+from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
+from ruvllm_cli.engine.request import FinishReason, Request
+from ruvllm_cli.engine.sampler import TokenLogprob
+from ruvllm_cli.engine.scheduler import Scheduler
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int], max_model_len: int,
+                 scheduler: Scheduler, stats: EngineStats) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler
+        self.stats = stats
+
+    def attach(self, request: Request) -> None:
+        """Give a new request its per-sequence state (text, stop strings, seed)."""
+        params = request.params
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+        request.stop_matcher = StopMatcher(params.stop)
+        if params.seed is not None:
+            request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+
+    def accept(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Take one sampled token: the request's output for this step, final or not."""
+        self._stamp(request)
+        request.append_token(token)
+        self.stats.generated_tokens += 1
+        grammar_ok, grammar_done = self._advance_grammar(request, token)
+        is_eos = self._is_eos(request, token)
+        text, hit_stop = ("", False) if is_eos else self._text(request, token)
+        reason = self._finish_reason(request, is_eos or hit_stop or grammar_done)
+        if not grammar_ok:
+            request.error = f"token {token} was not allowed by the request's grammar"
+            reason = FinishReason.ERROR
+        if reason is None:
+            return self._output(request, [token], text, logprob)
+        self.scheduler.finish(request, reason)
+        if not hit_stop:
+            text += self._flush(request)
+        return self.final(request, text, [token], logprob)
+
+    def fail(self, request: Request, message: str) -> RequestOutput:
+        """End one request with an error (its sampling failed); the rest go on."""
+        request.error = message
+        self.scheduler.finish(request, FinishReason.ERROR)
+        return self.final(request, "")
+
+    def final(self, request: Request, text: str, tokens: list[int] | None = None,
+              logprob: TokenLogprob | None = None) -> RequestOutput:
+        output = self._output(request, tokens or [], text, logprob)
+        output.finished = True
+        output.finish_reason = request.finish_reason
+        output.error = request.error
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        return output
+
+    # ---- the stages -----------------------------------------------------------------
+    def _stamp(self, request: Request) -> None:
+        now = time.perf_counter()
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+        request.timings.token_times.append(now)
+
+    def _advance_grammar(self, request: Request, token: int) -> tuple[bool, bool]:
+        """(the grammar took the token, the grammar is complete and allows no more)."""
+        if request.grammar is None:
+            return True, False
+        accepted = request.grammar.accept(token)
+        return accepted, accepted and request.grammar.is_finished
+
+    def _is_eos(self, request: Request, token: int) -> bool:
+        params = request.params
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+
+    def _text(self, request: Request, token: int) -> tuple[str, bool]:
+        assert request.detokenizer is not None and request.stop_matcher is not None
+        return request.stop_matcher.feed(request.detokenizer.add(token))
+
+    def _flush(self, request: Request) -> str:
+        # A reply may end inside a multi-byte character: show what there is.
+        assert request.detokenizer is not None and request.stop_matcher is not None
+        matcher = request.stop_matcher
+        return matcher.feed(request.detokenizer.flush())[0] + matcher.flush()
+
+    def _finish_reason(self, request: Request, stopped: bool) -> FinishReason | None:
+        if stopped:
+            return FinishReason.STOP
+        if len(request.output_ids) >= request.params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, request: Request, tokens: list[int], text: str,
+                logprob: TokenLogprob | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, token_ids=tokens, text=text,
+            logprobs=[logprob] if logprob is not None else [],
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_ids), timings=request.timings)
