@@ -89,6 +89,52 @@ def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogp
     return TokenLogprob(token_id, float(logprobs_row[token_id]), top)
 
 
+# ---- the batched mask stage: one vectorised operation per kind for the whole step ----
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit is 0 in `bitmask` [R, ceil(V/32)]
+    (int32 words, bit j of word w is token 32*w + j). Columns past the mask's width
+    are masked off too: the logits may be wider than the grammar's vocabulary."""
+    rows, width = logits.shape
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
+    allowed = bits.view(rows, -1)[:, :width].bool()
+    if allowed.shape[1] < width:
+        logits[:, allowed.shape[1]:] = float("-inf")
+        logits = logits[:, :allowed.shape[1]]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """One bitmask for every constrained row of the step, applied in one operation."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not rows:
+        return
+    bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+    for slot, i in enumerate(rows):
+        requests[i].grammar.fill_bitmask(bitmask, slot)  # type: ignore[union-attr]
+    index = torch.tensor(rows, dtype=torch.long)
+    constrained = logits.index_select(0, index)
+    apply_token_bitmask(constrained, bitmask)
+    logits.index_copy_(0, index, constrained)
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """OpenAI's `logit_bias`: add each request's per-token biases, all rows at once."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, request in enumerate(requests):
+        for token, bias in request.params.logit_bias:
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    if rows:
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=logits.dtype),
+                          accumulate=True)
+
+
 @dataclass(frozen=True)
 class SamplingFailure:
     """In place of a token: sampling this row raised, and only its request ends."""
@@ -100,6 +146,8 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]
            ) -> tuple[list[int | SamplingFailure], list[TokenLogprob | None]]:
     """One next token per row of `logits` [S, V], with the row's request's parameters."""
     logits = logits.float()
+    apply_logit_bias(logits, requests)
+    apply_grammar_masks(logits, requests)
     if all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests):
         return logits.argmax(-1).tolist(), [None] * len(requests)
     want_logprobs = any(r.params.logprobs is not None for r in requests)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ruvllm_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.grammar import GrammarSpec
 
 # A logits processor sees the ids generated so far and the next-token logits row
 # (a 1-D float tensor) and returns the row to sample from: the hook for grammar masks.
@@ -39,12 +42,16 @@ class SamplingParams(SamplingKnobs):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]), OpenAI's semantics
+    structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
     logits_processors: list[LogitsProcessor] = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         self.validate()
 
     def validate(self) -> None:
@@ -58,6 +65,7 @@ class SamplingParams(SamplingKnobs):
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
+            (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias", "values must be in [-100, 100]"),
         ]
         for ok, name, rule in checks:
             if not ok:
