@@ -6,7 +6,9 @@ background thread for streaming callers (chat, serve, benchmark).
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -14,6 +16,7 @@ import torch
 
 from ruvllm_cli.engine.block_manager import BlockManager
 from ruvllm_cli.engine.config import EngineConfig
+from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
 from ruvllm_cli.engine.loader import LoadedModel, load_model
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ruvllm_cli.engine.output_processor import OutputProcessor
@@ -42,6 +45,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,
                                        self.scheduler, self.stats)
         self._vocab_size = int(loaded.model.config.vocab_size)
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+        # Requests whose grammar is still compiling: they join the scheduler once it is
+        # ready, so a new schema never holds back the requests already running.
+        self._compiling: dict[str, Future[CompiledGrammar]] = {}
 
     @classmethod
     def from_path(cls, path: str, config: EngineConfig = EngineConfig()) -> "LLMEngine":
@@ -59,8 +67,20 @@ class LLMEngine:
             raise UsageError(f"request id {request.request_id} is already in use")
         self.outputs.attach(request)
         self.requests[request.request_id] = request
-        self.scheduler.add(request)
+        if params.structured is not None:
+            self._compiling[request.request_id] = self.grammar_compiler.submit(params.structured)
+        else:
+            self.scheduler.add(request)
         return request
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built on first use (1-3 s for a 150k vocabulary); any thread may ask."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self._vocab_size,
+                                                         eos_token_ids=self.loaded.eos_token_ids)
+            return self._grammar_compiler
 
     def prepare_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Tokenize and validate a prompt (UsageError if bad). Reads only what never
@@ -85,21 +105,25 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        self._compiling.pop(request_id, None)
         self.scheduler.finish(request, FinishReason.CANCELLED)
         return self._finished(self.outputs.final(request, ""))
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._compiling)
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass over every scheduled token, sample, emit."""
+        outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
-        outputs = [self.outputs.final(r, "") for r in plan.rejected]
+        outputs += [self.outputs.final(r, "") for r in plan.rejected]
         self.stats.preemptions = self.scheduler.num_preemptions
         if plan.chunks:
             outputs += self._run(plan)
+        elif self._compiling and not outputs:
+            self._wait_for_a_grammar()
         return [self._finished(o) if o.finished else o for o in outputs]
 
     def _run(self, plan: SchedulerOutput) -> list[RequestOutput]:
@@ -117,6 +141,28 @@ class LLMEngine:
         tokens, logprobs = sample(logits, sampled)
         return [self.outputs.fail(r, t.message) if isinstance(t, SamplingFailure) else self.outputs.accept(r, t, lp)
                 for r, t, lp in zip(sampled, tokens, logprobs)]
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready join the scheduler; a failed compile ends its request."""
+        outputs = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            request = self.requests[request_id]
+            try:
+                request.grammar = future.result().matcher()
+            except Exception as error:  # noqa: BLE001 - GrammarError, or the compile pool shut down
+                outputs.append(self.outputs.fail(request, f"grammar: {error}"))
+                continue
+            self.scheduler.add(request)
+        return outputs
+
+    def _wait_for_a_grammar(self) -> None:
+        # Nothing to run but compiles in flight: wait a little instead of spinning.
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        wait(list(self._compiling.values()), timeout=0.05, return_when=FIRST_COMPLETED)
 
     def _finished(self, output: RequestOutput) -> RequestOutput:
         del self.requests[output.request_id]

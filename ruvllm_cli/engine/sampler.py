@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from ruvllm_cli.engine.grammar import apply_bitmask
 from ruvllm_cli.engine.request import Request
 from ruvllm_cli.engine.sampling import SamplingParams
 
@@ -90,34 +91,18 @@ def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogp
 
 
 # ---- the batched mask stage: one vectorised operation per kind for the whole step ----
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place, every logit whose bit is 0 in `bitmask` [R, ceil(V/32)]
-    (int32 words, bit j of word w is token 32*w + j). Columns past the mask's width
-    are masked off too: the logits may be wider than the grammar's vocabulary."""
-    rows, width = logits.shape
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
-    allowed = bits.view(rows, -1)[:, :width].bool()
-    if allowed.shape[1] < width:
-        logits[:, allowed.shape[1]:] = float("-inf")
-        logits = logits[:, :allowed.shape[1]]
-    logits.masked_fill_(~allowed, float("-inf"))
-
-
 def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> None:
-    """One bitmask for every constrained row of the step, applied in one operation."""
+    """One bitmask [rows, ceil(V/32)] for every constrained row of the step, filled by
+    each row's matcher and applied in one operation. Ids past the grammar's vocabulary
+    (the logits' padding) are always masked off."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return
     bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
     for slot, i in enumerate(rows):
         requests[i].grammar.fill_bitmask(bitmask, slot)  # type: ignore[union-attr]
-    index = torch.tensor(rows, dtype=torch.long)
-    constrained = logits.index_select(0, index)
-    apply_token_bitmask(constrained, bitmask)
-    logits.index_copy_(0, index, constrained)
+    torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)  # inf + -inf is NaN
+    apply_bitmask(logits, bitmask, rows)
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -142,6 +127,7 @@ class SamplingFailure:
     message: str
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, requests: Sequence[Request]
            ) -> tuple[list[int | SamplingFailure], list[TokenLogprob | None]]:
     """One next token per row of `logits` [S, V], with the row's request's parameters."""

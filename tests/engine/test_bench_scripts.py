@@ -44,3 +44,9 @@ def test_engine_benchmark_runs_on_a_small_model_and_prints_its_ratios_as_json(en
     for key in ("single_stream_decode_tok_s", "batch_decode_tok_s", "ttft_512_s"):
         assert report[key]["engine"] > 0 and report[key]["ratio"] > 0
     assert report["batch_decode_tok_s"]["streams"] == 16
+
+
+def test_grammar_benchmark_script_starts():
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_grammar.py"), "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--libraries" in result.stdout
