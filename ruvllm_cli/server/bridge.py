@@ -33,6 +33,7 @@ class Choice:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     first_token_at: float | None = None
+    repaired: bool = False           # json-repair closed a truncated JSON reply
 
     def add(self, output: RequestOutput) -> None:
         if output.token_ids and self.first_token_at is None:

@@ -13,6 +13,7 @@ from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.protocol import Prompt, SamplingFields
+from ruvllm_cli.server.structured import check_grammar, check_logit_bias
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,13 @@ class SequencePlan:
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None   # keeps this tenant's prefix-cache blocks apart
+
+
+def check_constraints(engine: Any, sampling: SamplingFields) -> None:
+    """What needs the model to check: logit_bias ids in its vocabulary, and a grammar
+    the library can enforce (compiled here, off the event loop and the engine thread)."""
+    check_logit_bias(sampling.logit_bias, len(engine.tokenizer))
+    check_grammar(sampling.structured, engine)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:

@@ -11,6 +11,7 @@ from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.structured import Structured, parse_logit_bias, parse_structured
 
 MAX_N = 128
 MAX_STOP = 4
@@ -33,6 +34,8 @@ class SamplingFields(SamplingKnobs):
     ignore_eos: bool = False
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
     cache_salt: str | None = None     # prefix-cache blocks are shared only within one salt
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: Structured | None = None   # response_format / structured_outputs
 
     def params(self, max_tokens: int, copy: int) -> SamplingParams:
         """Engine parameters for copy `copy` of `n`."""
@@ -41,7 +44,9 @@ class SamplingFields(SamplingKnobs):
         seed = None if self.seed is None else (self.seed + copy) % 2**64
         try:
             return SamplingParams(**{**self.knobs(), "seed": seed}, max_tokens=max_tokens, stop=self.stop,
-                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+                                  ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+                                  logit_bias=self.logit_bias,
+                                  structured=self.structured.spec if self.structured else None)
         except UsageError as error:
             name = error.message.split(" ", 1)[0]
             raise bad_request(error.message, name if hasattr(self, name) else None) from error
@@ -155,10 +160,6 @@ def _content(value: Any, where: str, required: bool) -> str | None:
 
 
 def _reject_unsupported_chat_fields(fields: Fields) -> None:
-    response_format = fields.object("response_format")
-    if response_format is not None and response_format.raw("type") != "text":
-        raise bad_request("'response_format' other than {\"type\": \"text\"} is not supported yet.",
-                          "response_format", "unsupported_parameter")
     tools = fields.raw("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid_type("tools", "an array", tools)
@@ -168,13 +169,6 @@ def _reject_unsupported_chat_fields(fields: Fields) -> None:
     if tool_choice not in (None, "none", "auto"):
         raise bad_request("'tool_choice' needs 'tools', which are not supported yet.", "tool_choice",
                           "unsupported_parameter")
-    _reject_logit_bias(fields)
-
-
-def _reject_logit_bias(fields: Fields) -> None:
-    bias = fields.object("logit_bias")
-    if bias is not None and bias.body:
-        raise bad_request("'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")
 
 
 # ---- completions ----------------------------------------------------------------------
@@ -188,7 +182,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise bad_request("'echo' together with 'logprobs' is not supported.", "echo", "unsupported_parameter")
     if fields.string("suffix"):
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
-    _reject_logit_bias(fields)
     sampling = _sampling(fields, fields.integer("max_tokens", None, low=1), logprobs, default_max_tokens=16)
     best_of = fields.integer("best_of", None, low=1)
     if best_of is not None and best_of != sampling.n:
@@ -255,6 +248,8 @@ def _sampling(fields: Fields, max_tokens: int | None, logprobs: int | None,
         ignore_eos=fields.boolean("ignore_eos"),
         logprobs=logprobs,
         cache_salt=fields.string("cache_salt") or None,
+        logit_bias=parse_logit_bias(fields),
+        structured=parse_structured(fields),
     )
 
 

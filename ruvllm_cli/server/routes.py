@@ -15,10 +15,13 @@ from ruvllm_cli.server import bridge
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, bad_request, error_body, json_response
 from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
-from ruvllm_cli.server.prompts import SequencePlan, plan_sequences, render_chat, tokenize_prompts
+from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
+                                       tokenize_prompts)
 from ruvllm_cli.server.protocol import parse_chat_request, parse_completion_request
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.sse import EventStream
+from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
 from ruvllm_cli.server.state import ServerState, get_state
 
 METRICS_TIMEOUT_S = 10.0
@@ -76,6 +79,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = engine_loop.engine
 
     def prepare() -> list[SequencePlan]:
+        check_constraints(engine, chat.sampling)
         prompt_ids = render_chat(engine.tokenizer, chat.messages)
         return plan_sequences([prompt_ids], chat.sampling, engine.max_model_len, "messages")
 
@@ -83,7 +87,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
                      chat.streaming.include_usage)
     return await generate(request, state, engine_loop, prepare, "messages", chat.sampling.n,
-                          fmt, chat.streaming.stream)
+                          fmt, chat.streaming.stream, chat.sampling.structured)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -95,6 +99,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     echo_texts: list[str] = []
 
     def prepare() -> list[SequencePlan]:
+        check_constraints(engine, job.sampling)
         prompt_ids = tokenize_prompts(engine.tokenizer, job.prompts)
         if job.echo:
             echo_texts.extend(p if isinstance(p, str) else engine.tokenizer.decode(ids)
@@ -105,12 +110,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), state.token_texts, job.sampling.logprobs,
                            job.streaming.include_usage, echo_texts)
     return await generate(request, state, engine_loop, prepare, "prompt", len(job.prompts) * job.sampling.n,
-                          fmt, job.streaming.stream)
+                          fmt, job.streaming.stream, job.sampling.structured)
 
 
 async def generate(request: web.Request, state: ServerState, engine_loop: EngineLoop,
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
-                   fmt: ResponseFormat, stream: bool) -> web.StreamResponse:
+                   fmt: ResponseFormat, stream: bool, structured: Structured | None = None) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
     never outlive the handler (a client that leaves cancels them)."""
     started = time.perf_counter()
@@ -118,19 +123,22 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
         plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
         choices = bridge.choices_for(plans)
         try:
+            repair = structured is not None and structured.repairable
             if stream:
-                return await stream_response(request, streams, choices, fmt)
+                return await stream_response(request, streams, choices, fmt, repair)
             await bridge.collect(streams, choices)
             for choice in choices:
                 bridge.check_finished(choice)
-            return json_response(fmt.body(choices))
+                if repair:
+                    repair_truncated_json(choice)
+            return json_response(mark_repaired(fmt.body(choices), choices))
         finally:
             bridge.cancel_all(streams)
             record(state, started, choices)
 
 
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
-                          fmt: ResponseFormat) -> web.StreamResponse:
+                          fmt: ResponseFormat, repair: bool = False) -> web.StreamResponse:
     sse = EventStream(request)
     try:
         await sse.open()
@@ -149,7 +157,10 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
                 if chunk is not None:
                     await sse.send(chunk)
                 if output.finished:
-                    await sse.send(fmt.final(choice))
+                    suffix = repair_truncated_json(choice, streamed=True) if repair else ""
+                    if suffix:
+                        await sse.send(fmt.delta(choice, RequestOutput(output.request_id, [], suffix)))
+                    await sse.send(mark_repaired(fmt.final(choice), [choice]))
         finally:
             await events.aclose()
         if fmt.include_usage:

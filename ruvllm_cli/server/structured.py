@@ -1,0 +1,183 @@
+"""Structured output and logit_bias fields: OpenAI's `response_format` and
+`logit_bias`, and vLLM's `structured_outputs` (with its older `guided_*` names),
+parsed into the engine's GrammarSpec. Each malformed field is a 400 naming its param;
+whether the grammar library can enforce a schema is checked later, with the model's
+tokenizer (`check_grammar`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ruvllm_cli.engine.grammar import GrammarError, GrammarSpec
+from ruvllm_cli.server.errors import ApiError, bad_request
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+
+MAX_LOGIT_BIAS = 300         # OpenAI's own cap on entries
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# vLLM's `structured_outputs` keys, and the `guided_*` request fields it took before.
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True)
+class Structured:
+    """What a request constrains its reply to, and where it said so (for errors)."""
+
+    spec: GrammarSpec
+    param: str
+    strict: bool = True           # json_schema's `strict`; json_object and the rest count as strict
+    json_repair: bool = False     # close a truncated JSON reply with json-repair ("ruvllm" extension)
+
+    @property
+    def repairable(self) -> bool:
+        return self.json_repair and self.spec.kind in ("json_object", "json_schema") and not self.strict
+
+
+def parse_structured(fields: Fields) -> Structured | None:
+    """At most one of response_format (non-text), structured_outputs or guided_*."""
+    found = [s for s in (_response_format(fields), _structured_outputs(fields), _guided(fields)) if s]
+    if len(found) > 1:
+        raise bad_request("Give one of 'response_format', 'structured_outputs' or 'guided_*', not several.",
+                          found[1].param, "invalid_value")
+    if not found:
+        return None
+    repair = _json_repair(fields)
+    structured = found[0]
+    return Structured(structured.spec, structured.param, structured.strict, repair)
+
+
+def _response_format(fields: Fields) -> Structured | None:
+    response_format = fields.object("response_format")
+    if response_format is None:
+        return None
+    kind = response_format.string("type", required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structured(GrammarSpec.json_object(), "response_format", strict=False)
+    if kind != "json_schema":
+        raise invalid_value("response_format.type", "must be one of text, json_object, json_schema", kind)
+    json_schema = response_format.object("json_schema")
+    if json_schema is None:
+        raise bad_request("Missing required parameter: 'response_format.json_schema'.",
+                          "response_format.json_schema", "missing_required_parameter")
+    schema = json_schema.required("schema")
+    if not isinstance(schema, dict):
+        raise invalid_type("response_format.json_schema.schema", "an object", schema)
+    json_schema.string("name")
+    return Structured(_spec("json_schema", schema, "response_format.json_schema.schema"),
+                      "response_format", strict=json_schema.boolean("strict"))
+
+
+def _structured_outputs(fields: Fields) -> Structured | None:
+    options = fields.object("structured_outputs")
+    if options is None:
+        return None
+    given = [key for key in (*_VLLM_KINDS, "json_object") if options.has(key)]
+    if len(given) != 1:
+        raise invalid_value("structured_outputs", "must hold exactly one of json, regex, choice, grammar, "
+                            "json_object", sorted(options.body))
+    key = given[0]
+    param = f"structured_outputs.{key}"
+    if key == "json_object":
+        return Structured(GrammarSpec.json_object(), param, strict=False) if options.boolean(key) else None
+    return Structured(_spec(_VLLM_KINDS[key], options.raw(key), param), param)
+
+
+def _guided(fields: Fields) -> Structured | None:
+    given = [name for name in _GUIDED if fields.has(name)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request(f"Give one of {', '.join(_GUIDED)}, not several.", given[1], "invalid_value")
+    name = given[0]
+    return Structured(_spec(_VLLM_KINDS[_GUIDED[name]], fields.raw(name), name), name)
+
+
+def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
+    """A GrammarSpec from a request value; a JSON schema may come as JSON text (vLLM)."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise invalid_value(param, "must be a JSON schema object or its JSON text", value[:80]) from error
+    builders = {"json_schema": GrammarSpec.json_schema, "regex": GrammarSpec.regex,
+                "choice": GrammarSpec.choice, "grammar": GrammarSpec.lark}
+    try:
+        return builders[kind](value)
+    except GrammarError as error:
+        raise ApiError.from_ruvllm(error, param) from error
+    except (TypeError, ValueError, AttributeError) as error:
+        raise invalid_value(param, f"is not a valid {kind.replace('_', ' ')}", str(value)[:80]) from error
+
+
+def _json_repair(fields: Fields) -> bool:
+    extension = fields.object("ruvllm")
+    return extension.boolean("json_repair") if extension is not None else False
+
+
+def parse_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, at most 300 entries.
+    Ids are checked against the vocabulary later (`check_logit_bias`)."""
+    bias = fields.object("logit_bias")
+    if bias is None:
+        return ()
+    if len(bias.body) > MAX_LOGIT_BIAS:
+        raise invalid_value("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(bias.body)} entries")
+    entries = []
+    for key in bias.body:
+        if not (key.isascii() and key.strip().lstrip("-").isdigit()):
+            raise invalid_value("logit_bias", "keys must be token ids (integers as strings)", key[:40])
+        low, high = LOGIT_BIAS_RANGE
+        entries.append((int(key), bias.number(key, 0.0, low=low, high=high)))
+    return tuple(entries)
+
+
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    for token, _ in bias:
+        if not 0 <= token < vocab_size:
+            raise invalid_value("logit_bias", f"token ids must be in [0, {vocab_size})", token)
+
+
+def check_grammar(structured: Structured | None, engine: Any) -> None:
+    """Compile the grammar now (cached for the engine): a schema the library cannot
+    enforce is a 400 naming it, never a silent unconstrained run."""
+    if structured is None:
+        return
+    try:
+        engine.grammar_compiler.validate(structured.spec)
+    except GrammarError as error:
+        raise ApiError.from_ruvllm(error, structured.param) from error
+
+
+def repair_truncated_json(choice: Any, streamed: bool = False) -> str:
+    """Close a JSON reply that `max_tokens` cut off (json-repair), written compactly as
+    the grammar writes it, and return the text added. A stream takes the repair only
+    where it continues what was already sent (it cannot take text back)."""
+    from ruvllm_cli.engine.request import FinishReason
+
+    if choice.finish_reason is not FinishReason.LENGTH:
+        return ""
+    import json_repair
+
+    repaired = json_repair.repair_json(choice.text, return_objects=True)
+    if repaired == "" and choice.text.strip() not in ('""', ""):
+        return ""   # nothing json-repair could make of it
+    fixed = json.dumps(repaired, ensure_ascii=False, separators=(",", ":"))
+    if fixed == choice.text or (streamed and not fixed.startswith(choice.text)):
+        return ""
+    added = fixed[len(choice.text):] if fixed.startswith(choice.text) else fixed
+    choice.text, choice.repaired = fixed, True
+    return added
+
+
+def mark_repaired(body: dict[str, Any], choices: Any) -> dict[str, Any]:
+    """Say in the response which choices json-repair closed (`ruvllm.json_repaired`)."""
+    by_index = {c.index: c for c in choices}
+    for entry in body.get("choices", []):
+        choice = by_index.get(entry.get("index"))
+        if choice is not None and choice.repaired:
+            entry["ruvllm"] = {"json_repaired": True}
+    return body
