@@ -81,6 +81,22 @@ def throughput_table(metrics: Mapping[str, Any], concurrency: int) -> Table:
     return _table("Throughput", ["", "value", ""], rows)
 
 
+def structured_table(structured: Mapping[str, Any]) -> Table:
+    """--json-schema: the same workload constrained and unconstrained, one run."""
+    completed = (f"{number(structured.get('constrained_completed_requests'))} of "
+                 f"{number(structured.get('constrained_requests'))} completed the schema")
+    rows = [
+        ["Unconstrained decode (per stream)", number(structured.get("decode_tok_s_unconstrained"), 2, "tok/s")],
+        ["Constrained decode (per stream)", number(structured.get("decode_tok_s_constrained"), 2, "tok/s")],
+        ["Ratio (constrained ÷ unconstrained)", number(structured.get("ratio"), 3)],
+        ["Tokens per constrained request", f"{number(structured.get('constrained_tokens_per_request'))} "
+                                           f"({completed})"],
+        ["Grammar mask per token", number(structured.get("mask_ms_per_token"), 3, "ms")],
+        ["Grammar compile (once)", number(structured.get("grammar_compile_ms"), 1, "ms")],
+    ]
+    return _table(f"Structured output (--json-schema {structured.get('schema_file')})", ["", "value"], rows)
+
+
 def memory_table(metrics: Mapping[str, Any]) -> Table:
     weights = metrics.get("weight_bytes")
     rows = [
@@ -143,6 +159,8 @@ def print_tables(report: Mapping[str, Any], console: Console) -> None:
     console.print(f"[bold]{escape(headline(report))}[/bold]")
     console.print(latency_table(metrics))
     console.print(throughput_table(metrics, report["config"]["concurrency"]))
+    if "structured" in report:
+        console.print(structured_table(report["structured"]))
     console.print(memory_table(metrics))
     console.print(system_table(report))
     console.print(escape(verdict(metrics, report["config"].get("memory_bandwidth_gb_s"))))

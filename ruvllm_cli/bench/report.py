@@ -1,4 +1,5 @@
-"""The benchmark report: one dict with `model`, `config`, `system`, `metrics`, `samples`.
+"""The benchmark report: one dict with `model`, `config`, `system`, `metrics`, `samples`
+(and `structured` for a `--json-schema` run).
 
 Field names are a contract (CI scripts read them); docs/benchmark.md lists them and
 tests/bench pins them. Add fields freely, never rename one.
@@ -11,6 +12,7 @@ from typing import Any, Mapping
 
 from ruvllm_cli.bench import metrics as m
 from ruvllm_cli.bench.runner import BenchRun
+from ruvllm_cli.engine.request import FinishReason
 
 SCHEMA_VERSION = 1
 SECTIONS = ("model", "config", "system", "metrics")
@@ -24,6 +26,7 @@ class Measurements:
     weight_bytes: int
     peak_rss_mb: float | None
     cuda_max_allocated_mb: float | None
+    grammar_compile_s: float | None = None   # --json-schema: its first compile, before the run
 
 
 def model_section(located: Any, model_config: Any, argument: str) -> dict[str, Any]:
@@ -54,17 +57,45 @@ def metrics_section(run: BenchRun, measured: Measurements, memory_bandwidth_gb_s
     }
 
 
+def structured_section(run: BenchRun, measured: Measurements, unconstrained_decode: float | None,
+                       schema_file: str | None) -> dict[str, Any]:
+    """The constrained side against the unconstrained one (`metrics`), measured in the same iterations."""
+    assert run.constrained is not None
+    requests = [r for iteration in run.constrained.iterations for r in iteration.requests]
+    constrained_decode = m.summarize(run.constrained.iterations)["decode_tokens_per_s"]
+    ratio = None
+    if constrained_decode is not None and unconstrained_decode is not None:
+        ratio = m.ratio(constrained_decode, unconstrained_decode)
+    compile_s = measured.grammar_compile_s
+    return {
+        "schema_file": schema_file,
+        "decode_tok_s_unconstrained": unconstrained_decode,
+        "decode_tok_s_constrained": constrained_decode,
+        "ratio": ratio,
+        "constrained_tokens_per_request": m.mean([r.generated_tokens for r in requests]),
+        "constrained_requests": len(requests),
+        "constrained_completed_requests": sum(r.finish_reason == FinishReason.STOP.value for r in requests),
+        "mask_ms_per_token": run.constrained.mask.ms_per_token,
+        "grammar_compile_ms": compile_s * 1000.0 if compile_s is not None else None,
+    }
+
+
 def build_report(model: dict[str, Any], config: dict[str, Any], system: dict[str, Any],
                  run: BenchRun, measured: Measurements) -> dict[str, Any]:
     """Assemble the report; `config["memory_bandwidth_gb_s"]` is the user's figure, if any."""
-    return {
+    metrics = metrics_section(run, measured, config.get("memory_bandwidth_gb_s"))
+    report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
         "model": model,
         "config": config,
         "system": system,
-        "metrics": metrics_section(run, measured, config.get("memory_bandwidth_gb_s")),
-        "samples": [m.iteration_record(iteration) for iteration in run.iterations],
+        "metrics": metrics,
     }
+    if run.constrained is not None:
+        report["structured"] = structured_section(run, measured, metrics["decode_tokens_per_s"],
+                                                  config.get("json_schema"))
+    report["samples"] = [m.iteration_record(iteration) for iteration in run.iterations]
+    return report
 
 
 def flatten(report: Mapping[str, Any]) -> dict[str, Any]:

@@ -60,7 +60,7 @@ class Conversation:
             turns = "turn" if fit.dropped_turns == 1 else "turns"
             self.renderer.warn(f"dropped the {fit.dropped_turns} oldest {turns} to fit the "
                                f"{self.session.context_limit}-token context window")
-        reply = stream_reply(self.loop, fit.prompt_ids, self.session.settings.sampling_params(),
+        reply = stream_reply(self.loop, fit.prompt_ids, self.session.sampling_params(),
                              self.renderer.reply_text)
         self.renderer.reply_end(reply, self.session.settings.max_tokens)
         if reply.finish_reason is FinishReason.ERROR:

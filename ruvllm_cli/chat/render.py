@@ -17,6 +17,7 @@ from ruvllm_cli.engine.request import FinishReason
 if TYPE_CHECKING:
     from ruvllm_cli.chat.reply import Reply, ReplyStats
     from ruvllm_cli.chat.session import ChatSession
+    from ruvllm_cli.engine.grammar import GrammarSpec
 
 
 def format_duration(seconds: float | None) -> str:
@@ -33,6 +34,12 @@ def format_stats_line(stats: "ReplyStats") -> str:
     """`12 tokens · TTFT 35 ms · 120.4 tok/s` (decode rate, from the engine's timings)."""
     noun = "token" if stats.tokens == 1 else "tokens"
     return f"{stats.tokens} {noun} · TTFT {format_duration(stats.ttft_s)} · {format_rate(stats.decode_tok_s)}"
+
+
+def format_structured(spec: "GrammarSpec") -> str:
+    """The banner's line for --json / --json-schema."""
+    shape = "any JSON object (--json)" if spec.kind == "json_object" else "JSON valid against --json-schema"
+    return f"Every reply is {shape}"
 
 
 def format_stats_details(reply: "Reply") -> list[tuple[str, str]]:
@@ -66,6 +73,8 @@ class TerminalRenderer:
         self.console.print(f"[bold]ruvllm chat[/bold] · {escape(description)}")
         if session.system_prompt:
             self.console.print(f"[dim]System: {escape(session.system_prompt)}[/dim]")
+        if session.structured is not None:
+            self.console.print(f"[dim]{escape(format_structured(session.structured))}[/dim]")
         self.console.print('[dim]/help for commands · """ for multi-line input · '
                            'Ctrl-C stops a reply · Ctrl-D quits[/dim]\n')
 

@@ -13,12 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ruvllm_cli.engine.chat_template import render_chat
 from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
 from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.grammar import GrammarSpec
 
 # messages (role/content dicts), add_generation_prompt -> token ids
 TemplateRenderer = Callable[[list[dict[str, str]], bool], list[int]]
@@ -166,7 +169,13 @@ class ChatSession:
     system_prompt: str | None = None
     settings: ChatSettings = field(default_factory=ChatSettings)
     messages: list[Message] = field(default_factory=list)
+    # --json / --json-schema: every reply constrained to it (not a /set knob, not saved).
+    structured: "GrammarSpec | None" = None
     _warned: bool = field(default=False, repr=False)
+
+    def sampling_params(self) -> SamplingParams:
+        """The next reply's sampling: the settings, constrained to `structured` when set."""
+        return dataclasses.replace(self.settings.sampling_params(), structured=self.structured)
 
     # ---- rendering and counting ------------------------------------------------
     def template_messages(self, messages: list[Message] | None = None) -> list[dict[str, str]]:

@@ -5,14 +5,19 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import click
 
+from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.grammar import GrammarSpec
 
 
 @click.command("benchmark")
@@ -40,6 +45,8 @@ from ruvllm_cli.quantization import Quantization
 @click.option("--memory-bandwidth", type=click.FloatRange(min=0.0, min_open=True), default=None,
               metavar="GBPS", help="Your machine's memory bandwidth in GB/s, to show how close decode gets.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt token ids.")
+@json_schema_option("Also run each iteration constrained to the JSON Schema in FILE and report both decode "
+                    "speeds and their ratio.")
 @global_options
 def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> None:
     """Benchmark MODEL through the engine and report only measured figures.
@@ -49,11 +56,17 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
     EOS ignored). JSON and CSV go alone to stdout; progress goes to stderr. Fields
     are documented in docs/benchmark.md.
 
+    With --json-schema FILE each iteration runs the workload twice, unconstrained and
+    constrained to the schema (alternating which goes first; the schema may end a
+    request before --gen-length), and the report adds both decode speeds, their ratio
+    and the grammar's mask time per token.
+
     \b
     Examples:
       ruvllm benchmark qwen
       ruvllm benchmark qwen --format json --concurrency 8 --output run.json
       ruvllm benchmark qwen --compare run.json --threshold 5
+      ruvllm benchmark qwen --json-schema person.json
     """
     from ruvllm_cli.bench.compare import compare_reports, load_previous, print_comparison, raise_on_regression
 
@@ -71,7 +84,8 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
 
 def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, prompt_length: int,
                   gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
-                  seed: int, no_prefix_cache: bool = False, **rest: Any) -> dict[str, Any]:
+                  seed: int, no_prefix_cache: bool = False, json_schema: SchemaFile | None = None,
+                  **rest: Any) -> dict[str, Any]:
     """Load MODEL, run the iterations with a progress bar on stderr, build the report."""
     from ruvllm_cli.bench.memory import cuda_max_allocated_mb, peak_rss_mb
     from ruvllm_cli.bench.report import Measurements, build_report, model_section
@@ -79,24 +93,40 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     from ruvllm_cli.bench.system import system_info
     from ruvllm_cli.cli.engine_setup import open_engine
 
-    settings = BenchSettings(warmup, iterations, prompt_length, gen_length, concurrency, seed)
+    structured = json_schema.spec if json_schema is not None else None
+    settings = BenchSettings(warmup, iterations, prompt_length, gen_length, concurrency, seed, structured)
     # A KV pool sized for this workload, so that peak memory reflects the run.
     opened = open_engine(app, model, quantization=quantization, device=device,
                          max_num_seqs=concurrency, max_model_len=prompt_length + gen_length,
                          enable_prefix_caching=prefix_caching(no_prefix_cache))
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
+    compile_s = _compile_grammar(engine, structured) if structured is not None else None
     with _progress(app, settings) as (on_tokens, on_phase):
         run = BenchmarkRunner(engine, settings, on_tokens).run(on_phase)
     measured = Measurements(loaded.load_seconds, loaded.weight_bytes, peak_rss_mb(),
-                            cuda_max_allocated_mb(loaded.device))
-    config = _config_section(settings, engine, device=device, **rest)
+                            cuda_max_allocated_mb(loaded.device), compile_s)
+    config = _config_section(settings, engine, device=device,
+                             json_schema=json_schema.path if json_schema is not None else None, **rest)
     return build_report(model_section(opened.located, loaded.config, model), config,
                         system_info(loaded), run, measured)
 
 
+def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec") -> float:
+    """Compile the schema for the loaded tokenizer before the run (GrammarError now, not
+    mid-run); the seconds it took, building llguidance's tokenizer included."""
+    import time
+
+    from ruvllm_cli.cli.schema_option import validate_structured
+
+    start = time.perf_counter()
+    validate_structured(engine, spec)
+    return time.perf_counter() - start
+
+
 def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output: str | None,
-                    compare_file: str | None, threshold: float, memory_bandwidth: float | None) -> dict[str, Any]:
+                    compare_file: str | None, threshold: float, memory_bandwidth: float | None,
+                    json_schema: str | None) -> dict[str, Any]:
     """Every option (quantization as in effect), plus the engine settings the run used."""
     return {
         "warmup": settings.warmup, "iterations": settings.iterations, "prompt_length": settings.prompt_length,
@@ -106,7 +136,7 @@ def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output
         "memory_bandwidth_gb_s": memory_bandwidth, "sampling": "greedy",
         "prefix_caching": engine.config.enable_prefix_caching, "max_num_seqs": engine.config.max_num_seqs,
         "max_model_len": engine.max_model_len, "kv_cache_blocks": engine.block_manager.num_blocks,
-        "block_size": engine.config.block_size,
+        "block_size": engine.config.block_size, "json_schema": json_schema,
     }
 
 

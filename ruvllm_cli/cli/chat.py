@@ -10,13 +10,15 @@ from click.core import ParameterSource
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
-from ruvllm_cli.errors import UsageError
+from ruvllm_cli.errors import RuvllmError, UsageError
 
 if TYPE_CHECKING:
     from ruvllm_cli.chat.conversation import Conversation
     from ruvllm_cli.chat.session import ChatSettings
     from ruvllm_cli.cli.engine_setup import OpenedEngine
+    from ruvllm_cli.engine.grammar import GrammarSpec
 
 
 @click.command("chat")
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
               help="Sampling temperature (0 is greedy); a registry model's own recommendation when not given.")
 @click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None)
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
+@json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
+@click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
 @quantization_option()
 @prefix_cache_option()
 @device_option()
@@ -38,15 +42,21 @@ def command(**options: Any) -> None:
     With stdin not a terminal, the whole input is one message: only the reply is
     printed on stdout, and the command exits.
 
+    --json-schema FILE and --json constrain every reply (constrained decoding): piped,
+    stdout is one compact JSON document, and the exit status is 1 if the reply hit
+    --max-tokens before the JSON was complete.
+
     \b
     Examples:
       ruvllm chat qwen
       ruvllm chat qwen -s "You are terse." -t 0.2
       echo "hello" | ruvllm chat qwen --max-tokens 32
+      echo "Ada Lovelace, born 1815" | ruvllm chat qwen --json-schema person.json
     """
     app = app_context()
     if click.get_current_context().get_parameter_source("temperature") is ParameterSource.DEFAULT:
         options["temperature"] = None  # let a registry model's recommendation apply
+    options["structured"] = structured_spec(options.pop("json_schema"), options.pop("json_object"))
     interactive = sys.stdin.isatty()
     message = None if interactive else read_stdin_message()
     from ruvllm_cli.cli.engine_setup import open_engine
@@ -57,6 +67,8 @@ def command(**options: Any) -> None:
     opened = open_engine(app, options["model"], quantization=options["quantization"],
                          device=options["device"], max_num_seqs=1,
                          enable_prefix_caching=prefix_caching(options["no_prefix_cache"]))
+    if options["structured"] is not None:
+        validate_structured(opened.engine, options["structured"])
     loop = EngineLoop(opened.engine)
     try:
         conversation = build_conversation(app, opened, loop, options, interactive)
@@ -67,6 +79,18 @@ def command(**options: Any) -> None:
             answer_once(conversation, message)
     finally:
         loop.shutdown()
+
+
+def structured_spec(schema: SchemaFile | None, json_object: bool) -> "GrammarSpec | None":
+    """What --json-schema / --json constrain replies to (None: free text)."""
+    if schema is not None and json_object:
+        raise UsageError("--json and --json-schema cannot be used together",
+                         "--json-schema already makes every reply JSON")
+    if json_object:
+        from ruvllm_cli.engine.grammar import GrammarSpec
+
+        return GrammarSpec.json_object()
+    return schema.spec if schema is not None else None
 
 
 def read_stdin_message() -> str:
@@ -106,7 +130,8 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     engine = opened.engine
     session = ChatSession(ChatTemplate(engine.tokenizer), engine.max_model_len,
                           model=opened.located.served_name, system_prompt=options["system"] or None,
-                          settings=resolve_settings(options, recommended_sampling(opened)))
+                          settings=resolve_settings(options, recommended_sampling(opened)),
+                          structured=options["structured"])
     out = app.output()
     renderer = TerminalRenderer(out.out) if interactive else PipeRenderer(out.err)
     return Conversation(session, loop, renderer, chats_dir=app.cache_dir / "chats")
@@ -128,3 +153,7 @@ def answer_once(conversation: "Conversation", message: str) -> None:
         raise click.exceptions.Exit(1)  # the renderer has printed the error
     if reply.interrupted:
         raise click.exceptions.Exit(130)
+    session = conversation.session
+    if session.structured is not None and reply.finish_reason is FinishReason.LENGTH:
+        raise RuvllmError(f"the reply reached the {session.settings.max_tokens}-token limit before its JSON "
+                          "was complete", "raise --max-tokens")
