@@ -10,7 +10,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
@@ -26,6 +26,10 @@ from ruvllm_cli.engine.sampler import SamplingFailure, TokenLogprob, sample
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ruvllm_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.chat_call import ChatReply
+    from ruvllm_cli.engine.tools import ToolRequest
 
 
 class LLMEngine:
@@ -181,6 +185,14 @@ class LLMEngine:
             for output in self.step():
                 results[output.request_id].add(output)
         return [results[r.request_id] for r in requests]
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None,
+             tools: "ToolRequest | None" = None, tool_parser: str | None = None) -> "ChatReply":
+        """One chat reply through the model's template; with `tools`, the calls the
+        model made (or was forced to make by `tools.choice`) come back parsed."""
+        from ruvllm_cli.engine.chat_call import chat
+
+        return chat(self, messages, params, tools, tool_parser)
 
     def live_requests(self) -> list[Request]:
         return self.scheduler.live_requests()

@@ -44,6 +44,7 @@ class SamplingParams(SamplingKnobs):
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]), OpenAI's semantics
     structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
+    skip_special_tokens: bool = True                # False: special tokens (tool-call markers) reach the text
     logits_processors: list[LogitsProcessor] = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:

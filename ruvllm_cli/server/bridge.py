@@ -7,7 +7,7 @@ import asyncio
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.outputs import RequestOutput
@@ -34,6 +34,7 @@ class Choice:
     num_output_tokens: int = 0
     first_token_at: float | None = None
     repaired: bool = False           # json-repair closed a truncated JSON reply
+    tool_calls: list[Any] = field(default_factory=list)   # parsed ToolCalls (chat with tools)
 
     def add(self, output: RequestOutput) -> None:
         if output.token_ids and self.first_token_at is None:

@@ -5,15 +5,16 @@ stall the event loop)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.protocol import Prompt, SamplingFields
-from ruvllm_cli.server.structured import check_grammar, check_logit_bias
+from ruvllm_cli.server.structured import Structured, check_grammar, check_logit_bias
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,36 @@ def check_constraints(engine: Any, sampling: SamplingFields) -> None:
     check_grammar(sampling.structured, engine)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The conversation through the model's chat template, ready for the assistant's turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", "messages")
     try:
-        return engine_render_chat(tokenizer, messages)
+        return engine_render_chat(tokenizer, messages, tools)
     except UsageError as error:   # jinja's raise_exception and friends: the messages' fault
         raise bad_request(f"The messages do not fit the model's chat template: {error.message}",
                           "messages") from error
+
+
+def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Tools for the template: under tool_choice "none" only when the history holds
+    calls or results that the template renders against them."""
+    if tools is None:
+        return None
+    history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    return tools.template_tools(history)
+
+
+def tool_sampling(tokenizer: Any, tools: ToolRequest, parser_name: str, sampling: SamplingFields) -> SamplingFields:
+    """Sampling for a reply that may call tools: markers that are special tokens reach
+    the parser, and a forced tool_choice becomes the grammar of its calls."""
+    sampling = replace(sampling, skip_special_tokens=False)
+    try:
+        spec = forced_call_grammar(tools, parser_name, tokenizer)
+    except UsageError as error:
+        raise bad_request(error.message, "tool_choice") from error
+    return replace(sampling, structured=Structured(spec, "tools")) if spec is not None else sampling
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:

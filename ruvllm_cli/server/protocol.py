@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
+from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
 from ruvllm_cli.server.structured import Structured, parse_logit_bias, parse_structured
+from ruvllm_cli.server.tool_fields import parse_tool_request
 
 MAX_N = 128
 MAX_STOP = 4
@@ -36,6 +38,7 @@ class SamplingFields(SamplingKnobs):
     cache_salt: str | None = None     # prefix-cache blocks are shared only within one salt
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
+    skip_special_tokens: bool = True       # False while tool-call markers must reach the parser
 
     def params(self, max_tokens: int, copy: int) -> SamplingParams:
         """Engine parameters for copy `copy` of `n`."""
@@ -45,7 +48,7 @@ class SamplingFields(SamplingKnobs):
         try:
             return SamplingParams(**{**self.knobs(), "seed": seed}, max_tokens=max_tokens, stop=self.stop,
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs,
-                                  logit_bias=self.logit_bias,
+                                  logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
                                   structured=self.structured.spec if self.structured else None)
         except UsageError as error:
             name = error.message.split(" ", 1)[0]
@@ -64,6 +67,7 @@ class ChatRequest:
     messages: list[dict[str, Any]]    # ready for the chat template
     sampling: SamplingFields
     streaming: StreamFields
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     fields = Fields(body)
     model = _model(fields)
     messages = parse_messages(fields.required("messages"))
-    _reject_unsupported_chat_fields(fields)
+    tools = parse_tool_request(fields)
     logprobs = fields.boolean("logprobs")
     top = fields.integer("top_logprobs", None, low=0, high=MAX_LOGPROBS)
     if top is not None and not logprobs:
@@ -89,7 +93,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", None, low=1)
     sampling = _sampling(fields, max_tokens, (top or 0) if logprobs else None)
-    return ChatRequest(model, messages, sampling, _streaming(fields))
+    if tools is not None and tools.choice.forced and sampling.structured is not None:
+        raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
+                          "constrain the reply; give one.", "tool_choice", "invalid_value")
+    return ChatRequest(model, messages, sampling, _streaming(fields), tools)
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -157,18 +164,6 @@ def _content(value: Any, where: str, required: bool) -> str | None:
             raise invalid_type(f"{where}[{i}].text", "a string", part.get("text"))
         texts.append(part["text"])
     return "\n".join(texts)
-
-
-def _reject_unsupported_chat_fields(fields: Fields) -> None:
-    tools = fields.raw("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid_type("tools", "an array", tools)
-    if tools:
-        raise bad_request("'tools' are not supported yet.", "tools", "unsupported_parameter")
-    tool_choice = fields.raw("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise bad_request("'tool_choice' needs 'tools', which are not supported yet.", "tool_choice",
-                          "unsupported_parameter")
 
 
 # ---- completions ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.token_text import TokenTexts
+from ruvllm_cli.server.tool_output import ToolReplies, calls_json, delta_json
 
 # Engine reasons that are also OpenAI's; cancelled and error never reach a body.
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
@@ -41,13 +42,16 @@ class ResponseFormat(Protocol):
     include_usage: bool
 
     def opening(self, choice: Choice) -> list[dict[str, Any]]: ...
-    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None: ...
+    def deltas(self, choice: Choice, output: RequestOutput) -> list[dict[str, Any]]: ...
+    def flush(self, choice: Choice) -> list[dict[str, Any]]: ...
     def final(self, choice: Choice) -> dict[str, Any]: ...
     def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
     def body(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
 
 
 def finish_reason(choice: Choice) -> str | None:
+    if choice.tool_calls and choice.finish_reason is FinishReason.STOP:
+        return "tool_calls"
     return FINISH_REASONS.get(choice.finish_reason) if choice.finish_reason else None
 
 
@@ -70,23 +74,40 @@ class ChatFormat:
     texts: TokenTexts
     top_logprobs: int | None = None       # None: no logprobs
     include_usage: bool = False
+    tools: ToolReplies | None = None      # the model may call tools: parse its replies
 
     def body(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        for choice in choices if self.tools else ():
+            self.tools.settle(choice)  # type: ignore[union-attr]
         return {**self.meta.head("chat.completion"),
-                "choices": [{"index": c.index,
-                             "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "choices": [{"index": c.index, "message": self._message(c),
                              "logprobs": self._logprobs(c.logprobs),
                              "finish_reason": finish_reason(c)} for c in choices],
                 "usage": usage(choices)}
 
+    def _message(self, choice: Choice) -> dict[str, Any]:
+        message = {"role": "assistant", "content": choice.text or (None if choice.tool_calls else ""),
+                   "refusal": None}
+        if choice.tool_calls:
+            message["tool_calls"] = calls_json(choice.tool_calls)
+        return message
+
     def opening(self, choice: Choice) -> list[dict[str, Any]]:
         return [self._chunk(choice.index, {"role": "assistant", "content": ""})]
 
-    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+    def deltas(self, choice: Choice, output: RequestOutput) -> list[dict[str, Any]]:
         logprobs = self._logprobs(output.logprobs) if output.logprobs else None
-        if not output.text and logprobs is None:
-            return None
-        return self._chunk(choice.index, {"content": output.text}, logprobs=logprobs)
+        deltas = delta_json(self.tools.feed(choice, output.text)) if self.tools else (
+            [{"content": output.text}] if output.text else [])
+        if not deltas and logprobs is None:
+            return []
+        deltas = deltas or [{}]
+        return [self._chunk(choice.index, d, logprobs=logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def flush(self, choice: Choice) -> list[dict[str, Any]]:
+        """What a tool parser still held back when the reply ended."""
+        deltas = delta_json(self.tools.finish(choice)) if self.tools else []
+        return [self._chunk(choice.index, d) for d in deltas]
 
     def final(self, choice: Choice) -> dict[str, Any]:
         return self._chunk(choice.index, {}, finish=finish_reason(choice))
@@ -136,12 +157,15 @@ class CompletionFormat:
         echo = self._echo(choice)
         return [self._chunk(choice.index, echo)] if echo else []
 
-    def delta(self, choice: Choice, output: RequestOutput) -> dict[str, Any] | None:
+    def deltas(self, choice: Choice, output: RequestOutput) -> list[dict[str, Any]]:
         if not output.text and not (output.logprobs and self.logprobs is not None):
-            return None
+            return []
         # `choice` already holds this output: its text so far ends with this delta.
         offset = len(self._echo(choice)) + len(choice.text) - len(output.text)
-        return self._chunk(choice.index, output.text, logprobs=self._logprobs(output.logprobs, offset))
+        return [self._chunk(choice.index, output.text, logprobs=self._logprobs(output.logprobs, offset))]
+
+    def flush(self, choice: Choice) -> list[dict[str, Any]]:
+        return []
 
     def final(self, choice: Choice) -> dict[str, Any]:
         return self._chunk(choice.index, "", finish=finish_reason(choice))

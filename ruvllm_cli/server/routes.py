@@ -22,6 +22,8 @@ from ruvllm_cli.server.protocol import parse_chat_request, parse_completion_requ
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.sse import EventStream
 from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
+from ruvllm_cli.server.tool_output import ToolReplies
+from ruvllm_cli.server.prompts import template_tools, tool_sampling
 from ruvllm_cli.server.state import ServerState, get_state
 
 METRICS_TIMEOUT_S = 10.0
@@ -77,15 +79,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = parse_chat_request(await read_json(request, state))
     state.check_model(chat.model)
     engine = engine_loop.engine
+    parser = state.require_tool_parser() if chat.tools and chat.tools.active else None
 
     def prepare() -> list[SequencePlan]:
-        check_constraints(engine, chat.sampling)
-        prompt_ids = render_chat(engine.tokenizer, chat.messages)
-        return plan_sequences([prompt_ids], chat.sampling, engine.max_model_len, "messages")
+        sampling = chat.sampling
+        if parser is not None:
+            sampling = tool_sampling(engine.tokenizer, chat.tools, parser.name, sampling)
+        check_constraints(engine, sampling)
+        prompt_ids = render_chat(engine.tokenizer, chat.messages, template_tools(chat.tools, chat.messages))
+        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages")
 
     assert state.token_texts is not None
     fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
-                     chat.streaming.include_usage)
+                     chat.streaming.include_usage, ToolReplies(parser) if parser is not None else None)
     return await generate(request, state, engine_loop, prepare, "messages", chat.sampling.n,
                           fmt, chat.streaming.stream, chat.sampling.structured)
 
@@ -153,14 +159,14 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
                 if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
                     await sse.send(stream_error(choice))
                     return await sse.close()
-                chunk = fmt.delta(choice, output)
-                if chunk is not None:
-                    await sse.send(chunk)
+                chunks = fmt.deltas(choice, output)
                 if output.finished:
                     suffix = repair_truncated_json(choice, streamed=True) if repair else ""
                     if suffix:
-                        await sse.send(fmt.delta(choice, RequestOutput(output.request_id, [], suffix)))
-                    await sse.send(mark_repaired(fmt.final(choice), [choice]))
+                        chunks += fmt.deltas(choice, RequestOutput(output.request_id, [], suffix))
+                    chunks += [*fmt.flush(choice), mark_repaired(fmt.final(choice), [choice])]
+                for chunk in chunks:
+                    await sse.send(chunk)
         finally:
             await events.aclose()
         if fmt.include_usage:

@@ -6,7 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from aiohttp import web
 
@@ -14,6 +14,9 @@ from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import ServerMetrics
 from ruvllm_cli.server.token_text import TokenTexts
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.tool_parsers import ToolParser
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
@@ -26,6 +29,7 @@ class ServerConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     verbose: bool = False
+    tool_call_parser: str | None = None   # None: detected from the model's chat template
 
 
 class Admission:
@@ -65,6 +69,7 @@ class ServerState:
         self.started = time.monotonic()
         self.ready_at: float | None = None
         self.draining = False
+        self.tool_parser: ToolParser | None = None
 
     def attach(self, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
         """Fill the engine slot: from now on /health is 200 and the API answers."""
@@ -74,6 +79,7 @@ class ServerState:
         self.served_names = names
         self.token_texts = TokenTexts(engine_loop.engine.tokenizer)
         self.admission.capacity = engine_loop.engine.config.max_num_seqs + self.config.max_queue
+        self.tool_parser = pick_tool_parser(engine_loop.engine, self.config.tool_call_parser)
         self.engine_loop = engine_loop
         self.ready_at = time.monotonic()
 
@@ -89,10 +95,28 @@ class ServerState:
                            headers={"Retry-After": "5"})
         return self.engine_loop
 
+    def require_tool_parser(self) -> ToolParser:
+        if self.tool_parser is None:
+            raise ApiError(400, "This model's tool-call format is not known; start the server with "
+                                "--tool-call-parser (hermes, llama3_json or mistral).", param="tools",
+                           code="unsupported_parameter")
+        return self.tool_parser
+
     def check_model(self, name: str) -> None:
         if name not in self.served_names:
             raise ApiError(404, f"The model '{name}' does not exist. This server serves: "
                                 f"{', '.join(self.served_names)}.", param="model", code="model_not_found")
+
+
+def pick_tool_parser(engine: Any, name: str | None) -> ToolParser | None:
+    """The configured parser, else the one the model's template or architecture names."""
+    from ruvllm_cli.engine.chat_call import model_tool_parser
+    from ruvllm_cli.errors import UsageError
+
+    try:
+        return model_tool_parser(engine, name)
+    except UsageError:
+        return None
 
 
 STATE_KEY = web.AppKey("ruvllm_state", ServerState)

@@ -1,0 +1,52 @@
+"""The engine's chat call for Python callers: messages (and tools) in, a finished
+reply out, with any tool calls parsed into data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ruvllm_cli.engine.chat_template import render_chat
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.engine.tool_parsers import ToolCall, ToolParser, detect_parser, get_parser
+from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
+from ruvllm_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.engine import Completion, LLMEngine
+
+
+@dataclass
+class ChatReply:
+    """A finished chat reply: its text outside any calls, and the calls as data."""
+
+    completion: "Completion"
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: SamplingParams | None = None,
+         tools: ToolRequest | None = None, tool_parser: str | None = None) -> ChatReply:
+    params = params or SamplingParams()
+    parser = model_tool_parser(engine, tool_parser) if tools is not None and tools.active else None
+    if parser is not None:
+        assert tools is not None
+        forced = forced_call_grammar(tools, parser.name, engine.tokenizer)
+        params = replace(params, skip_special_tokens=False, structured=forced or params.structured)
+    history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
+    [completion] = engine.generate([prompt], params)
+    if parser is None:
+        return ChatReply(completion, completion.text)
+    parsed = parser.parse(completion.text)
+    return ChatReply(completion, parsed.content, list(parsed.tool_calls))
+
+
+def model_tool_parser(engine: "LLMEngine", name: str | None = None) -> ToolParser:
+    """The named parser, else the one the model's template or architecture implies."""
+    if name is None:
+        architectures = getattr(engine.loaded.model.config, "architectures", None) or [None]
+        name = detect_parser(getattr(engine.tokenizer, "chat_template", None), architectures[0])
+    if name is None:
+        raise UsageError("this model's tool-call format is not known", "name a tool-call parser")
+    return get_parser(name)

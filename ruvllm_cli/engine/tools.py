@@ -1,0 +1,128 @@
+"""Function tools for chat: what a request offers, what it forces, and the grammar
+that makes `tool_choice` "required" or a named function hold.
+
+The call format is the model family's own (`tool_parsers`): the grammar writes the
+same markers the parser reads back, so a forced reply is always a well-formed call
+to an offered tool with arguments valid against its schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ruvllm_cli.engine.grammar import GrammarSpec
+from ruvllm_cli.errors import UsageError
+
+MAX_PARALLEL_CALLS = 5          # what the grammar allows when parallel calls are on
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One offered function: its name, description and JSON schema of arguments."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    description: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise UsageError(f"tool name {self.name!r} must be 1-64 letters, digits, '_' or '-'")
+
+    def for_template(self) -> dict[str, Any]:
+        """The OpenAI shape chat templates expect (`tools` of apply_chat_template)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """`auto` (the model decides), `none`, `required`, or `function` (forced by name)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools side of one chat request."""
+
+    tools: tuple[Tool, ...]
+    choice: ToolChoice = ToolChoice()
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise UsageError("tool names must be unique")
+        if self.choice.mode == "function" and self.choice.name not in names:
+            raise UsageError(f"tool_choice names {self.choice.name!r}, which is not among the tools")
+        if self.choice.forced and not self.tools:
+            raise UsageError(f"tool_choice {self.choice.mode!r} needs at least one tool")
+
+    @property
+    def active(self) -> bool:
+        """The model may call tools in this reply."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+    def template_tools(self, history_has_calls: bool) -> list[dict[str, Any]] | None:
+        """Tools for the chat template: left out under `none`, unless the history
+        holds calls the template renders against them."""
+        if not self.tools or (self.choice.mode == "none" and not history_has_calls):
+            return None
+        return [t.for_template() for t in self.tools]
+
+    def offered(self) -> tuple[Tool, ...]:
+        if self.choice.mode == "function":
+            return tuple(t for t in self.tools if t.name == self.choice.name)
+        return self.tools
+
+
+# ---- the grammar of a forced reply ----------------------------------------------------
+def call_schema(tools: Sequence[Tool], arguments_key: str) -> dict[str, Any]:
+    """One call object: {"name": <one tool>, <arguments_key>: <that tool's schema>}."""
+    variants = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                 "properties": {"name": {"const": t.name}, arguments_key: t.parameters}} for t in tools]
+    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def marker(tokenizer: Any, text: str) -> str:
+    """A marker in Lark: the token itself where the tokenizer has it as one added
+    token (llguidance sees added tokens as special), else the literal text."""
+    token_id = tokenizer.get_added_vocab().get(text)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+
+def forced_call_grammar(request: ToolRequest, parser_name: str, tokenizer: Any) -> GrammarSpec | None:
+    """The Lark grammar of a reply made only of calls, in the parser's format; None
+    when nothing is forced."""
+    if not request.choice.forced:
+        return None
+    def calls(item: str, separator: str) -> str:
+        more = f"({separator} {item}){{0,{MAX_PARALLEL_CALLS - 1}}}" if request.parallel else ""
+        return f"{item} {more}".strip()
+
+    tools = request.offered()
+    if parser_name == "hermes":
+        obj = json.dumps(call_schema(tools, "arguments"))
+        call = f'{marker(tokenizer, "<tool_call>")} "\\n" obj "\\n" {marker(tokenizer, "</tool_call>")}'
+        rules = [f'start: {calls("call", json.dumps(chr(10)))}', f"call: {call}"]
+    elif parser_name == "llama3_json":
+        obj = json.dumps(call_schema(tools, "parameters"))
+        rules = [f'start: {calls("obj", json.dumps("; "))}']
+    elif parser_name == "mistral":
+        obj = json.dumps(call_schema(tools, "arguments"))
+        rules = [f'start: {marker(tokenizer, "[TOOL_CALLS]")} "[" {calls("obj", json.dumps(","))} "]"']
+    else:
+        raise UsageError(f"no tool-call grammar for the {parser_name!r} format")
+    return GrammarSpec.lark("\n".join([*rules, f"obj: %json {obj}"]))

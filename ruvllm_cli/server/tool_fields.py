@@ -1,0 +1,73 @@
+"""OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, parsed into the
+engine's ToolRequest; each malformed field is a 400 naming its param."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ruvllm_cli.engine.tools import Tool, ToolChoice, ToolRequest
+from ruvllm_cli.errors import UsageError
+from ruvllm_cli.server.errors import bad_request
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+
+MAX_TOOLS = 512
+
+
+def parse_tool_request(fields: Fields) -> ToolRequest | None:
+    tools = _tools(fields.raw("tools"))
+    choice = _choice(fields.raw("tool_choice"))
+    parallel = fields.boolean("parallel_tool_calls", True)
+    if not tools:
+        if choice.forced:
+            raise bad_request(f"'tool_choice' {choice.mode!r} needs 'tools'.", "tool_choice", "invalid_value")
+        return None
+    try:
+        return ToolRequest(tuple(tools), choice, parallel)
+    except UsageError as error:
+        param = "tool_choice" if "tool_choice" in error.message else "tools"
+        raise bad_request(error.message[0].upper() + error.message[1:] + ".", param, "invalid_value") from error
+
+
+def _tools(value: Any) -> list[Tool]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid_type("tools", "an array", value)
+    if len(value) > MAX_TOOLS:
+        raise invalid_value("tools", f"at most {MAX_TOOLS} tools", f"{len(value)} tools")
+    return [_tool(item, f"tools[{i}]") for i, item in enumerate(value)]
+
+
+def _tool(item: Any, where: str) -> Tool:
+    if not isinstance(item, dict):
+        raise invalid_type(where, "an object", item)
+    if item.get("type", "function") != "function":
+        raise invalid_value(f"{where}.type", "only function tools are supported", item.get("type"))
+    function = Fields(item, f"{where}.").object("function")
+    if function is None:
+        raise bad_request(f"Missing required parameter: '{where}.function'.", f"{where}.function",
+                          "missing_required_parameter")
+    name = function.string("name", required=True) or ""
+    parameters = function.raw("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise invalid_type(f"{where}.function.parameters", "an object (a JSON schema)", parameters)
+    try:
+        tool = Tool(name, parameters or {"type": "object", "properties": {}}, function.string("description"))
+    except UsageError as error:
+        raise invalid_value(f"{where}.function.name", error.message, name) from error
+    return tool
+
+
+def _choice(value: Any) -> ToolChoice:
+    if value is None:
+        return ToolChoice()
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise invalid_value("tool_choice", "must be auto, none, required or a named function", value)
+        return ToolChoice(value)
+    if isinstance(value, dict):
+        function = value.get("function")
+        if value.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str):
+            return ToolChoice("function", function["name"])
+    raise invalid_value("tool_choice", 'must be auto, none, required or {"type": "function", '
+                                       '"function": {"name": ...}}', value)

@@ -1,0 +1,68 @@
+"""Tool calls in chat responses: each choice's text parsed by the model family's
+parser, whole (`settle`) or as it streams (`feed` / `finish`), into OpenAI's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ruvllm_cli.engine.tool_parsers import (StreamDelta, StreamingToolParser, ToolCall, ToolCallDelta,
+                                            ToolParser)
+from ruvllm_cli.server.bridge import Choice
+
+
+@dataclass
+class ToolReplies:
+    """The parsing state of one response's choices."""
+
+    parser: ToolParser
+    _streams: dict[int, StreamingToolParser] = field(default_factory=dict)
+
+    def settle(self, choice: Choice) -> None:
+        """A whole reply: its calls come out of the text; unparseable text stays content."""
+        parsed = self.parser.parse(choice.text)
+        choice.text, choice.tool_calls = parsed.content, list(parsed.tool_calls)
+
+    def feed(self, choice: Choice, text: str) -> StreamDelta:
+        return self._stream(choice).feed(text) if text else StreamDelta()
+
+    def finish(self, choice: Choice) -> StreamDelta:
+        stream = self._stream(choice)
+        tail = stream.finish()
+        choice.tool_calls = list(stream.calls)
+        return tail
+
+    def _stream(self, choice: Choice) -> StreamingToolParser:
+        if choice.index not in self._streams:
+            self._streams[choice.index] = StreamingToolParser(self.parser)
+        return self._streams[choice.index]
+
+
+def calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def delta_json(delta: StreamDelta) -> list[dict[str, Any]]:
+    """chat.completion.chunk `delta`s: content and tool-call fragments, one chunk per
+    fragment of the same call (a call's first fragment must stay id + name + "")."""
+    deltas: list[dict[str, Any]] = [{"content": delta.content}] if delta.content else []
+    for fragment in delta.tool_calls:
+        current = deltas[-1] if deltas else None
+        indexes = [f["index"] for f in current.get("tool_calls", [])] if current is not None else []
+        if current is None or fragment.index in indexes:
+            current = {}
+            deltas.append(current)
+        current.setdefault("tool_calls", []).append(_fragment(fragment))
+    return deltas
+
+
+def _fragment(delta: ToolCallDelta) -> dict[str, Any]:
+    fragment: dict[str, Any] = {"index": delta.index}
+    if delta.id is not None:
+        fragment.update(id=delta.id, type="function")
+    function: dict[str, Any] = {"arguments": delta.arguments}
+    if delta.name is not None:
+        function["name"] = delta.name
+    fragment["function"] = function
+    return fragment

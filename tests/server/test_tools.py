@@ -1,0 +1,177 @@
+"""Function calling through the official openai SDK over the real socket, on the
+tiny random model (its chat template is Qwen2.5's hermes format): forced calls are
+always valid, streamed in OpenAI's shape, in loops of several turns (issue 20)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+HELLO = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                      "b": {"type": "integer", "minimum": -99, "maximum": 99}}}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"the {name} tool", "parameters": schema}}
+         for name, schema in SCHEMAS.items()]
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def check_calls(calls, allowed=SCHEMAS):
+    assert calls
+    ids = [c.id for c in calls]
+    assert len(set(ids)) == len(ids) and all(i.startswith("call_") for i in ids)
+    for call in calls:
+        assert call.type == "function" and call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
+
+
+def collect_stream(stream):
+    """(content, calls by index as dicts, finish reason) from chunks, checking OpenAI's fragment shape."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for fragment in choice.delta.tool_calls or []:
+                if fragment.index not in calls:
+                    assert fragment.id and fragment.type == "function" and fragment.function.name
+                    assert fragment.function.arguments == ""
+                    calls[fragment.index] = {"id": fragment.id, "name": fragment.function.name, "arguments": ""}
+                else:
+                    assert fragment.id is None and fragment.function.name is None
+                    calls[fragment.index]["arguments"] += fragment.function.arguments
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_calls_are_valid_over_many_seeds(client, server, choice):
+    allowed = SCHEMAS if choice == "required" else {"add": ADD}
+    for seed in range(25):
+        reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=300)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls", message
+        check_calls(message.tool_calls, allowed)
+        assert not message.content
+
+
+def test_forced_calls_stream_in_openai_fragments(client, server):
+    for seed in range(25):
+        stream = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, stream=True,
+                                                tool_choice="required", temperature=1.0, seed=seed, max_tokens=300)
+        content, calls, finish = collect_stream(stream)
+        assert finish == "tool_calls" and content == ""
+        assert sorted(calls) == list(range(len(calls)))
+        for call in calls.values():
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        whole = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS,
+                                               tool_choice="required", temperature=1.0, seed=seed, max_tokens=300)
+        assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
+            [(c["name"], c["arguments"]) for c in calls.values()]
+
+
+def test_parallel_calls_off_gives_exactly_one(client, server):
+    for seed in range(8):
+        reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, seed=seed,
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=300)
+        assert len(reply.choices[0].message.tool_calls) == 1
+
+
+def test_a_grammar_that_asks_for_three_calls_gives_three(client, server):
+    call = '<tool_call> "\\n" %json {"type": "object", "additionalProperties": false, "required": ["name", ' \
+           '"arguments"], "properties": {"name": {"const": "add"}, "arguments": ' + json.dumps(ADD) + \
+           ', "x-guidance": {"whitespace_flexible": false}}} "\\n" </tool_call>'
+    grammar = f'start: call "\\n" call "\\n" call\ncall: {call}'
+    reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, max_tokens=300, seed=1,
+                                           extra_body={"structured_outputs": {"grammar": grammar}})
+    calls = reply.choices[0].message.tool_calls
+    assert len(calls) == 3 and [c.function.name for c in calls] == ["add"] * 3
+    check_calls(calls)
+
+
+def test_auto_with_no_call_is_plain_content(client, server):
+    reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, max_tokens=8,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content and not choice.message.tool_calls
+
+
+def test_none_leaves_the_tools_out_of_the_prompt(client, server):
+    with_tools = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, max_tokens=1)
+    without = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, tool_choice="none",
+                                             max_tokens=1)
+    plain = client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=1)
+    assert without.usage.prompt_tokens == plain.usage.prompt_tokens < with_tools.usage.prompt_tokens
+
+
+def test_five_turn_tool_loop_completes(make_server):
+    server = make_server(engine={"max_model_len": 4096})
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+    messages = list(HELLO)
+    for turn in range(5):
+        reply = client.chat.completions.create(model=server.model, messages=messages, tools=TOOLS, seed=turn,
+                                               tool_choice="required", parallel_tool_calls=False, max_tokens=200)
+        [call] = reply.choices[0].message.tool_calls
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": turn})})
+    final = client.chat.completions.create(model=server.model, messages=messages, tools=TOOLS, tool_choice="none",
+                                           max_tokens=5)
+    assert final.choices[0].message.content is not None and not final.choices[0].message.tool_calls
+    assert final.usage.prompt_tokens > 100
+
+
+@pytest.fixture
+def long_context_server(make_tiny_model):
+    """The tiny model with a 32k context (100 tools make a prompt of some 15k tokens)."""
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.quantization import Quantization
+    from tests.server.conftest import build_server
+
+    model = load_model(make_tiny_model(max_position_embeddings=32768), "cpu", Quantization.F32)
+    live = build_server(model, engine={"max_model_len": 32768, "max_num_seqs": 2})
+    yield live
+    live.stop()
+
+
+def test_a_hundred_tools_in_one_request(long_context_server):
+    server = long_context_server
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": ADD}} for i in range(100)]
+    reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=tools, tool_choice="required",
+                                           max_tokens=300, seed=0, parallel_tool_calls=False)
+    [call] = reply.choices[0].message.tool_calls
+    print(f"100 tools: {reply.usage.prompt_tokens} prompt tokens")
+    assert call.function.name.startswith("tool_") and reply.usage.prompt_tokens > 5000
+    jsonschema.validate(json.loads(call.function.arguments), ADD)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": "x"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(server, body, param):
+    import httpx
+
+    response = httpx.post(f"{server.base_url}/chat/completions", timeout=30,
+                          json={"model": server.model, "messages": HELLO, "max_tokens": 5, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
