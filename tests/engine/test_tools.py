@@ -1,0 +1,106 @@
+"""Forced tool calls: the grammar of each family's format, walked at random, always
+parses back into valid calls with that family's parser; the engine's chat call
+returns the calls as data (issue 20)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from ruvllm_cli.engine.grammar import GrammarCompiler
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.engine.tool_parsers import get_parser
+from ruvllm_cli.engine.tools import (MAX_PARALLEL_CALLS, Tool, ToolChoice, ToolRequest, forced_call_grammar)
+from ruvllm_cli.errors import UsageError
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 6}}}
+ADD = {"type": "object", "additionalProperties": False, "required": ["a"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}}
+TOOLS = (Tool("get_weather", WEATHER), Tool("add", ADD))
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(engine_model_dir)
+
+
+def walk(compiled, tokenizer, seed: int) -> str:
+    """Decode a random path through the grammar, each token drawn from the allowed ones."""
+    matcher, rng, out = compiled.matcher(), random.Random(seed), []
+    words = compiled.layout.words
+    bitmask = torch.empty((1, words), dtype=torch.int32)
+    while not matcher.is_finished and len(out) < 600:
+        bitmask.fill_(-1)
+        matcher.fill_bitmask(bitmask, 0)
+        row = bitmask[0].tolist()
+        allowed = [t for t in range(32 * words) if (row[t // 32] >> (t % 32)) & 1]
+        if matcher.eos_allowed and rng.random() < 0.3:
+            break
+        token = rng.choice(allowed)
+        assert matcher.accept(token)
+        out.append(token)
+    return tokenizer.decode(out, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_grammar_parses_back_into_valid_calls(tokenizer, fmt, parallel):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    request = ToolRequest(TOOLS, ToolChoice("required"), parallel)
+    compiled = compiler.compile(forced_call_grammar(request, fmt, tokenizer))
+    counts = set()
+    for seed in range(12):
+        text = walk(compiled, tokenizer, seed).replace("<|im_end|>", "").replace("<|endoftext|>", "")
+        parsed = get_parser(fmt).parse(text)
+        assert parsed.tool_calls and not parsed.content, text
+        assert len(parsed.tool_calls) <= (MAX_PARALLEL_CALLS if parallel else 1)
+        counts.add(len(parsed.tool_calls))
+        for call in parsed.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    if parallel:
+        assert max(counts) > 1   # the grammar does allow several calls
+
+
+def test_a_named_function_is_the_only_one_called(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    request = ToolRequest(TOOLS, ToolChoice("function", "add"))
+    compiled = compiler.compile(forced_call_grammar(request, "hermes", tokenizer))
+    for seed in range(6):
+        calls = get_parser("hermes").parse(walk(compiled, tokenizer, seed)).tool_calls
+        assert {c.name for c in calls} == {"add"}
+
+
+def test_nothing_is_forced_under_auto_and_none(tokenizer):
+    for mode in ("auto", "none"):
+        assert forced_call_grammar(ToolRequest(TOOLS, ToolChoice(mode)), "hermes", tokenizer) is None
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: Tool("bad name"), "letters"),
+    (lambda: ToolRequest((Tool("a"), Tool("a"))), "unique"),
+    (lambda: ToolRequest(TOOLS, ToolChoice("function", "missing")), "not among"),
+    (lambda: ToolRequest((), ToolChoice("required")), "at least one"),
+])
+def test_bad_tool_requests_raise_usage_errors(make, words):
+    with pytest.raises(UsageError, match=words):
+        make()
+
+
+def test_engine_chat_returns_parsed_calls(make_engine):
+    engine = make_engine()
+    messages = [{"role": "user", "content": "weather?"}]
+    tools = ToolRequest(TOOLS, ToolChoice("required"))
+    reply = engine.chat(messages, SamplingParams(max_tokens=200, temperature=1.0, seed=3), tools=tools)
+    assert reply.tool_calls and reply.content == ""
+    for call in reply.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    plain = engine.chat(messages, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert plain.tool_calls == [] and plain.content == plain.completion.text
