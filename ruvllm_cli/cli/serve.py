@@ -157,12 +157,12 @@ def load(app: AppContext, options: dict[str, Any]) -> Any:
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:
     """Names clients may send as `model`: --served-model-name first, then the alias or
-    directory name, the repo id, and the MODEL argument as typed (unless a path)."""
+    directory name, the repo id, and the MODEL argument exactly as typed (a path too:
+    clients copy it from the command line, and vLLM serves it under that name)."""
     names = [*extra, located.served_name]
     if located.ref.repo_id:
         names.append(located.ref.repo_id)
-    if located.ref.kind != "local":
-        names.append(model_arg)
+    names.append(model_arg)
     return list(dict.fromkeys(names))
 
 

@@ -14,7 +14,8 @@ import click
 import httpx
 import pytest
 
-from ruvllm_cli.cli.serve import BYTE_SIZE
+from ruvllm_cli.cli.serve import BYTE_SIZE, served_names
+from ruvllm_cli.registry.locate import locate_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +115,9 @@ def test_serve_starts_answers_and_stops_cleanly_on_sigterm(tiny_model_dir, cli_e
     assert f"curl {url}/v1/chat/completions" in stderr and '"model": "tiny"' in stderr
     assert "Shutting down" in stderr and "Stopped." in stderr
     assert "Traceback" not in stderr
+
+
+def test_a_model_path_is_served_as_typed_and_by_its_directory_name(tiny_model_dir, tmp_path):
+    located = locate_model(str(tiny_model_dir), tmp_path)
+    typed = str(tiny_model_dir) + "/"
+    assert served_names(located, typed, ("tiny",)) == ["tiny", tiny_model_dir.name, typed]
