@@ -105,14 +105,15 @@ def configure_logging(verbose: bool) -> None:
 async def serve(app: AppContext, options: dict[str, Any]) -> None:
     """Listen first (health 503), load, fill the engine slot, serve until a signal."""
     from ruvllm_cli.engine.loop import EngineLoop
-    from ruvllm_cli.server import attach_engine, create_app, start_server
+    from ruvllm_cli.server import ServerConfig, attach_engine, create_app, start_server
 
     from rich.markup import escape
 
     out = app.output()
     origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
-    web_app = create_app(None, api_key=options["api_key"], cors_origins=origins, max_queue=options["max_queue"],
-                         max_body_size=options["max_body_size"], verbose=app.verbose)
+    config = ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
+                          max_body_size=options["max_body_size"], verbose=app.verbose)
+    web_app = create_app(None, config)
     try:
         server = await start_server(web_app, options["host"], options["port"],
                                     shutdown_timeout=options["shutdown_timeout"], access_log=app.verbose)

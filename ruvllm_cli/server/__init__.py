@@ -8,5 +8,6 @@ Layout: `app` (factory, runner helpers), `routes` (handlers), `protocol` + `fiel
 """
 
 from ruvllm_cli.server.app import RunningServer, attach_engine, create_app, start_server
+from ruvllm_cli.server.state import ServerConfig
 
-__all__ = ["RunningServer", "attach_engine", "create_app", "start_server"]
+__all__ = ["RunningServer", "ServerConfig", "attach_engine", "create_app", "start_server"]

@@ -11,29 +11,25 @@ from aiohttp import web
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
 from ruvllm_cli.server.routes import add_routes
-from ruvllm_cli.server.state import (DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, STATE_KEY, ServerConfig,
-                                     ServerState, get_state)
+from ruvllm_cli.server.state import STATE_KEY, ServerConfig, ServerState, get_state
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
-def create_app(engine_loop: EngineLoop | None, *, served_names: Sequence[str] = (), api_key: str | None = None,
-               cors_origins: Sequence[str] = (), max_queue: int = DEFAULT_MAX_QUEUE,
-               max_body_size: int = DEFAULT_MAX_BODY_SIZE, verbose: bool = False) -> web.Application:
-    """An OpenAI-compatible app around `engine_loop`.
+def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConfig(), *,
+               served_names: Sequence[str] = ()) -> web.Application:
+    """An OpenAI-compatible app around `engine_loop`, set up by `config`.
 
     With `engine_loop=None` the engine slot starts empty (/health answers 503, the
     API 503 "loading") until `attach_engine` fills it. The app never owns the engine
     loop: whoever made it shuts it down, after the app's runner is cleaned up."""
-    config = ServerConfig(api_key=api_key or None, cors_origins=tuple(cors_origins), max_queue=max_queue,
-                          max_body_size=max_body_size, verbose=verbose)
     middlewares = [error_middleware]
     if config.cors_origins:
         middlewares.append(cors_middleware(config.cors_origins))
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     # aiohttp rejects a larger body itself (413); the middleware turns that into our shape.
-    app = web.Application(middlewares=middlewares, client_max_size=max_body_size)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_size)
     state = ServerState(config)
     app[STATE_KEY] = state
     add_routes(app)

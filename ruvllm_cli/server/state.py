@@ -21,6 +21,8 @@ DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """What `ruvllm serve`'s options set for one app (an empty `api_key`: none)."""
+
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_queue: int = DEFAULT_MAX_QUEUE

@@ -24,7 +24,7 @@ from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import LoadedModel, load_model
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.server import RunningServer, create_app, start_server
+from ruvllm_cli.server import RunningServer, ServerConfig, create_app, start_server
 from ruvllm_cli.server.state import ServerState, get_state
 
 NAMES = ("tiny", "org/tiny-model")
@@ -145,7 +145,7 @@ def build_server(model: LoadedModel, *, names: tuple[str, ...] = NAMES, engine: 
                  shutdown_timeout: float = 5.0, attach: bool = True, **app_options: Any) -> LiveServer:
     config = {"max_num_seqs": 16, "max_model_len": 1024, **(engine or {})}
     engine_loop = EngineLoop(LLMEngine(model, EngineConfig(device="cpu", quantization=Quantization.F32, **config)))
-    app = create_app(engine_loop if attach else None, served_names=names, **app_options)
+    app = create_app(engine_loop if attach else None, ServerConfig(**app_options), served_names=names)
     live = LiveServer(ServerThread(app, shutdown_timeout), engine_loop, names, app_options.get("api_key"))
     try:
         live.thread.start()
@@ -170,7 +170,8 @@ def server(_shared_server: LiveServer) -> Iterator[LiveServer]:
 
 @pytest.fixture
 def make_server(server_model: LoadedModel) -> Iterator[Callable[..., LiveServer]]:
-    """`make_server(engine={...EngineConfig fields}, api_key=..., max_queue=..., ...)`."""
+    """`make_server(engine={...EngineConfig fields}, api_key=..., max_queue=..., ...)`: the
+    keywords beyond `engine`, `names`, `shutdown_timeout` and `attach` are ServerConfig's."""
     made: list[LiveServer] = []
 
     def make(**options: Any) -> LiveServer:

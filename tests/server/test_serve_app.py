@@ -65,7 +65,7 @@ def test_cors_is_off_unless_origins_are_named(server, make_server):
     origin = {"Origin": "http://app.example"}
     plain = httpx.get(server.url + "/v1/models", headers=origin)
     assert "Access-Control-Allow-Origin" not in plain.headers
-    live = make_server(cors_origins=["http://app.example"], api_key="k")
+    live = make_server(cors_origins=("http://app.example",), api_key="k")
     preflight = httpx.options(live.url + "/v1/chat/completions", headers={
         **origin, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"})
