@@ -8,24 +8,11 @@ import threading
 import httpx
 import pytest
 
+from ruvllm_cli.testing.api_errors import assert_error
+
 pytestmark = pytest.mark.timeout(60)
 
 HELLO = [{"role": "user", "content": "Hello"}]
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None,
-                 contains: str = "") -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["Content-Type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    error = body["error"]
-    assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    assert contains in error["message"]
-    assert "Traceback" not in response.text
-    return error
 
 
 @pytest.fixture
