@@ -9,13 +9,16 @@ import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
 from ruvllm_cli.errors import RuvllmError
+
+if TYPE_CHECKING:
+    from ruvllm_cli.server.state import ServerConfig
 
 T = TypeVar("T")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -55,6 +58,10 @@ BYTE_SIZE = ByteSize()
               help="Sequences decoded together.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Sequences allowed to wait beyond --max-concurrent; more get 429 at once.")
+@click.option("--max-sequences-per-request", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sequences one request may ask for (prompts x n); more get 400.")
+@click.option("--max-prompts-per-request", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Prompts one /v1/completions request may list; more get 400.")
 @click.option("--max-context", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Longest prompt plus reply, in tokens.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
@@ -105,15 +112,12 @@ def configure_logging(verbose: bool) -> None:
 async def serve(app: AppContext, options: dict[str, Any]) -> None:
     """Listen first (health 503), load, fill the engine slot, serve until a signal."""
     from ruvllm_cli.engine.loop import EngineLoop
-    from ruvllm_cli.server import ServerConfig, attach_engine, create_app, start_server
+    from ruvllm_cli.server import attach_engine, create_app, start_server
 
     from rich.markup import escape
 
     out = app.output()
-    origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
-    config = ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
-                          max_body_size=options["max_body_size"], verbose=app.verbose)
-    web_app = create_app(None, config)
+    web_app = create_app(None, server_config(options, app.verbose))
     try:
         server = await start_server(web_app, options["host"], options["port"],
                                     shutdown_timeout=options["shutdown_timeout"], access_log=app.verbose)
@@ -144,6 +148,18 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     finally:
         engine_loop.shutdown()
     out.info("Stopped.")
+
+
+def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
+    """The app's ServerConfig from the command's options."""
+    from ruvllm_cli.server import ServerConfig
+    from ruvllm_cli.server.protocol import RequestLimits
+
+    origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
+    limits = RequestLimits(max_prompts=options["max_prompts_per_request"],
+                           max_sequences=options["max_sequences_per_request"])
+    return ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
+                        max_body_size=options["max_body_size"], limits=limits, verbose=verbose)
 
 
 def load(app: AppContext, options: dict[str, Any]) -> Any:

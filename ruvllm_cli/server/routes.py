@@ -74,7 +74,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
-    chat = parse_chat_request(await read_json(request, state))
+    chat = parse_chat_request(await read_json(request, state), state.limits)
     state.check_model(chat.model)
     engine = engine_loop.engine
 
@@ -93,7 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
-    job = parse_completion_request(await read_json(request, state))
+    job = parse_completion_request(await read_json(request, state), state.limits)
     state.check_model(job.model)
     engine = engine_loop.engine
     echo_texts: list[str] = []

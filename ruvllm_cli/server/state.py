@@ -13,6 +13,7 @@ from aiohttp import web
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import ServerMetrics
+from ruvllm_cli.server.protocol import RequestLimits
 from ruvllm_cli.server.token_text import TokenTexts
 
 DEFAULT_MAX_QUEUE = 64
@@ -27,6 +28,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    limits: RequestLimits = RequestLimits()
     verbose: bool = False
 
 
@@ -38,10 +40,15 @@ class Admission:
         self.in_flight = 0
 
     @contextmanager
-    def reserve(self, n: int) -> Iterator[None]:
-        # A lone request is always let in (the engine queues its extra copies itself),
-        # so `n` above the capacity is no reason to refuse on an idle server.
-        if self.in_flight and self.in_flight + n > self.capacity:
+    def reserve(self, n: int, param: str = "n") -> Iterator[None]:
+        """Hold `n` sequences while the body runs: a 400 naming `param` when they could
+        never fit, a 429 with Retry-After when they do not fit now."""
+        # Even an idle server refuses more than its capacity: letting one request in
+        # whatever its size would lock every other client out until it is done.
+        if n > self.capacity:
+            raise ApiError(400, f"This request asks for {n} sequences; this server holds at most "
+                                f"{self.capacity}.", param=param, code="invalid_value")
+        if self.in_flight + n > self.capacity:
             raise ApiError(429, f"The server is busy ({self.in_flight} sequences in flight, at most "
                                 f"{self.capacity}); retry shortly.", code="queue_full",
                            headers={"Retry-After": "1"})
@@ -63,6 +70,7 @@ class ServerState:
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
         self.engine_loop: EngineLoop | None = None
         self.served_names: tuple[str, ...] = ()
+        self.limits = config.limits
         self.token_texts: TokenTexts | None = None
         self.started = time.monotonic()
         self.ready_at: float | None = None
@@ -76,6 +84,7 @@ class ServerState:
         self.served_names = names
         self.token_texts = TokenTexts(engine_loop.engine.tokenizer)
         self.admission.capacity = engine_loop.engine.config.max_num_seqs + self.config.max_queue
+        self.limits = self.config.limits.within(self.admission.capacity)
         self.engine_loop = engine_loop
         self.ready_at = time.monotonic()
 
