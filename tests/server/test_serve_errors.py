@@ -263,3 +263,12 @@ def test_a_request_that_fits_but_not_now_is_429(make_server):
             assert busy.headers["Retry-After"] == "1"
         live.wait_idle()
     live.assert_clean()
+
+
+def test_an_error_that_quotes_a_lone_surrogate_still_serialises():
+    from ruvllm_cli.server.errors import ApiError
+
+    response = ApiError(404, "The model '\ud800' does not exist.", param="model").response()
+    assert json.loads(response.body) == {"error": {"message": "The model '\ud800' does not exist.",
+                                                   "type": "invalid_request_error", "param": "model", "code": None}}
+
