@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server (aiohttp) on the shared engine.
 
-Layout: `app` (factory, runner helpers), `routes` (handlers), `protocol` + `fields`
-(request parsing), `prompts` (chat template, tokenizing, per-sequence plans),
+Layout: `app` (factory, runner helpers), `routes` (handlers), `body` (reading and
+checking the JSON body), `protocol` + `fields` (request parsing), `prompts` (chat template, tokenizing, per-sequence plans),
 `bridge` (engine submission and streams), `responses` (bodies and chunks), `sse`,
 `metrics`, `middlewares` (errors, CORS, API key), `state` (per-app state),
 `token_text` (token strings and bytes for logprobs). The server never imports the CLI.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any, Callable, Sequence
 
@@ -12,8 +11,9 @@ from aiohttp import web
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.server import bridge
+from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
-from ruvllm_cli.server.errors import ApiError, bad_request, error_body, json_response
+from ruvllm_cli.server.errors import ApiError, error_body, json_response
 from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
@@ -74,7 +74,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
-    chat = parse_chat_request(await read_json(request, state), state.limits)
+    chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
     state.check_model(chat.model)
     engine = engine_loop.engine
 
@@ -93,7 +93,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
-    job = parse_completion_request(await read_json(request, state), state.limits)
+    job = parse_completion_request(await read_json(request, state.config.max_body_size), state.limits)
     state.check_model(job.model)
     engine = engine_loop.engine
     echo_texts: list[str] = []
@@ -188,19 +188,3 @@ def record(state: ServerState, started: float, choices: Sequence[Choice]) -> Non
     metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in first_copies.values()))
     metrics.generation_tokens.inc(sum(c.num_output_tokens for c in choices))
     metrics.e2e_latency.observe(time.perf_counter() - started)
-
-
-async def read_json(request: web.Request, state: ServerState) -> Any:
-    """The body as JSON: 413 beyond the size cap, 400 when it does not parse."""
-    limit = state.config.max_body_size
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"The request body is too large: {request.content_length} bytes, the limit is "
-                            f"{limit} bytes.", code="request_too_large")
-    raw = await request.read()   # aiohttp enforces the cap on chunked bodies (HTTPRequestEntityTooLarge)
-    if not raw.strip():
-        raise bad_request("The request body is empty; send a JSON object.")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise bad_request(f"We could not parse the JSON body of your request: {error}", code="invalid_json") \
-            from error

@@ -272,3 +272,15 @@ def test_an_error_that_quotes_a_lone_surrogate_still_serialises():
     assert json.loads(response.body) == {"error": {"message": "The model '\ud800' does not exist.",
                                                    "type": "invalid_request_error", "param": "model", "code": None}}
 
+
+@pytest.mark.parametrize("raw, param, contains", [
+    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "Hi"}]}', "model", "lone UTF-16 surrogate"),
+    (b'{"model": "tiny", "prompt": "a\\udfffb"}', "prompt", "lone UTF-16 surrogate (at offset 1)"),
+    (b'{"model": "tiny", "prompt": ["ok", "a\\u0000b"]}', "prompt[1]", "a NUL character"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 200 + b"]" * 200 + b"}", None, "nested too deeply (at most 128"),
+])
+def test_text_we_cannot_tokenize_and_absurd_nesting_are_400(http, raw, param, contains):
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert_error(response, 400, param, contains=contains)
