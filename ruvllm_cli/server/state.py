@@ -37,7 +37,8 @@ class Admission:
 
     def __init__(self) -> None:
         self.capacity = 0
-        self.in_flight = 0
+        self.in_flight = 0    # sequences
+        self.requests = 0     # the requests those sequences belong to
 
     @contextmanager
     def reserve(self, n: int, param: str = "n") -> Iterator[None]:
@@ -53,10 +54,12 @@ class Admission:
                                 f"{self.capacity}); retry shortly.", code="queue_full",
                            headers={"Retry-After": "1"})
         self.in_flight += n
+        self.requests += 1
         try:
             yield
         finally:
             self.in_flight -= n
+            self.requests -= 1
 
 
 class ServerState:
@@ -65,7 +68,7 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.admission = Admission()
-        self.metrics = ServerMetrics(lambda: self.admission.in_flight)
+        self.metrics = ServerMetrics(lambda: self.admission.requests, lambda: self.admission.in_flight)
         # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
         self.engine_loop: EngineLoop | None = None

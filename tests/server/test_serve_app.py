@@ -136,3 +136,18 @@ def test_an_internal_error_is_a_500_without_a_traceback(make_server, monkeypatch
     assert response.json() == {"error": {"message": "The server had an error while processing your request.",
                                          "type": "server_error", "param": None, "code": None}}
     assert "internal error on GET /metrics: RuntimeError: boom" in caplog.text
+
+
+def test_in_flight_metrics_count_requests_and_their_sequences_apart(make_server):
+    live = make_server()
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "n": 3}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()   # kept: dropping the iterator closes the stream
+            assert next(lines).startswith("data: ")
+            text = http.get("/metrics").text
+        live.wait_idle()
+        after = http.get("/metrics").text
+    assert "\nruvllm_http_requests_in_flight 1.0\n" in text
+    assert "\nruvllm_sequences_in_flight 3.0\n" in text
+    assert "\nruvllm_http_requests_in_flight 0.0\n" in after and "\nruvllm_sequences_in_flight 0.0\n" in after
