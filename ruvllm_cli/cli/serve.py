@@ -64,6 +64,8 @@ BYTE_SIZE = ByteSize()
               help="Prompts one /v1/completions request may list; more get 400.")
 @click.option("--max-context", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Longest prompt plus reply, in tokens.")
+@click.option("--max-tokens-default", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Longest chat reply when a request sets no max_tokens (completions keep OpenAI's 16).")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
               help="Token budget of one engine step (default: 1024 on CPU, 8192 on GPU).")
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
@@ -159,7 +161,8 @@ def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
     limits = RequestLimits(max_prompts=options["max_prompts_per_request"],
                            max_sequences=options["max_sequences_per_request"])
     return ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
-                        max_body_size=options["max_body_size"], limits=limits, verbose=verbose)
+                        max_body_size=options["max_body_size"], limits=limits,
+                        chat_max_tokens=options["max_tokens_default"], verbose=verbose)
 
 
 def load(app: AppContext, options: dict[str, Any]) -> Any:

@@ -22,6 +22,7 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 # cannot take the whole queue (80 sequences by default) from everyone else.
 DEFAULT_MAX_SEQUENCES = 16
 DEFAULT_MAX_PROMPTS = 16   # a prompt list longer than this fails the sequence cap anyway
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = Union[str, list[int]]
 
@@ -199,7 +200,8 @@ def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits())
         raise bad_request("'echo' together with 'logprobs' is not supported.", "echo", "unsupported_parameter")
     if fields.string("suffix"):
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
-    sampling = _sampling(fields, fields.integer("max_tokens", None, low=1), logprobs, default_max_tokens=16)
+    sampling = _sampling(fields, fields.integer("max_tokens", None, low=1), logprobs,
+                        default_max_tokens=COMPLETION_MAX_TOKENS)
     best_of = fields.integer("best_of", None, low=1)
     if best_of is not None and best_of != sampling.n:
         raise bad_request("'best_of' other than 'n' is not supported.", "best_of", "unsupported_parameter")

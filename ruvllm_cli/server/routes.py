@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -18,7 +19,7 @@ from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
                                        tokenize_prompts)
-from ruvllm_cli.server.protocol import parse_chat_request, parse_completion_request
+from ruvllm_cli.server.protocol import COMPLETION_MAX_TOKENS, parse_chat_request, parse_completion_request
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.sse import EventStream
 from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
@@ -52,8 +53,11 @@ async def list_models(request: web.Request) -> web.Response:
     state = get_state(request.app)
     engine_loop = state.require_engine()
     created = int(time.time() - (time.monotonic() - state.started))
+    # Beyond OpenAI's fields: what a client needs to size its requests.
+    defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS}
     data = [{"id": name, "object": "model", "created": created, "owned_by": "ruvllm",
-             "max_model_len": engine_loop.engine.max_model_len} for name in state.served_names]
+             "max_model_len": engine_loop.engine.max_model_len, "max_tokens_default": defaults}
+            for name in state.served_names]
     return json_response({"object": "list", "data": data})
 
 
@@ -77,11 +81,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
     state.check_model(chat.model)
     engine = engine_loop.engine
+    sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
 
     def prepare() -> list[SequencePlan]:
-        check_constraints(engine, chat.sampling)
+        check_constraints(engine, sampling)
         prompt_ids = render_chat(engine.tokenizer, chat.messages)
-        return plan_sequences([prompt_ids], chat.sampling, engine.max_model_len, "messages")
+        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages")
 
     assert state.token_texts is not None
     fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,

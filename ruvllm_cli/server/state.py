@@ -18,6 +18,8 @@ from ruvllm_cli.server.token_text import TokenTexts
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+# A chat reply without max_tokens: the whole context left could take minutes on a CPU.
+DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class ServerConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     limits: RequestLimits = RequestLimits()
+    chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS   # a chat request's max_tokens when it sets none
     verbose: bool = False
 
 

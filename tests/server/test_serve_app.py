@@ -151,3 +151,22 @@ def test_in_flight_metrics_count_requests_and_their_sequences_apart(make_server)
     assert "\nruvllm_http_requests_in_flight 1.0\n" in text
     assert "\nruvllm_sequences_in_flight 3.0\n" in text
     assert "\nruvllm_http_requests_in_flight 0.0\n" in after and "\nruvllm_sequences_in_flight 0.0\n" in after
+
+
+def test_a_chat_without_max_tokens_stops_at_the_server_default(make_server):
+    live = make_server(chat_max_tokens=5)
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "ignore_eos": True})
+        completion = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "ignore_eos": True})
+        asked = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "ignore_eos": True,
+                                                        "max_tokens": 7})
+        models = http.get("/v1/models").json()["data"]
+    assert chat.json()["usage"]["completion_tokens"] == 5 and chat.json()["choices"][0]["finish_reason"] == "length"
+    assert completion.json()["usage"]["completion_tokens"] == 16   # OpenAI's default for completions
+    assert asked.json()["usage"]["completion_tokens"] == 7
+    assert models[0]["max_tokens_default"] == {"/v1/chat/completions": 5, "/v1/completions": 16}
+
+
+def test_the_chat_default_is_1024_tokens(server):
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert model["max_tokens_default"] == {"/v1/chat/completions": 1024, "/v1/completions": 16}
