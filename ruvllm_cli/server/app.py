@@ -11,6 +11,7 @@ from aiohttp import web
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
 from ruvllm_cli.server.routes import add_routes
+from ruvllm_cli.server.runner import ApiAppRunner
 from ruvllm_cli.server.state import STATE_KEY, ServerConfig, ServerState, get_state
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -78,7 +79,7 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
                        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
                        access_log: bool = False) -> RunningServer:
     """Listen on host:port (0 picks a free port) and return at once."""
-    runner = web.AppRunner(
+    runner = ApiAppRunner(
         app, shutdown_timeout=shutdown_timeout,
         # A client that disconnects cancels its handler, which cancels its engine requests.
         handler_cancellation=True,

@@ -5,6 +5,7 @@ a 500; afterwards the engine still serves. And a slow client cannot hold the ser
 from __future__ import annotations
 
 import json
+import logging
 import math
 import socket
 import time
@@ -183,3 +184,28 @@ def test_the_engine_is_healthy_after_the_table(server, http):
     reply = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3,
                                                "ignore_eos": True})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path, headers", [
+    ("/v1/models", {"X-Big": "a" * 9000}),
+    ("/v1/models", {"X-" + "b" * 9000: "a"}),
+    ("/v1/models?q=" + "c" * 9000, {}),
+], ids=["header-value", "header-name", "request-line"])
+def test_an_oversized_header_is_a_json_400_without_a_traceback(server, caplog, path, headers):
+    with caplog.at_level(logging.DEBUG):
+        response = httpx.get(server.url + path, headers=headers, timeout=30)
+    assert_error(response, 400, code="bad_http_request", contains="Got more than 8190 bytes")
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
+
+
+def test_a_request_that_is_not_http_is_a_json_400(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"\x16\x03\x01 not http at all\r\n\r\n")
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0]
+    assert b"Content-Type: application/json" in head
+    assert json.loads(body)["error"]["code"] == "bad_http_request"
