@@ -15,6 +15,12 @@ from ruvllm_cli.server.runner import ApiAppRunner
 from ruvllm_cli.server.state import STATE_KEY, ServerConfig, ServerState, get_state
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+# A connection must deliver a whole request within this many seconds of connecting or
+# of its last answer, else it is closed: a client trickling its headers (slowloris)
+# holds a socket for at most this long. Above the 5 s after which httpx (and so the
+# OpenAI SDK) drops idle pooled connections, so the client closes first and never
+# reuses a connection the server is closing.
+DEFAULT_IDLE_TIMEOUT = 15.0
 
 
 def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConfig(), *,
@@ -76,11 +82,11 @@ class RunningServer:
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
-                       shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                       shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                        access_log: bool = False) -> RunningServer:
     """Listen on host:port (0 picks a free port) and return at once."""
     runner = ApiAppRunner(
-        app, shutdown_timeout=shutdown_timeout,
+        app, shutdown_timeout=shutdown_timeout, keepalive_timeout=idle_timeout,
         # A client that disconnects cancels its handler, which cancels its engine requests.
         handler_cancellation=True,
         access_log=logging.getLogger("aiohttp.access") if access_log else None)

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -209,3 +210,51 @@ def test_a_request_that_is_not_http_is_a_json_400(server):
     assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0]
     assert b"Content-Type: application/json" in head
     assert json.loads(body)["error"]["code"] == "bad_http_request"
+
+
+class SlowClient:
+    """A raw connection that sends a request line and then one header byte every
+    `interval` seconds, never finishing its headers; notes when the server hangs up."""
+
+    def __init__(self, url: str, interval: float = 0.2) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.interval = interval
+        self.opened = time.monotonic()
+        self.closed_after: float | None = None
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        self._thread = threading.Thread(target=self._trickle, daemon=True)
+        self._thread.start()
+
+    def _trickle(self) -> None:
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    if self.sock.recv(1) == b"":
+                        break
+                except BlockingIOError:
+                    pass
+                self.sock.send(b"a")
+                time.sleep(self.interval)
+        except OSError:
+            pass   # reset by the server
+        self.closed_after = time.monotonic() - self.opened
+
+    def wait_closed(self, timeout: float) -> float | None:
+        self._thread.join(timeout)
+        self.sock.close()
+        return self.closed_after
+
+
+def test_slow_clients_hold_no_slot_and_are_closed_within_the_idle_timeout(make_server):
+    live = make_server(idle_timeout=1.0, engine={"max_num_seqs": 1}, max_queue=0)
+    slow = [SlowClient(live.url) for _ in range(20)]
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        for _ in range(3):   # a server with a single slot keeps serving meanwhile
+            reply = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+            assert reply.status_code == 200
+    deadline = time.monotonic() + 5
+    closed = [client.wait_closed(max(0.0, deadline - time.monotonic())) for client in slow]
+    assert all(after is not None and after < 1.0 + 1.0 for after in closed), closed
+
