@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from ruvllm_cli.server.state import ServerConfig
 
 T = TypeVar("T")
+# How long a stopping server waits for the engine to finish its current step: the
+# process exits regardless (os._exit), and the replies have all been sent by then.
+ENGINE_STOP_TIMEOUT = 0.3
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
 
@@ -80,7 +83,8 @@ BYTE_SIZE = ByteSize()
 @click.option("--max-body-size", type=BYTE_SIZE, default="4MiB", show_default=True,
               help="Largest request body; bigger ones get 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
+              help="Seconds in-flight requests may finish after SIGINT/SIGTERM; what is left then gets a "
+                   "503 (a stream: an error event and [DONE]) and the server exits.")
 @device_option()
 @global_options
 def command(**options: Any) -> None:
@@ -99,6 +103,17 @@ def command(**options: Any) -> None:
     app = app_context()
     configure_logging(app.verbose)
     asyncio.run(serve(app, options))
+    exit_now()
+
+
+def exit_now() -> None:
+    """Exit at once, skipping the interpreter's teardown: with torch and transformers
+    loaded it takes about a second, and --shutdown-timeout promises the timeout plus
+    at most one. Nothing is left to clean up: the server and the engine have stopped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def configure_logging(verbose: bool) -> None:
@@ -148,7 +163,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s ...")
         await server.stop()
     finally:
-        engine_loop.shutdown()
+        engine_loop.shutdown(ENGINE_STOP_TIMEOUT)
     out.info("Stopped.")
 
 

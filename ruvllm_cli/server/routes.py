@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from aiohttp import web
 
@@ -14,7 +14,7 @@ from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.server import bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
-from ruvllm_cli.server.errors import ApiError, error_body, json_response
+from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
@@ -122,7 +122,8 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
                    fmt: ResponseFormat, stream: bool, structured: Structured | None = None) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
-    never outlive the handler (a client that leaves cancels them)."""
+    never outlive the handler (a client that leaves cancels them, and so does the
+    end of the shutdown timeout: a 503, or on a stream an error event and [DONE])."""
     started = time.perf_counter()
     with state.admission.reserve(num_sequences):
         plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
@@ -130,8 +131,11 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
         try:
             repair = structured is not None and structured.repairable
             if stream:
-                return await stream_response(request, streams, choices, fmt, repair)
-            await bridge.collect(streams, choices)
+                return await stream_response(request, streams, choices, fmt, state.expired, repair)
+            try:
+                await bridge.collect(streams, choices, state.expired)
+            except bridge.ShuttingDown:
+                raise bridge.shutting_down() from None
             for choice in choices:
                 bridge.check_finished(choice)
                 if repair:
@@ -143,32 +147,22 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
 
 
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
-                          fmt: ResponseFormat, repair: bool = False) -> web.StreamResponse:
+                          fmt: ResponseFormat, stop: asyncio.Event, repair: bool = False) -> web.StreamResponse:
+    """Every stream's outputs as SSE chunks; whatever ends it (all finished, an engine
+    error, the shutdown timeout), the client gets a complete stream ending in [DONE]."""
     sse = EventStream(request)
     try:
         await sse.open()
         for choice in choices:
             for chunk in fmt.opening(choice):
                 await sse.send(chunk)
-        events = bridge.merged(streams)
         try:
-            async for position, output in events:
-                choice = choices[position]
-                choice.add(output)
-                if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
-                    await sse.send(stream_error(choice))
-                    return await sse.close()
-                chunk = fmt.delta(choice, output)
-                if chunk is not None:
-                    await sse.send(chunk)
-                if output.finished:
-                    suffix = repair_truncated_json(choice, streamed=True) if repair else ""
-                    if suffix:
-                        await sse.send(fmt.delta(choice, RequestOutput(output.request_id, [], suffix)))
-                    await sse.send(mark_repaired(fmt.final(choice), [choice]))
-        finally:
-            await events.aclose()
-        if fmt.include_usage:
+            error = await send_outputs(sse, streams, choices, fmt, stop, repair)
+        except bridge.ShuttingDown:
+            error = bridge.shutting_down()
+        if error is not None:
+            await sse.send(error.body())
+        elif fmt.include_usage:
             await sse.send(fmt.usage_chunk(choices))
         return await sse.close()
     except ConnectionResetError:
@@ -176,12 +170,40 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
         return sse.response
 
 
-def stream_error(choice: Choice) -> dict[str, Any]:
+async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choices: Sequence[Choice],
+                       fmt: ResponseFormat, stop: asyncio.Event, repair: bool) -> ApiError | None:
+    """Chunks until every stream ends; the error that ended one early, if any."""
+    events = bridge.merged(streams, stop)
+    try:
+        async for position, output in events:
+            choice = choices[position]
+            choice.add(output)
+            if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
+                return finish_error(choice)
+            chunk = fmt.delta(choice, output)
+            if chunk is not None:
+                await sse.send(chunk)
+            if output.finished:
+                await send_final(sse, fmt, choice, output, repair)
+    finally:
+        await events.aclose()
+    return None
+
+
+async def send_final(sse: EventStream, fmt: ResponseFormat, choice: Choice, output: RequestOutput,
+                     repair: bool) -> None:
+    suffix = repair_truncated_json(choice, streamed=True) if repair else ""
+    if suffix:
+        await sse.send(fmt.delta(choice, RequestOutput(output.request_id, [], suffix)))
+    await sse.send(mark_repaired(fmt.final(choice), [choice]))
+
+
+def finish_error(choice: Choice) -> ApiError:
     try:
         bridge.check_finished(choice)
     except ApiError as error:
-        return error_body(error.status, error.message, code=error.code)
-    raise AssertionError("stream_error on a choice that finished normally")
+        return error
+    raise AssertionError("finish_error on a choice that finished normally")
 
 
 def record(state: ServerState, started: float, choices: Sequence[Choice]) -> None:

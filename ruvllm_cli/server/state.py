@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ class Admission:
         self.capacity = 0
         self.in_flight = 0    # sequences
         self.requests = 0     # the requests those sequences belong to
+        self.idle = asyncio.Event()   # set while no request is admitted
+        self.idle.set()
 
     @contextmanager
     def reserve(self, n: int, param: str = "n") -> Iterator[None]:
@@ -58,11 +61,14 @@ class Admission:
                            headers={"Retry-After": "1"})
         self.in_flight += n
         self.requests += 1
+        self.idle.clear()
         try:
             yield
         finally:
             self.in_flight -= n
             self.requests -= 1
+            if not self.requests:
+                self.idle.set()
 
 
 class ServerState:
@@ -81,6 +87,8 @@ class ServerState:
         self.started = time.monotonic()
         self.ready_at: float | None = None
         self.draining = False
+        # Set when the shutdown timeout runs out: every generation still going ends at once.
+        self.expired = asyncio.Event()
 
     def attach(self, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
         """Fill the engine slot: from now on /health is 200 and the API answers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -101,20 +102,30 @@ def test_shutdown_lets_in_flight_requests_finish(make_server):
     assert not live.engine(lambda e: e.has_unfinished)
 
 
-def test_shutdown_cancels_what_outlives_the_timeout(make_server):
+def test_shutdown_ends_what_outlives_the_timeout_cleanly(make_server):
     live = make_server(shutdown_timeout=0.5, engine={"max_model_len": 4096})
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    lines: list[str] = []
+    plain: list[httpx.Response] = []
     with httpx.Client(base_url=live.url, timeout=30) as http:
+        waiter = threading.Thread(target=lambda: plain.append(http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True})))
+        waiter.start()
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             stream = response.iter_lines()
-            lines.append(next(stream))
+            first = next(stream)
+            while live.state.admission.requests < 2:
+                time.sleep(0.01)
             started = time.monotonic()
             live.thread.stop()
-            assert time.monotonic() - started < 5
-            with pytest.raises(httpx.HTTPError):   # the connection drops mid-stream
-                lines.extend(stream)
-    assert "data: [DONE]" not in lines
+            stopped = time.monotonic() - started
+            lines = [first, *(line for line in stream if line)]   # a complete chunked body
+        waiter.join(10)
+    assert stopped < 0.5 + 0.5
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert plain[0].status_code == 503 and plain[0].json()["error"] == {
+        "message": "The request was cancelled because the server is shutting down.", "type": "service_unavailable",
+        "param": None, "code": "shutting_down"}
     deadline = time.monotonic() + 10
     while live.engine(lambda e: e.has_unfinished) and time.monotonic() < deadline:
         time.sleep(0.02)
