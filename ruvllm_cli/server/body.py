@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 from aiohttp import web
 
@@ -18,7 +18,6 @@ MAX_DEPTH = 128
 # NUL cuts C strings short in tokenizers and logs; a lone surrogate (a "\ud800" escape
 # with no partner) cannot be encoded as UTF-8 at all, so no tokenizer or reply can carry it.
 _BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
-_CHECKED = (str, list, dict)
 
 
 async def read_json(request: web.Request, max_size: int) -> Any:
@@ -39,8 +38,7 @@ def parse_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except RecursionError as error:
-        raise bad_request(f"The JSON body is nested too deeply (at most {MAX_DEPTH} levels).",
-                          code="invalid_json") from error
+        raise _too_deep() from error
     except (ValueError, UnicodeDecodeError) as error:
         raise bad_request(f"We could not parse the JSON body of your request: {error}", code="invalid_json") \
             from error
@@ -49,34 +47,51 @@ def parse_json(raw: bytes) -> Any:
 def check_json(body: Any) -> None:
     """Every string (keys included) free of NUL and lone surrogates, at most MAX_DEPTH
     levels; the param named is the path of the offending value, e.g. `messages[0].content`."""
-    for path, depth, value in _walk(body):
-        if depth > MAX_DEPTH:
-            raise bad_request(f"The JSON body is nested too deeply (at most {MAX_DEPTH} levels).",
-                              code="invalid_json")
-        if isinstance(value, str):
-            _check_string(path, value)
-        elif isinstance(value, dict):
+    if isinstance(body, str):
+        _check_string(None, body)
+    # A plain loop over each container, building no paths: a 4 MB body can hold a
+    # million values, and this runs on the event loop. Paths only for the error.
+    pending: list[tuple[Any, int]] = [(body, 0)] if isinstance(body, (dict, list)) else []
+    while pending:
+        value, depth = pending.pop()
+        if depth >= MAX_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict) and any(_BAD_CHAR.search(key) for key in value):
+            _report(body)
+        for item in value.values() if isinstance(value, dict) else value:
+            kind = type(item)
+            if kind is str:
+                if _BAD_CHAR.search(item):
+                    _report(body)
+            elif kind is dict or kind is list:
+                pending.append((item, depth + 1))
+
+
+def _too_deep() -> ApiError:
+    return bad_request(f"The JSON body is nested too deeply (at most {MAX_DEPTH} levels).", code="invalid_json")
+
+
+def _report(body: Any) -> NoReturn:
+    """Raise the 400 for the first bad string in `body`, naming its path."""
+    for path, value in _paths(body):
+        if isinstance(value, dict):
             for key in value:
                 _check_string(path, key, "a key of ")
+        elif isinstance(value, str):
+            _check_string(path, value)
+    raise AssertionError("_report found no bad string")
 
 
-def _walk(body: Any) -> Iterator[tuple[str | None, int, Any]]:
-    """(param path, depth, value) of every value in `body`, without recursion."""
-    pending: list[tuple[str | None, int, Any]] = [(None, 0, body)]
+def _paths(body: Any) -> Iterator[tuple[str | None, Any]]:
+    """(param path, value) of every value in `body`, without recursion."""
+    pending: list[tuple[str | None, Any]] = [(None, body)]
     while pending:
-        path, depth, value = pending.pop()
-        yield path, depth, value
+        path, value = pending.pop()
+        yield path, value
         if isinstance(value, dict):
-            pending.extend((_key_path(path, key), depth + 1, item) for key, item in value.items()
-                           if isinstance(item, _CHECKED))
+            pending.extend((f"{path}.{key}" if path else key, item) for key, item in value.items())
         elif isinstance(value, list):
-            # Numbers need no check: skipping them keeps a long token-id prompt cheap.
-            pending.extend((f"{path or ''}[{i}]", depth + 1, item) for i, item in enumerate(value)
-                           if isinstance(item, _CHECKED))
-
-
-def _key_path(path: str | None, key: str) -> str:
-    return f"{path}.{key}" if path else key
+            pending.extend((f"{path or ''}[{i}]", item) for i, item in enumerate(value))
 
 
 def _check_string(path: str | None, text: str, what: str = "") -> None:
