@@ -9,7 +9,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
@@ -17,7 +17,13 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
 from ruvllm_cli.errors import RuvllmError
 
+if TYPE_CHECKING:
+    from ruvllm_cli.server.state import ServerConfig
+
 T = TypeVar("T")
+# How long a stopping server waits for the engine to finish its current step: the
+# process exits regardless (os._exit), and the replies have all been sent by then.
+ENGINE_STOP_TIMEOUT = 0.3
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
 
@@ -55,8 +61,14 @@ BYTE_SIZE = ByteSize()
               help="Sequences decoded together.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Sequences allowed to wait beyond --max-concurrent; more get 429 at once.")
+@click.option("--max-sequences-per-request", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sequences one request may ask for (prompts x n); more get 400.")
+@click.option("--max-prompts-per-request", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Prompts one /v1/completions request may list; more get 400.")
 @click.option("--max-context", type=click.IntRange(min=16), default=4096, show_default=True,
               help="Longest prompt plus reply, in tokens.")
+@click.option("--max-tokens-default", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Longest chat reply when a request sets no max_tokens (completions keep OpenAI's 16).")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
               help="Token budget of one engine step (default: 1024 on CPU, 8192 on GPU).")
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
@@ -71,7 +83,8 @@ BYTE_SIZE = ByteSize()
 @click.option("--max-body-size", type=BYTE_SIZE, default="4MiB", show_default=True,
               help="Largest request body; bigger ones get 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
-              help="Seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled.")
+              help="Seconds in-flight requests may finish after SIGINT/SIGTERM; what is left then gets a "
+                   "503 (a stream: an error event and [DONE]) and the server exits.")
 @device_option()
 @global_options
 def command(**options: Any) -> None:
@@ -90,6 +103,17 @@ def command(**options: Any) -> None:
     app = app_context()
     configure_logging(app.verbose)
     asyncio.run(serve(app, options))
+    exit_now()
+
+
+def exit_now() -> None:
+    """Exit at once, skipping the interpreter's teardown: with torch and transformers
+    loaded it takes about a second, and --shutdown-timeout promises the timeout plus
+    at most one. Nothing is left to clean up: the server and the engine have stopped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def configure_logging(verbose: bool) -> None:
@@ -110,9 +134,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     from rich.markup import escape
 
     out = app.output()
-    origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
-    web_app = create_app(None, api_key=options["api_key"], cors_origins=origins, max_queue=options["max_queue"],
-                         max_body_size=options["max_body_size"], verbose=app.verbose)
+    web_app = create_app(None, server_config(options, app.verbose))
     try:
         server = await start_server(web_app, options["host"], options["port"],
                                     shutdown_timeout=options["shutdown_timeout"], access_log=app.verbose)
@@ -141,8 +163,21 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s ...")
         await server.stop()
     finally:
-        engine_loop.shutdown()
+        engine_loop.shutdown(ENGINE_STOP_TIMEOUT)
     out.info("Stopped.")
+
+
+def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
+    """The app's ServerConfig from the command's options."""
+    from ruvllm_cli.server import ServerConfig
+    from ruvllm_cli.server.protocol import RequestLimits
+
+    origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
+    limits = RequestLimits(max_prompts=options["max_prompts_per_request"],
+                           max_sequences=options["max_sequences_per_request"])
+    return ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
+                        max_body_size=options["max_body_size"], limits=limits,
+                        chat_max_tokens=options["max_tokens_default"], verbose=verbose)
 
 
 def load(app: AppContext, options: dict[str, Any]) -> Any:
@@ -157,12 +192,12 @@ def load(app: AppContext, options: dict[str, Any]) -> Any:
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:
     """Names clients may send as `model`: --served-model-name first, then the alias or
-    directory name, the repo id, and the MODEL argument as typed (unless a path)."""
+    directory name, the repo id, and the MODEL argument exactly as typed (a path too:
+    clients copy it from the command line, and vLLM serves it under that name)."""
     names = [*extra, located.served_name]
     if located.ref.repo_id:
         names.append(located.ref.repo_id)
-    if located.ref.kind != "local":
-        names.append(model_arg)
+    names.append(model_arg)
     return list(dict.fromkeys(names))
 
 

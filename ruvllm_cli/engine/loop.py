@@ -137,10 +137,12 @@ class EngineLoop:
             raise box["error"]
         return box.get("value")
 
-    def shutdown(self) -> None:
-        """Cancel what is left, and stop the thread."""
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Cancel what is left, and stop the thread: wait for it at most `timeout`
+        seconds (it finishes its current step first); whether it has stopped."""
         self._commands.put(_STOP)
-        self._thread.join()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- the engine thread -------------------------------------------------------
     def _run(self) -> None:

@@ -1,12 +1,15 @@
 """An OpenAI-compatible HTTP server (aiohttp) on the shared engine.
 
-Layout: `app` (factory, runner helpers), `routes` (handlers), `protocol` + `fields`
-(request parsing), `prompts` (chat template, tokenizing, per-sequence plans),
-`bridge` (engine submission and streams), `responses` (bodies and chunks), `sse`,
-`metrics`, `middlewares` (errors, CORS, API key), `state` (per-app state),
-`token_text` (token strings and bytes for logprobs). The server never imports the CLI.
+Layout: `app` (factory, runner helpers), `runner` (aiohttp's runner, answering
+protocol errors in our shape), `routes` (handlers), `body` (reading and checking
+the JSON body), `protocol` + `fields` (request parsing), `prompts` (chat template,
+tokenizing, per-sequence plans), `bridge` (engine submission and streams),
+`responses` (bodies and chunks), `sse`, `metrics`, `middlewares` (errors, CORS,
+API key), `state` (per-app state), `token_text` (token strings and bytes for
+logprobs). The server never imports the CLI.
 """
 
 from ruvllm_cli.server.app import RunningServer, attach_engine, create_app, start_server
+from ruvllm_cli.server.state import ServerConfig
 
-__all__ = ["RunningServer", "attach_engine", "create_app", "start_server"]
+__all__ = ["RunningServer", "ServerConfig", "attach_engine", "create_app", "start_server"]

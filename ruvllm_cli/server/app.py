@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -11,29 +12,36 @@ from aiohttp import web
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
 from ruvllm_cli.server.routes import add_routes
-from ruvllm_cli.server.state import (DEFAULT_MAX_BODY_SIZE, DEFAULT_MAX_QUEUE, STATE_KEY, ServerConfig,
-                                     ServerState, get_state)
+from ruvllm_cli.server.runner import ApiAppRunner
+from ruvllm_cli.server.state import STATE_KEY, ServerConfig, ServerState, get_state
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+# Once the shutdown timeout has ended every generation, what their handlers get to
+# write those endings, and then what aiohttp gives any other handler before cancelling
+# it: each only event-loop work of a few milliseconds.
+FINAL_GRACE = 0.2
+# A connection must deliver a whole request within this many seconds of connecting or
+# of its last answer, else it is closed: a client trickling its headers (slowloris)
+# holds a socket for at most this long. Above the 5 s after which httpx (and so the
+# OpenAI SDK) drops idle pooled connections, so the client closes first and never
+# reuses a connection the server is closing.
+DEFAULT_IDLE_TIMEOUT = 15.0
 
 
-def create_app(engine_loop: EngineLoop | None, *, served_names: Sequence[str] = (), api_key: str | None = None,
-               cors_origins: Sequence[str] = (), max_queue: int = DEFAULT_MAX_QUEUE,
-               max_body_size: int = DEFAULT_MAX_BODY_SIZE, verbose: bool = False) -> web.Application:
-    """An OpenAI-compatible app around `engine_loop`.
+def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConfig(), *,
+               served_names: Sequence[str] = ()) -> web.Application:
+    """An OpenAI-compatible app around `engine_loop`, set up by `config`.
 
     With `engine_loop=None` the engine slot starts empty (/health answers 503, the
     API 503 "loading") until `attach_engine` fills it. The app never owns the engine
     loop: whoever made it shuts it down, after the app's runner is cleaned up."""
-    config = ServerConfig(api_key=api_key or None, cors_origins=tuple(cors_origins), max_queue=max_queue,
-                          max_body_size=max_body_size, verbose=verbose)
     middlewares = [error_middleware]
     if config.cors_origins:
         middlewares.append(cors_middleware(config.cors_origins))
     if config.api_key:
         middlewares.append(auth_middleware(config.api_key))
     # aiohttp rejects a larger body itself (413); the middleware turns that into our shape.
-    app = web.Application(middlewares=middlewares, client_max_size=max_body_size)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_size)
     state = ServerState(config)
     app[STATE_KEY] = state
     add_routes(app)
@@ -52,8 +60,8 @@ def attach_engine(app: web.Application, engine_loop: EngineLoop, served_names: S
 
 
 async def _start_draining(app: web.Application) -> None:
-    # Runs once the listener is closed and before in-flight handlers are waited for:
-    # requests still arriving on kept-alive connections get a 503 from now on.
+    # RunningServer.stop sets it first; this covers a runner cleaned up directly.
+    # Requests still arriving on kept-alive connections get a 503 from now on.
     get_state(app).draining = True
 
 
@@ -66,6 +74,7 @@ class RunningServer:
     runner: web.AppRunner
     host: str
     port: int
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
 
     @property
     def url(self) -> str:
@@ -73,17 +82,36 @@ class RunningServer:
         return f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish within the shutdown timeout,
-        cancel what is left (their handlers cancel their engine requests)."""
-        await self.runner.cleanup()
+        """Stop accepting; let in-flight requests finish within the shutdown timeout;
+        then end each one left with a clean answer (a 503, or on a stream an error
+        event and [DONE]) and close. Takes at most the timeout plus 3 x FINAL_GRACE."""
+        state = get_state(self.runner.app)
+        state.draining = True
+        for site in list(self.runner.sites):
+            await site.stop()
+        if not await _until_idle(state, self.shutdown_timeout):
+            state.expired.set()
+            await _until_idle(state, FINAL_GRACE)
+        await self.runner.cleanup()   # with FINAL_GRACE for whatever is left (a slow /metrics)
+
+
+async def _until_idle(state: ServerState, timeout: float) -> bool:
+    """Whether every admitted request has ended within `timeout` seconds."""
+    try:
+        await asyncio.wait_for(state.admission.idle.wait(), timeout)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
-                       shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+                       shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
                        access_log: bool = False) -> RunningServer:
     """Listen on host:port (0 picks a free port) and return at once."""
-    runner = web.AppRunner(
-        app, shutdown_timeout=shutdown_timeout,
+    runner = ApiAppRunner(
+        # RunningServer.stop waits `shutdown_timeout` for requests itself; aiohttp's own
+        # wait (twice its timeout, then a cut connection) is only for stragglers.
+        app, shutdown_timeout=FINAL_GRACE, keepalive_timeout=idle_timeout,
         # A client that disconnects cancels its handler, which cancels its engine requests.
         handler_cancellation=True,
         access_log=logging.getLogger("aiohttp.access") if access_log else None)
@@ -95,5 +123,5 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
         await runner.cleanup()
         raise
     bound = [address for address in runner.addresses if isinstance(address, tuple)]
-    return RunningServer(runner, host, bound[0][1] if bound else port)
+    return RunningServer(runner, host, bound[0][1] if bound else port, shutdown_timeout)
 

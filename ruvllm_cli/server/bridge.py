@@ -53,10 +53,18 @@ def choices_for(plans: Sequence[SequencePlan]) -> list[Choice]:
     return [Choice(plan.index, plan.prompt_index) for plan in plans]
 
 
+class ShuttingDown(Exception):
+    """The server's shutdown timeout ran out before these streams ended."""
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "The request was cancelled because the server is shutting down.", code="shutting_down")
+
+
 def check_finished(choice: Choice) -> None:
     """A sequence the engine cancelled (shutdown) or failed becomes an HTTP error."""
     if choice.finish_reason is FinishReason.CANCELLED:
-        raise ApiError(503, "The request was cancelled because the server is shutting down.")
+        raise shutting_down()
     if choice.finish_reason is FinishReason.ERROR:
         raise ApiError(500, f"The engine failed on this request: {choice.error or 'unknown error'}")
 
@@ -104,18 +112,21 @@ def cancel_all(streams: Sequence[RequestStream]) -> None:
 
 
 # ---- following streams ----------------------------------------------------------------
-async def collect(streams: Sequence[RequestStream], choices: Sequence[Choice]) -> None:
-    """Follow every stream to its end, accumulating into the matching choice."""
+async def collect(streams: Sequence[RequestStream], choices: Sequence[Choice], stop: asyncio.Event) -> None:
+    """Follow every stream to its end, accumulating into the matching choice
+    (ShuttingDown once `stop` is set)."""
+    events = merged(streams, stop)
+    try:
+        async for position, output in events:
+            choices[position].add(output)
+    finally:
+        await events.aclose()
 
-    async def follow(stream: RequestStream, choice: Choice) -> None:
-        async for output in stream:
-            choice.add(output)
 
-    await asyncio.gather(*(follow(s, c) for s, c in zip(streams, choices)))
-
-
-async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(position in `streams`, output) from all streams, in arrival order, until all end."""
+async def merged(streams: Sequence[RequestStream], stop: asyncio.Event
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(position in `streams`, output) from all streams, in arrival order, until all
+    end; ShuttingDown as soon as `stop` is set, whatever the engine is doing."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
 
     async def pump(position: int, stream: RequestStream) -> None:
@@ -125,7 +136,12 @@ async def merged(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, R
         except Exception as error:  # noqa: BLE001 - re-raised in the consumer
             queue.put_nowait((position, error))
 
+    async def watch() -> None:
+        await stop.wait()
+        queue.put_nowait((-1, ShuttingDown()))
+
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks.append(asyncio.ensure_future(watch()))
     try:
         remaining = len(streams)
         while remaining:

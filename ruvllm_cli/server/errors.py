@@ -39,7 +39,9 @@ class ApiError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> web.Response:
-        return json_response(self.body(), status=self.status, headers=self.headers)
+        # Never fails: a message may quote client input that UTF-8 cannot carry.
+        return web.Response(body=json_bytes(self.body()), status=self.status, content_type="application/json",
+                            headers=self.headers)
 
     @classmethod
     def from_ruvllm(cls, error: RuvllmError, param: str | None = None) -> "ApiError":
@@ -53,8 +55,16 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(text=json.dumps(data, ensure_ascii=False), status=status,
-                        content_type="application/json", headers=headers)
+    return web.Response(body=json_bytes(data), status=status, content_type="application/json", headers=headers)
+
+
+def json_bytes(data: Any) -> bytes:
+    """`data` as UTF-8 JSON. Text UTF-8 cannot encode (a lone surrogate) comes out as a
+    JSON escape instead of an exception, and an object JSON does not know as its str."""
+    try:
+        return json.dumps(data, ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data, ensure_ascii=True, default=str).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -25,7 +25,13 @@ def invalid_type(param: str, expected: str, value: Any) -> ApiError:
 
 
 def invalid_value(param: str, rule: str, value: Any) -> ApiError:
-    return bad_request(f"Invalid value for '{param}': {rule} (got {value!r}).", param, "invalid_value")
+    return bad_request(f"Invalid value for '{param}': {rule} (got {short_repr(value)}).", param, "invalid_value")
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters: an error must not echo a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class Fields:

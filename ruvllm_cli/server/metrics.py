@@ -84,7 +84,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class ServerMetrics:
     """Every metric of one server."""
 
-    def __init__(self, in_flight: Callable[[], float]) -> None:
+    def __init__(self, requests_in_flight: Callable[[], float], sequences_in_flight: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("ruvllm_http_requests", "HTTP requests by endpoint and status.",
@@ -95,9 +95,12 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e_latency = Histogram("ruvllm_e2e_request_latency_seconds", "Request arrival to last byte.",
                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("ruvllm_http_requests_in_flight", "Sequences admitted by the server, not finished.",
+        self.in_flight = Gauge("ruvllm_http_requests_in_flight", "Generation requests admitted, not finished.",
                                registry=r)
-        self.in_flight.set_function(in_flight)
+        self.in_flight.set_function(requests_in_flight)
+        self.sequences_in_flight = Gauge("ruvllm_sequences_in_flight",
+                                         "Sequences of the admitted requests (n per prompt), not finished.", registry=r)
+        self.sequences_in_flight.set_function(sequences_in_flight)
         self.engine = EngineCollector()
         r.register(self.engine)
 

@@ -20,8 +20,25 @@ MAX_STOP = 4
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+# One request fills at most one default batch (--max-concurrent 16), so a 1 KB body
+# cannot take the whole queue (80 sequences by default) from everyone else.
+DEFAULT_MAX_SEQUENCES = 16
+DEFAULT_MAX_PROMPTS = 16   # a prompt list longer than this fails the sequence cap anyway
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = Union[str, list[int]]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """A server's caps on the work one request may ask for (each a 400 beyond it)."""
+
+    max_prompts: int = DEFAULT_MAX_PROMPTS       # entries of a completion's `prompt` list
+    max_sequences: int = DEFAULT_MAX_SEQUENCES   # prompts x `n`
+
+    def within(self, capacity: int) -> "RequestLimits":
+        """These limits, with no more sequences than a server of `capacity` ever holds."""
+        return RequestLimits(self.max_prompts, min(self.max_sequences, capacity))
 
 
 @dataclass(frozen=True)
@@ -80,7 +97,7 @@ class CompletionRequest:
 
 
 # ---- chat ---------------------------------------------------------------------------
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
     fields = Fields(body)
     model = _model(fields)
     messages = parse_messages(fields.required("messages"))
@@ -93,6 +110,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if max_tokens is None:
         max_tokens = fields.integer("max_tokens", None, low=1)
     sampling = _sampling(fields, max_tokens, (top or 0) if logprobs else None)
+    _check_sequences(1, sampling.n, limits)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
                           "constrain the reply; give one.", "tool_choice", "invalid_value")
@@ -167,25 +185,28 @@ def _content(value: Any, where: str, required: bool) -> str | None:
 
 
 # ---- completions ----------------------------------------------------------------------
-def parse_completion_request(body: Any) -> CompletionRequest:
+def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
     fields = Fields(body)
     model = _model(fields)
-    prompts = parse_prompts(fields.required("prompt"))
+    prompts = parse_prompts(fields.required("prompt"), limits.max_prompts)
     logprobs = fields.integer("logprobs", None, low=0, high=MAX_LOGPROBS)
     echo = fields.boolean("echo")
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' is not supported.", "echo", "unsupported_parameter")
     if fields.string("suffix"):
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
-    sampling = _sampling(fields, fields.integer("max_tokens", None, low=1), logprobs, default_max_tokens=16)
+    sampling = _sampling(fields, fields.integer("max_tokens", None, low=1), logprobs,
+                        default_max_tokens=COMPLETION_MAX_TOKENS)
     best_of = fields.integer("best_of", None, low=1)
     if best_of is not None and best_of != sampling.n:
         raise bad_request("'best_of' other than 'n' is not supported.", "best_of", "unsupported_parameter")
+    _check_sequences(len(prompts), sampling.n, limits)
     return CompletionRequest(model, prompts, sampling, _streaming(fields), echo)
 
 
-def parse_prompts(value: Any) -> list[Prompt]:
-    """A string, an array of strings, an array of token ids, or an array of those."""
+def parse_prompts(value: Any, max_prompts: int | None = None) -> list[Prompt]:
+    """A string, an array of strings, an array of token ids, or an array of those
+    (at most `max_prompts` of them)."""
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
@@ -194,6 +215,9 @@ def parse_prompts(value: Any) -> list[Prompt]:
         raise bad_request("'prompt' must not be empty.", "prompt")
     if all(_is_token_id(v) for v in value):
         return [list(value)]
+    if max_prompts is not None and len(value) > max_prompts:
+        raise bad_request(f"'prompt' holds {len(value)} prompts; this server takes at most {max_prompts} in one "
+                          "request.", "prompt", "invalid_value")
     prompts: list[Prompt] = []
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -207,6 +231,14 @@ def parse_prompts(value: Any) -> list[Prompt]:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sequences(num_prompts: int, n: int, limits: RequestLimits) -> None:
+    total = num_prompts * n
+    if total > limits.max_sequences:
+        asked = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise bad_request(f"This request asks for {total} sequences ({asked}); this server generates at most "
+                          f"{limits.max_sequences} for one request.", "n" if n > 1 else "prompt", "invalid_value")
 
 
 # ---- shared ---------------------------------------------------------------------------
@@ -272,5 +304,5 @@ def _streaming(fields: Fields) -> StreamFields:
     return StreamFields(stream, include_usage and stream)
 
 
-__all__ = ["ChatRequest", "CompletionRequest", "Prompt", "SamplingFields", "StreamFields",
+__all__ = ["ChatRequest", "CompletionRequest", "Prompt", "RequestLimits", "SamplingFields", "StreamFields",
            "parse_chat_request", "parse_completion_request", "parse_messages", "parse_prompts"]

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.server import bridge
+from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
-from ruvllm_cli.server.errors import ApiError, bad_request, error_body, json_response
+from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
                                        tokenize_prompts)
-from ruvllm_cli.server.protocol import parse_chat_request, parse_completion_request
+from ruvllm_cli.server.protocol import COMPLETION_MAX_TOKENS, parse_chat_request, parse_completion_request
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.sse import EventStream
 from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
@@ -54,8 +55,11 @@ async def list_models(request: web.Request) -> web.Response:
     state = get_state(request.app)
     engine_loop = state.require_engine()
     created = int(time.time() - (time.monotonic() - state.started))
+    # Beyond OpenAI's fields: what a client needs to size its requests.
+    defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS}
     data = [{"id": name, "object": "model", "created": created, "owned_by": "ruvllm",
-             "max_model_len": engine_loop.engine.max_model_len} for name in state.served_names]
+             "max_model_len": engine_loop.engine.max_model_len, "max_tokens_default": defaults}
+            for name in state.served_names]
     return json_response({"object": "list", "data": data})
 
 
@@ -76,13 +80,14 @@ async def metrics(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
-    chat = parse_chat_request(await read_json(request, state))
+    chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
     state.check_model(chat.model)
     engine = engine_loop.engine
     parser = state.require_tool_parser() if chat.tools and chat.tools.active else None
+    base = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
 
     def prepare() -> list[SequencePlan]:
-        sampling = chat.sampling
+        sampling = base
         if parser is not None:
             sampling = tool_sampling(engine.tokenizer, chat.tools, parser.name, sampling)
         check_constraints(engine, sampling)
@@ -99,7 +104,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
-    job = parse_completion_request(await read_json(request, state))
+    job = parse_completion_request(await read_json(request, state.config.max_body_size), state.limits)
     state.check_model(job.model)
     engine = engine_loop.engine
     echo_texts: list[str] = []
@@ -123,7 +128,8 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
                    fmt: ResponseFormat, stream: bool, structured: Structured | None = None) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
-    never outlive the handler (a client that leaves cancels them)."""
+    never outlive the handler (a client that leaves cancels them, and so does the
+    end of the shutdown timeout: a 503, or on a stream an error event and [DONE])."""
     started = time.perf_counter()
     with state.admission.reserve(num_sequences):
         plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
@@ -131,8 +137,11 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
         try:
             repair = structured is not None and structured.repairable
             if stream:
-                return await stream_response(request, streams, choices, fmt, repair)
-            await bridge.collect(streams, choices)
+                return await stream_response(request, streams, choices, fmt, state.expired, repair)
+            try:
+                await bridge.collect(streams, choices, state.expired)
+            except bridge.ShuttingDown:
+                raise bridge.shutting_down() from None
             for choice in choices:
                 bridge.check_finished(choice)
                 if repair:
@@ -144,32 +153,22 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
 
 
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
-                          fmt: ResponseFormat, repair: bool = False) -> web.StreamResponse:
+                          fmt: ResponseFormat, stop: asyncio.Event, repair: bool = False) -> web.StreamResponse:
+    """Every stream's outputs as SSE chunks; whatever ends it (all finished, an engine
+    error, the shutdown timeout), the client gets a complete stream ending in [DONE]."""
     sse = EventStream(request)
     try:
         await sse.open()
         for choice in choices:
             for chunk in fmt.opening(choice):
                 await sse.send(chunk)
-        events = bridge.merged(streams)
         try:
-            async for position, output in events:
-                choice = choices[position]
-                choice.add(output)
-                if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
-                    await sse.send(stream_error(choice))
-                    return await sse.close()
-                chunks = fmt.deltas(choice, output)
-                if output.finished:
-                    suffix = repair_truncated_json(choice, streamed=True) if repair else ""
-                    if suffix:
-                        chunks += fmt.deltas(choice, RequestOutput(output.request_id, [], suffix))
-                    chunks += [*fmt.flush(choice), mark_repaired(fmt.final(choice), [choice])]
-                for chunk in chunks:
-                    await sse.send(chunk)
-        finally:
-            await events.aclose()
-        if fmt.include_usage:
+            error = await send_outputs(sse, streams, choices, fmt, stop, repair)
+        except bridge.ShuttingDown:
+            error = bridge.shutting_down()
+        if error is not None:
+            await sse.send(error.body())
+        elif fmt.include_usage:
             await sse.send(fmt.usage_chunk(choices))
         return await sse.close()
     except ConnectionResetError:
@@ -177,12 +176,39 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
         return sse.response
 
 
-def stream_error(choice: Choice) -> dict[str, Any]:
+async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choices: Sequence[Choice],
+                       fmt: ResponseFormat, stop: asyncio.Event, repair: bool) -> ApiError | None:
+    """Chunks until every stream ends; the error that ended one early, if any."""
+    events = bridge.merged(streams, stop)
+    try:
+        async for position, output in events:
+            choice = choices[position]
+            choice.add(output)
+            if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
+                return finish_error(choice)
+            for chunk in fmt.deltas(choice, output):
+                await sse.send(chunk)
+            if output.finished:
+                await send_final(sse, fmt, choice, output, repair)
+    finally:
+        await events.aclose()
+    return None
+
+
+async def send_final(sse: EventStream, fmt: ResponseFormat, choice: Choice, output: RequestOutput,
+                     repair: bool) -> None:
+    suffix = repair_truncated_json(choice, streamed=True) if repair else ""
+    chunks = fmt.deltas(choice, RequestOutput(output.request_id, [], suffix)) if suffix else []
+    for chunk in [*chunks, *fmt.flush(choice), mark_repaired(fmt.final(choice), [choice])]:
+        await sse.send(chunk)
+
+
+def finish_error(choice: Choice) -> ApiError:
     try:
         bridge.check_finished(choice)
     except ApiError as error:
-        return error_body(error.status, error.message, code=error.code)
-    raise AssertionError("stream_error on a choice that finished normally")
+        return error
+    raise AssertionError("finish_error on a choice that finished normally")
 
 
 def record(state: ServerState, started: float, choices: Sequence[Choice]) -> None:
@@ -194,19 +220,3 @@ def record(state: ServerState, started: float, choices: Sequence[Choice]) -> Non
     metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in first_copies.values()))
     metrics.generation_tokens.inc(sum(c.num_output_tokens for c in choices))
     metrics.e2e_latency.observe(time.perf_counter() - started)
-
-
-async def read_json(request: web.Request, state: ServerState) -> Any:
-    """The body as JSON: 413 beyond the size cap, 400 when it does not parse."""
-    limit = state.config.max_body_size
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"The request body is too large: {request.content_length} bytes, the limit is "
-                            f"{limit} bytes.", code="request_too_large")
-    raw = await request.read()   # aiohttp enforces the cap on chunked bodies (HTTPRequestEntityTooLarge)
-    if not raw.strip():
-        raise bad_request("The request body is empty; send a JSON object.")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise bad_request(f"We could not parse the JSON body of your request: {error}", code="invalid_json") \
-            from error

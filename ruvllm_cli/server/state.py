@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from aiohttp import web
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import ServerMetrics
+from ruvllm_cli.server.protocol import RequestLimits
 from ruvllm_cli.server.token_text import TokenTexts
 
 if TYPE_CHECKING:
@@ -20,14 +22,20 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
+# A chat reply without max_tokens: the whole context left could take minutes on a CPU.
+DEFAULT_CHAT_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """What `ruvllm serve`'s options set for one app (an empty `api_key`: none)."""
+
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
+    limits: RequestLimits = RequestLimits()
+    chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS   # a chat request's max_tokens when it sets none
     verbose: bool = False
     tool_call_parser: str | None = None   # None: detected from the model's chat template
 
@@ -37,21 +45,34 @@ class Admission:
 
     def __init__(self) -> None:
         self.capacity = 0
-        self.in_flight = 0
+        self.in_flight = 0    # sequences
+        self.requests = 0     # the requests those sequences belong to
+        self.idle = asyncio.Event()   # set while no request is admitted
+        self.idle.set()
 
     @contextmanager
-    def reserve(self, n: int) -> Iterator[None]:
-        # A lone request is always let in (the engine queues its extra copies itself),
-        # so `n` above the capacity is no reason to refuse on an idle server.
-        if self.in_flight and self.in_flight + n > self.capacity:
+    def reserve(self, n: int, param: str = "n") -> Iterator[None]:
+        """Hold `n` sequences while the body runs: a 400 naming `param` when they could
+        never fit, a 429 with Retry-After when they do not fit now."""
+        # Even an idle server refuses more than its capacity: letting one request in
+        # whatever its size would lock every other client out until it is done.
+        if n > self.capacity:
+            raise ApiError(400, f"This request asks for {n} sequences; this server holds at most "
+                                f"{self.capacity}.", param=param, code="invalid_value")
+        if self.in_flight + n > self.capacity:
             raise ApiError(429, f"The server is busy ({self.in_flight} sequences in flight, at most "
                                 f"{self.capacity}); retry shortly.", code="queue_full",
                            headers={"Retry-After": "1"})
         self.in_flight += n
+        self.requests += 1
+        self.idle.clear()
         try:
             yield
         finally:
             self.in_flight -= n
+            self.requests -= 1
+            if not self.requests:
+                self.idle.set()
 
 
 class ServerState:
@@ -60,16 +81,19 @@ class ServerState:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.admission = Admission()
-        self.metrics = ServerMetrics(lambda: self.admission.in_flight)
+        self.metrics = ServerMetrics(lambda: self.admission.requests, lambda: self.admission.in_flight)
         # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
         self.engine_loop: EngineLoop | None = None
         self.served_names: tuple[str, ...] = ()
+        self.limits = config.limits
         self.token_texts: TokenTexts | None = None
         self.started = time.monotonic()
         self.ready_at: float | None = None
         self.draining = False
         self.tool_parser: ToolParser | None = None
+        # Set when the shutdown timeout runs out: every generation still going ends at once.
+        self.expired = asyncio.Event()
 
     def attach(self, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
         """Fill the engine slot: from now on /health is 200 and the API answers."""
@@ -80,6 +104,7 @@ class ServerState:
         self.token_texts = TokenTexts(engine_loop.engine.tokenizer)
         self.admission.capacity = engine_loop.engine.config.max_num_seqs + self.config.max_queue
         self.tool_parser = pick_tool_parser(engine_loop.engine, self.config.tool_call_parser)
+        self.limits = self.config.limits.within(self.admission.capacity)
         self.engine_loop = engine_loop
         self.ready_at = time.monotonic()
 

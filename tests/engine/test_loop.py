@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -114,3 +116,21 @@ def test_a_dead_engine_reports_through_on_failure(make_engine):
     assert outputs[-1].finish_reason is FinishReason.ERROR and "device lost" in outputs[-1].error
     assert [str(f) for f in failures] == ["device lost"]
     assert not engine_loop.healthy
+
+
+def test_shutdown_waits_at_most_its_timeout_for_a_step_in_progress(loop):
+    entered, release = threading.Event(), threading.Event()
+
+    def long_step(engine) -> None:
+        entered.set()
+        release.wait(10)
+
+    busy = threading.Thread(target=lambda: loop.call(long_step))
+    busy.start()
+    assert entered.wait(5)   # the engine thread is now stuck in a long "step"
+    started = time.monotonic()
+    assert loop.shutdown(timeout=0.2) is False
+    assert time.monotonic() - started < 1
+    release.set()
+    assert loop.shutdown(timeout=5) is True
+    busy.join(5)

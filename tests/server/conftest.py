@@ -24,7 +24,8 @@ from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import LoadedModel, load_model
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.server import RunningServer, create_app, start_server
+from ruvllm_cli.server import RunningServer, ServerConfig, create_app, start_server
+from ruvllm_cli.server.app import DEFAULT_IDLE_TIMEOUT
 from ruvllm_cli.server.state import ServerState, get_state
 
 NAMES = ("tiny", "org/tiny-model")
@@ -33,9 +34,11 @@ NAMES = ("tiny", "org/tiny-model")
 class ServerThread:
     """Runs `app` with start_server (as `ruvllm serve` does) on a private event loop."""
 
-    def __init__(self, app: web.Application, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, app: web.Application, shutdown_timeout: float = 5.0,
+                 idle_timeout: float = DEFAULT_IDLE_TIMEOUT) -> None:
         self.app = app
         self.shutdown_timeout = shutdown_timeout
+        self.idle_timeout = idle_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self.running: RunningServer | None = None
         self._stop: asyncio.Event | None = None
@@ -47,7 +50,8 @@ class ServerThread:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         try:
-            self.running = await start_server(self.app, "127.0.0.1", 0, shutdown_timeout=self.shutdown_timeout)
+            self.running = await start_server(self.app, "127.0.0.1", 0, shutdown_timeout=self.shutdown_timeout,
+                                              idle_timeout=self.idle_timeout)
         except BaseException as error:  # noqa: BLE001 - reported by start()
             self._error = error
             self._ready.set()
@@ -142,11 +146,13 @@ def server_model(tiny_model_dir) -> LoadedModel:
 
 
 def build_server(model: LoadedModel, *, names: tuple[str, ...] = NAMES, engine: dict[str, Any] | None = None,
-                 shutdown_timeout: float = 5.0, attach: bool = True, **app_options: Any) -> LiveServer:
+                 shutdown_timeout: float = 5.0, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, attach: bool = True,
+                 **app_options: Any) -> LiveServer:
     config = {"max_num_seqs": 16, "max_model_len": 1024, **(engine or {})}
     engine_loop = EngineLoop(LLMEngine(model, EngineConfig(device="cpu", quantization=Quantization.F32, **config)))
-    app = create_app(engine_loop if attach else None, served_names=names, **app_options)
-    live = LiveServer(ServerThread(app, shutdown_timeout), engine_loop, names, app_options.get("api_key"))
+    app = create_app(engine_loop if attach else None, ServerConfig(**app_options), served_names=names)
+    live = LiveServer(ServerThread(app, shutdown_timeout, idle_timeout), engine_loop, names,
+                      app_options.get("api_key"))
     try:
         live.thread.start()
     except BaseException:
@@ -170,7 +176,9 @@ def server(_shared_server: LiveServer) -> Iterator[LiveServer]:
 
 @pytest.fixture
 def make_server(server_model: LoadedModel) -> Iterator[Callable[..., LiveServer]]:
-    """`make_server(engine={...EngineConfig fields}, api_key=..., max_queue=..., ...)`."""
+    """`make_server(engine={...EngineConfig fields}, api_key=..., max_queue=..., ...)`: the
+    keywords beyond `engine`, `names`, `shutdown_timeout`, `idle_timeout` and `attach` are
+    ServerConfig's."""
     made: list[LiveServer] = []
 
     def make(**options: Any) -> LiveServer:

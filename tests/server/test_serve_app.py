@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -65,7 +66,7 @@ def test_cors_is_off_unless_origins_are_named(server, make_server):
     origin = {"Origin": "http://app.example"}
     plain = httpx.get(server.url + "/v1/models", headers=origin)
     assert "Access-Control-Allow-Origin" not in plain.headers
-    live = make_server(cors_origins=["http://app.example"], api_key="k")
+    live = make_server(cors_origins=("http://app.example",), api_key="k")
     preflight = httpx.options(live.url + "/v1/chat/completions", headers={
         **origin, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"})
@@ -101,20 +102,30 @@ def test_shutdown_lets_in_flight_requests_finish(make_server):
     assert not live.engine(lambda e: e.has_unfinished)
 
 
-def test_shutdown_cancels_what_outlives_the_timeout(make_server):
+def test_shutdown_ends_what_outlives_the_timeout_cleanly(make_server):
     live = make_server(shutdown_timeout=0.5, engine={"max_model_len": 4096})
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    lines: list[str] = []
+    plain: list[httpx.Response] = []
     with httpx.Client(base_url=live.url, timeout=30) as http:
+        waiter = threading.Thread(target=lambda: plain.append(http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True})))
+        waiter.start()
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             stream = response.iter_lines()
-            lines.append(next(stream))
+            first = next(stream)
+            while live.state.admission.requests < 2:
+                time.sleep(0.01)
             started = time.monotonic()
             live.thread.stop()
-            assert time.monotonic() - started < 5
-            with pytest.raises(httpx.HTTPError):   # the connection drops mid-stream
-                lines.extend(stream)
-    assert "data: [DONE]" not in lines
+            stopped = time.monotonic() - started
+            lines = [first, *(line for line in stream if line)]   # a complete chunked body
+        waiter.join(10)
+    assert stopped < 0.5 + 0.5
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    assert plain[0].status_code == 503 and plain[0].json()["error"] == {
+        "message": "The request was cancelled because the server is shutting down.", "type": "service_unavailable",
+        "param": None, "code": "shutting_down"}
     deadline = time.monotonic() + 10
     while live.engine(lambda e: e.has_unfinished) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -136,3 +147,37 @@ def test_an_internal_error_is_a_500_without_a_traceback(make_server, monkeypatch
     assert response.json() == {"error": {"message": "The server had an error while processing your request.",
                                          "type": "server_error", "param": None, "code": None}}
     assert "internal error on GET /metrics: RuntimeError: boom" in caplog.text
+
+
+def test_in_flight_metrics_count_requests_and_their_sequences_apart(make_server):
+    live = make_server()
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "n": 3}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()   # kept: dropping the iterator closes the stream
+            assert next(lines).startswith("data: ")
+            text = http.get("/metrics").text
+        live.wait_idle()
+        after = http.get("/metrics").text
+    assert "\nruvllm_http_requests_in_flight 1.0\n" in text
+    assert "\nruvllm_sequences_in_flight 3.0\n" in text
+    assert "\nruvllm_http_requests_in_flight 0.0\n" in after and "\nruvllm_sequences_in_flight 0.0\n" in after
+
+
+def test_a_chat_without_max_tokens_stops_at_the_server_default(make_server):
+    live = make_server(chat_max_tokens=5)
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "ignore_eos": True})
+        completion = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "ignore_eos": True})
+        asked = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "ignore_eos": True,
+                                                        "max_tokens": 7})
+        models = http.get("/v1/models").json()["data"]
+    assert chat.json()["usage"]["completion_tokens"] == 5 and chat.json()["choices"][0]["finish_reason"] == "length"
+    assert completion.json()["usage"]["completion_tokens"] == 16   # OpenAI's default for completions
+    assert asked.json()["usage"]["completion_tokens"] == 7
+    assert models[0]["max_tokens_default"] == {"/v1/chat/completions": 5, "/v1/completions": 16}
+
+
+def test_the_chat_default_is_1024_tokens(server):
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]
+    assert model["max_tokens_default"] == {"/v1/chat/completions": 1024, "/v1/completions": 16}

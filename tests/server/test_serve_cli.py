@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import click
 import httpx
 import pytest
 
-from ruvllm_cli.cli.serve import BYTE_SIZE
+from ruvllm_cli.cli.serve import BYTE_SIZE, served_names
+from ruvllm_cli.registry.locate import locate_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +39,8 @@ def test_help_shows_the_server_options(ruvllm):
     result = ruvllm("serve", "--help")
     assert result.returncode == 0
     for option in ("--max-queue", "--shutdown-timeout", "--served-model-name", "--max-num-batched-tokens",
-                   "--kv-cache-memory", "--no-prefix-cache", "--max-body-size", "--api-key", "--cors-origins"):
+                   "--kv-cache-memory", "--no-prefix-cache", "--max-body-size", "--api-key", "--cors-origins",
+                   "--max-prompts-per-request", "--max-sequences-per-request", "--max-tokens-default"):
         assert option in result.stdout
 
 
@@ -113,4 +116,61 @@ def test_serve_starts_answers_and_stops_cleanly_on_sigterm(tiny_model_dir, cli_e
     assert f"OpenAI API  {url}/v1" in stderr
     assert f"curl {url}/v1/chat/completions" in stderr and '"model": "tiny"' in stderr
     assert "Shutting down" in stderr and "Stopped." in stderr
+    assert "Traceback" not in stderr
+
+
+def test_a_model_path_is_served_as_typed_and_by_its_directory_name(tiny_model_dir, tmp_path):
+    located = locate_model(str(tiny_model_dir), tmp_path)
+    typed = str(tiny_model_dir) + "/"
+    assert served_names(located, typed, ("tiny",)) == ["tiny", tiny_model_dir.name, typed]
+
+
+def start_serve(tiny_model_dir: Path, env: dict[str, str], port: int, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(tiny_model_dir), "--port", str(port), "-q", "none",
+               "--device", "cpu", "--served-model-name", "tiny", *extra]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_in_flight(url: str, requests: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while f"\nruvllm_http_requests_in_flight {float(requests)}\n" not in httpx.get(url + "/metrics").text:
+        assert time.monotonic() < deadline, "the requests were never admitted"
+        time.sleep(0.05)
+
+
+def test_sigterm_ends_every_client_cleanly_within_the_shutdown_timeout(tiny_model_dir, cli_env, free_port):
+    url = f"http://127.0.0.1:{free_port}"
+    process = start_serve(tiny_model_dir, cli_env, free_port, "--max-context", "4096", "--kv-cache-memory", "16MiB",
+                          "--shutdown-timeout", "2")
+    long = {"model": "tiny", "max_tokens": 4000, "ignore_eos": True}   # ~20 s of tokens: outlives the timeout
+    plain: list[httpx.Response] = []
+    try:
+        wait_healthy(url, process)
+        waiter = threading.Thread(target=lambda: plain.append(
+            httpx.post(url + "/v1/completions", json={**long, "prompt": "Once"}, timeout=30)))
+        waiter.start()
+        chat = {**long, "messages": [{"role": "user", "content": "Hello"}], "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=chat, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            wait_in_flight(url, 2)
+            process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = [line for line in lines if line]   # raises if the chunked body breaks off
+        stdout, stderr = process.communicate(timeout=30)
+        exited = time.monotonic() - signalled
+        waiter.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert exited <= 2 + 1, f"exited {exited:.2f} s after SIGTERM"
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):]) == {"error": {
+        "message": "The request was cancelled because the server is shutting down.", "type": "service_unavailable",
+        "param": None, "code": "shutting_down"}}
+    assert plain[0].status_code == 503
+    assert plain[0].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in stderr

@@ -8,24 +8,11 @@ import threading
 import httpx
 import pytest
 
+from ruvllm_cli.testing.api_errors import assert_error
+
 pytestmark = pytest.mark.timeout(60)
 
 HELLO = [{"role": "user", "content": "Hello"}]
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None,
-                 contains: str = "") -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["Content-Type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
-    error = body["error"]
-    assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    assert contains in error["message"]
-    assert "Traceback" not in response.text
-    return error
 
 
 @pytest.fixture
@@ -209,3 +196,91 @@ def test_a_waiting_request_is_admitted_within_the_queue(make_server):
         thread.join(30)
     assert results == [200, 200]
     live.assert_clean()
+
+
+def test_a_small_body_cannot_ask_for_thousands_of_sequences(http):
+    amplified = {"model": "tiny", "prompt": ["Hi"] * 100, "n": 128, "max_tokens": 1}
+    assert len(json.dumps(amplified)) < 1024
+    assert_error(http.post("/v1/completions", json=amplified), 400, "prompt", "invalid_value",
+                 "'prompt' holds 100 prompts; this server takes at most 16 in one request.")
+    assert_error(http.post("/v1/completions", json={**amplified, "prompt": ["Hi"] * 8, "n": 4}), 400, "n",
+                 "invalid_value", "asks for 32 sequences (8 prompts x n=4); this server generates at most 16")
+    assert_error(post_chat(http, messages=HELLO, n=17), 400, "n", "invalid_value", "asks for 17 sequences (n=17)")
+    # Nothing was admitted: every other client is still served at once.
+    within = http.post("/v1/completions", json={**amplified, "prompt": ["Hi"] * 4, "n": 4})
+    assert within.status_code == 200 and len(within.json()["choices"]) == 16
+
+
+def test_the_request_caps_follow_the_server_settings(make_server):
+    from ruvllm_cli.server.protocol import RequestLimits
+
+    live = make_server(limits=RequestLimits(max_prompts=2, max_sequences=64))
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 1}
+        assert_error(http.post("/v1/completions", json=body), 400, "prompt", contains="at most 2 in one request")
+        # 64 sequences are allowed, but the server holds only 16 + 64 = 80 ...
+        assert http.post("/v1/completions", json={**body, "prompt": ["a", "b"], "n": 32}).status_code == 200
+
+
+def test_a_request_bigger_than_the_whole_capacity_is_400_even_when_idle(make_server):
+    live = make_server(engine={"max_num_seqs": 1}, max_queue=1)
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        assert_error(post_chat(http, messages=HELLO, n=3, max_tokens=1), 400, "n",
+                     contains="this server generates at most 2 for one request")
+        assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b", "c"]}), 400,
+                     "prompt", contains="asks for 3 sequences")
+        assert post_chat(http, messages=HELLO, n=2, max_tokens=1).status_code == 200
+    live.assert_clean()
+
+
+def test_admission_refuses_what_never_fits_and_what_does_not_fit_now():
+    from ruvllm_cli.server.errors import ApiError
+    from ruvllm_cli.server.state import Admission
+
+    admission = Admission()
+    admission.capacity = 4
+    with pytest.raises(ApiError) as never, admission.reserve(5, "prompt"):
+        pass
+    assert (never.value.status, never.value.param) == (400, "prompt")
+    with admission.reserve(3):
+        with pytest.raises(ApiError) as busy, admission.reserve(2):
+            pass
+        assert busy.value.status == 429 and busy.value.headers == {"Retry-After": "1"}
+        with admission.reserve(1):
+            assert admission.in_flight == 4
+    assert admission.in_flight == 0
+
+
+def test_a_request_that_fits_but_not_now_is_429(make_server):
+    live = make_server(engine={"max_num_seqs": 2}, max_queue=1)
+    long = {"model": "tiny", "messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "n": 2}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json=long) as first:
+            lines = first.iter_lines()   # kept: dropping the iterator closes the stream
+            assert next(lines).startswith("data: ")
+            busy = post_chat(http, messages=HELLO, n=2, max_tokens=1)
+            assert_error(busy, 429, code="queue_full", contains="busy")
+            assert busy.headers["Retry-After"] == "1"
+        live.wait_idle()
+    live.assert_clean()
+
+
+def test_an_error_that_quotes_a_lone_surrogate_still_serialises():
+    from ruvllm_cli.server.errors import ApiError
+
+    response = ApiError(404, "The model '\ud800' does not exist.", param="model").response()
+    assert json.loads(response.body) == {"error": {"message": "The model '\ud800' does not exist.",
+                                                   "type": "invalid_request_error", "param": "model", "code": None}}
+
+
+@pytest.mark.parametrize("raw, param, contains", [
+    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "Hi"}]}', "model", "lone UTF-16 surrogate"),
+    (b'{"model": "tiny", "prompt": "a\\udfffb"}', "prompt", "lone UTF-16 surrogate (at offset 1)"),
+    (b'{"model": "tiny", "prompt": ["ok", "a\\u0000b"]}', "prompt[1]", "a NUL character"),
+    (b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 200 + b"]" * 200 + b"}", None, "nested too deeply (at most 128"),
+])
+def test_text_we_cannot_tokenize_and_absurd_nesting_are_400(http, raw, param, contains):
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert_error(response, 400, param, contains=contains)

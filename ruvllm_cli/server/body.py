@@ -1,0 +1,104 @@
+"""A request body from bytes to JSON the handlers can trust: within the size cap,
+parseable, not nested absurdly deep, and with no string the tokenizer or a UTF-8
+encoder would choke on (NUL, lone surrogates). Each refusal is a 4xx naming its param."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Iterator, NoReturn
+
+from aiohttp import web
+
+from ruvllm_cli.server.errors import ApiError, bad_request
+
+# Far deeper than any OpenAI request (a JSON schema of 20 nested objects is ~60 levels)
+# and far below Python's recursion limit, which later consumers (templates) share.
+MAX_DEPTH = 128
+# NUL cuts C strings short in tokenizers and logs; a lone surrogate (a "\ud800" escape
+# with no partner) cannot be encoded as UTF-8 at all, so no tokenizer or reply can carry it.
+_BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
+
+
+async def read_json(request: web.Request, max_size: int) -> Any:
+    """The body as checked JSON: 413 beyond `max_size` bytes, 400 when it does not parse
+    or holds a string we refuse."""
+    if request.content_length is not None and request.content_length > max_size:
+        raise ApiError(413, f"The request body is too large: {request.content_length} bytes, the limit is "
+                            f"{max_size} bytes.", code="request_too_large")
+    raw = await request.read()   # aiohttp enforces the cap on chunked bodies (HTTPRequestEntityTooLarge)
+    body = parse_json(raw)
+    check_json(body)
+    return body
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        return json.loads(raw)
+    except RecursionError as error:
+        raise _too_deep() from error
+    except (ValueError, UnicodeDecodeError) as error:
+        raise bad_request(f"We could not parse the JSON body of your request: {error}", code="invalid_json") \
+            from error
+
+
+def check_json(body: Any) -> None:
+    """Every string (keys included) free of NUL and lone surrogates, at most MAX_DEPTH
+    levels; the param named is the path of the offending value, e.g. `messages[0].content`."""
+    if isinstance(body, str):
+        _check_string(None, body)
+    # A plain loop over each container, building no paths: a 4 MB body can hold a
+    # million values, and this runs on the event loop. Paths only for the error.
+    pending: list[tuple[Any, int]] = [(body, 0)] if isinstance(body, (dict, list)) else []
+    while pending:
+        value, depth = pending.pop()
+        if depth >= MAX_DEPTH:
+            raise _too_deep()
+        if isinstance(value, dict) and any(_BAD_CHAR.search(key) for key in value):
+            _report(body)
+        for item in value.values() if isinstance(value, dict) else value:
+            kind = type(item)
+            if kind is str:
+                if _BAD_CHAR.search(item):
+                    _report(body)
+            elif kind is dict or kind is list:
+                pending.append((item, depth + 1))
+
+
+def _too_deep() -> ApiError:
+    return bad_request(f"The JSON body is nested too deeply (at most {MAX_DEPTH} levels).", code="invalid_json")
+
+
+def _report(body: Any) -> NoReturn:
+    """Raise the 400 for the first bad string in `body`, naming its path."""
+    for path, value in _paths(body):
+        if isinstance(value, dict):
+            for key in value:
+                _check_string(path, key, "a key of ")
+        elif isinstance(value, str):
+            _check_string(path, value)
+    raise AssertionError("_report found no bad string")
+
+
+def _paths(body: Any) -> Iterator[tuple[str | None, Any]]:
+    """(param path, value) of every value in `body`, without recursion."""
+    pending: list[tuple[str | None, Any]] = [(None, body)]
+    while pending:
+        path, value = pending.pop()
+        yield path, value
+        if isinstance(value, dict):
+            pending.extend((f"{path}.{key}" if path else key, item) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{path or ''}[{i}]", item) for i, item in enumerate(value))
+
+
+def _check_string(path: str | None, text: str, what: str = "") -> None:
+    found = _BAD_CHAR.search(text)
+    if found is None:
+        return
+    kind = "a NUL character" if found.group() == "\x00" else "a lone UTF-16 surrogate"
+    where = f"'{path}'" if path else "the body"
+    raise bad_request(f"Invalid value in {what}{where}: text must not contain {kind} (at offset {found.start()}).",
+                      path, "invalid_value")

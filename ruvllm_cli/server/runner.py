@@ -1,0 +1,49 @@
+"""The aiohttp runner we serve with. aiohttp answers what fails before a request
+reaches the app (an oversized header, a malformed request line) itself, in plain
+text and with a logged traceback; our connections answer those in OpenAI's shape."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from ruvllm_cli.server.errors import ApiError
+
+log = logging.getLogger("ruvllm.server")
+
+
+class ApiRequestHandler(RequestHandler):
+    """aiohttp's connection, but its own error answers are JSON errors in our shape."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:   # the client's fault, and a common one on a public port: one line, no traceback
+            log.info("bad HTTP request from %s: %s", request.remote, message or exc)
+        if request.writer.output_size > 0:   # as aiohttp's: too late for another answer
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        text = f"Bad HTTP request: {message}" if status < 500 and message else \
+            "The server had an error while processing your request."
+        response = ApiError(status, text, code="bad_http_request" if status < 500 else None).response()
+        response.force_close()
+        return response
+
+
+class _ApiServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return ApiRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ApiAppRunner(web.AppRunner):
+    """web.AppRunner whose connections are ApiRequestHandlers."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp offers no option for the connection class; _ApiServer differs from
+        # the Server it built only in the class it makes connections of.
+        server.__class__ = _ApiServer
+        return server
