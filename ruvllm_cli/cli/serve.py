@@ -75,6 +75,9 @@ BYTE_SIZE = ByteSize()
               help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
 @prefix_cache_option()
 @quantization_option()
+@click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
+              default="auto", show_default=True,
+              help="How the model writes tool calls; auto reads it from the chat template or architecture.")
 @click.option("--served-model-name", multiple=True,
               help="Extra name clients may use as `model` (repeatable; the first one is reported).")
 @click.option("--api-key", envvar="RUVLLM_API_KEY", default=None,
@@ -154,7 +157,8 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         await server.stop()
         out.info("Stopped before the model finished loading.")
         return
-    engine_loop = EngineLoop(opened.engine)
+    failures: list[BaseException] = []
+    engine_loop = EngineLoop(opened.engine, on_failure=stop_on_failure(stop, failures))
     try:
         names = served_names(opened.located, options["model"], options["served_model_name"])
         attach_engine(web_app, engine_loop, names)
@@ -164,7 +168,22 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         await server.stop()
     finally:
         engine_loop.shutdown(ENGINE_STOP_TIMEOUT)
+    if failures:
+        # Exit non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
+        raise RuvllmError(f"the engine failed: {type(failures[0]).__name__}: {failures[0]}",
+                          "restart the server; --verbose shows the traceback") from failures[0]
     out.info("Stopped.")
+
+
+def stop_on_failure(stop: asyncio.Event, failures: list[BaseException]) -> Callable[[BaseException], None]:
+    """EngineLoop's on_failure: remember the error and stop the server (engine thread)."""
+    loop = asyncio.get_running_loop()
+
+    def fail(error: BaseException) -> None:
+        failures.append(error)
+        loop.call_soon_threadsafe(stop.set)
+
+    return fail
 
 
 def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
@@ -177,7 +196,8 @@ def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
                            max_sequences=options["max_sequences_per_request"])
     return ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
                         max_body_size=options["max_body_size"], limits=limits,
-                        chat_max_tokens=options["max_tokens_default"], verbose=verbose)
+                        chat_max_tokens=options["max_tokens_default"], verbose=verbose,
+                        tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"])
 
 
 def load(app: AppContext, options: dict[str, Any]) -> Any:

@@ -174,3 +174,36 @@ def test_sigterm_ends_every_client_cleanly_within_the_shutdown_timeout(tiny_mode
     assert plain[0].status_code == 503
     assert plain[0].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in stderr
+
+
+# The engine's device work raises on the first step (a fault that no request can cause
+# any more): only the injected ModelRunner.execute differs from `ruvllm serve`.
+_FAILING_SERVE = """
+import sys
+from ruvllm_cli.engine.model_runner import ModelRunner
+def execute(self, chunks):
+    raise RuntimeError("device lost")
+ModelRunner.execute = execute
+from ruvllm_cli.cli.main import main
+sys.argv = ["ruvllm", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_dead_engine_makes_serve_exit_non_zero(tiny_model_dir, cli_env, free_port):
+    command = [sys.executable, "-c", _FAILING_SERVE, "serve", str(tiny_model_dir), "--port", str(free_port),
+               "-q", "none", "--device", "cpu", "--served-model-name", "tiny", "--shutdown-timeout", "2"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=cli_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{free_port}"
+    try:
+        wait_healthy(url, process)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code >= 500 and response.json()["error"]["message"]
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    assert "Error: the engine failed: RuntimeError: device lost" in stderr
+    assert "Traceback" not in stderr
