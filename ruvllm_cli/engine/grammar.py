@@ -49,6 +49,10 @@ _HINTS = {"regex": "patterns use Rust regex syntax: no look-around, no backrefer
           "grammar": "see llguidance's Lark syntax (docs/syntax.md in guidance-ai/llguidance)"}
 
 
+MAX_REPEAT = 10_000
+_REPEAT = re.compile(r"(?<!\\)\{([\d\s,]+)\}")   # {n}, {n,}, {n,m}, {,m}
+
+
 class GrammarError(UsageError):
     """A grammar the request asked for that llguidance cannot compile or enforce."""
 
@@ -89,7 +93,13 @@ class GrammarSpec:
     @classmethod
     def regex(cls, pattern: str) -> "GrammarSpec":
         """Text that matches `pattern` as a whole (Rust `regex` syntax: no look-around)."""
-        return cls("regex", _non_empty_text(pattern, "regular expression"))
+        pattern = _non_empty_text(pattern, "regular expression")
+        counts = [int(n) for body in _REPEAT.findall(pattern) for n in re.findall(r"\d+", body)]
+        if counts and max(counts) > MAX_REPEAT:
+            # llguidance takes such a repeat, then refuses tokens its own mask allowed.
+            raise GrammarError(f"invalid regular expression: a repeat count of {max(counts)} is over "
+                               f"the limit of {MAX_REPEAT}")
+        return cls("regex", pattern)
 
     @classmethod
     def choice(cls, options: Sequence[str]) -> "GrammarSpec":
@@ -368,7 +378,21 @@ class GrammarCompiler:
         template = LLMatcher(self._tokenizer, grammar, log_level=0)
         if template.is_error():
             raise grammar_error(spec, template.get_error())
-        return CompiledGrammar(spec, grammar, self.layout, template)
+        compiled = CompiledGrammar(spec, grammar, self.layout, template)
+        self._check_first_mask(compiled)
+        return compiled
+
+    def _check_first_mask(self, compiled: CompiledGrammar) -> None:
+        """A grammar llguidance takes but that allows no first token (a self-referencing
+        $ref, a repeat past its limits) would only fail at the first step: refuse it now."""
+        import torch
+
+        bitmask = torch.zeros((1, self.layout.words), dtype=torch.int32)
+        matcher = compiled.matcher()
+        matcher.fill_bitmask(bitmask, 0)
+        if matcher.failed or not bool(bitmask.any()):
+            reason = matcher.error or "it allows no output at all"
+            raise grammar_error(compiled.spec, f"the grammar cannot be used: {reason}")
 
     def _check_token_ids(self, spec: GrammarSpec) -> None:
         # Padding ids are real ids to llguidance; a grammar that needs one could only

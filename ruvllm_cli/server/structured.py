@@ -128,7 +128,8 @@ def parse_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
         raise invalid_value("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(bias.body)} entries")
     entries = []
     for key in bias.body:
-        if not (key.isascii() and key.strip().lstrip("-").isdigit()):
+        # At most 20 digits: int() of a 5,000-digit key raises, and no vocabulary is that large.
+        if not (key.isascii() and key.strip().lstrip("-").isdigit()) or len(key) > 20:
             raise invalid_value("logit_bias", "keys must be token ids (integers as strings)", key[:40])
         low, high = LOGIT_BIAS_RANGE
         entries.append((int(key), bias.number(key, 0.0, low=low, high=high)))

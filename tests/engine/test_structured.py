@@ -154,3 +154,22 @@ def test_generated_schemas_hold_the_property(engine, schema, seed):
     assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result.error
     if result.finish_reason is FinishReason.STOP:
         jsonschema.validate(json.loads(result.text), schema)
+
+
+def test_a_compiling_grammar_never_holds_back_the_running_requests(make_engine, monkeypatch):
+    from concurrent.futures import Future
+
+    engine = make_engine()
+    pending: Future = Future()
+    monkeypatch.setattr(type(engine.grammar_compiler), "submit", lambda self, spec: pending)
+    free = engine.add_request(PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    waiting = engine.add_request(PROMPT, constrained(GrammarSpec.choice(["yes", "no"]), 0))
+    finished = {o.request_id for _ in range(8) for o in engine.step() if o.finished}
+    assert free.request_id in finished and waiting.request_id not in finished
+    assert waiting.num_computed_tokens == 0 and engine.has_unfinished
+    pending.set_result(engine.grammar_compiler.compile(GrammarSpec.choice(["yes", "no"])))
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    [final] = [o for o in outputs if o.finished]
+    assert final.request_id == waiting.request_id and final.finish_reason is FinishReason.STOP
