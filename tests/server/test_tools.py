@@ -56,10 +56,10 @@ def collect_stream(stream):
     return content, calls, finish
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_forced_calls_are_valid_over_many_seeds(client, server, choice):
+@pytest.mark.parametrize("choice, seeds", [("required", 15), ({"type": "function", "function": {"name": "add"}}, 10)])
+def test_forced_calls_are_valid_over_many_seeds(client, server, choice, seeds):
     allowed = SCHEMAS if choice == "required" else {"add": ADD}
-    for seed in range(25):
+    for seed in range(seeds):
         reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, tool_choice=choice,
                                                temperature=1.0, seed=seed, max_tokens=300)
         message = reply.choices[0].message
@@ -77,6 +77,8 @@ def test_forced_calls_stream_in_openai_fragments(client, server):
         assert sorted(calls) == list(range(len(calls)))
         for call in calls.values():
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        if seed >= 5:
+            continue
         whole = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS,
                                                tool_choice="required", temperature=1.0, seed=seed, max_tokens=300)
         assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
