@@ -20,7 +20,7 @@ private repo is 401 `RepoNotFound` without a token (404 with one), a gated repo'
 are 401 / 403 `GatedRepo`, an unknown revision is 404 `RevisionNotFound`, an unknown
 file 404 `EntryNotFound`, and a token the hub does not know is 401 "Invalid credentials
 in Authorization header" on every route. Failures are injected per test with
-`require_token`, `drop_connection` and `throttle`; `requests` logs every request.
+`require_token`, `drop_connection`, `throttle` and `hold`; `requests` logs every request.
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ class Answer:
     file: HubFile | None = None
     span: tuple[int, int] = (0, 0)
     cut_after: int | None = None  # injected drop: close after this many body bytes
+    hold_after: int | None = None  # injected pause: wait for release() after this many body bytes
 
 
 class FakeHub:
@@ -192,6 +193,8 @@ class FakeHub:
         self._rules: dict[str, AccessRule] = {}
         self._tokens: set[str] = set()
         self._drops: dict[tuple[str, str], list[int]] = {}  # -> [after_bytes, times left]
+        self._holds: dict[tuple[str, str], int] = {}  # -> after_bytes, for the next GET only
+        self._released = threading.Event()
         self._bytes_per_second: int | None = None
         self._log: list[RequestRecord] = []
         self._server: _Server | None = None
@@ -290,6 +293,23 @@ class FakeHub:
         with self._lock:
             self._drops[(repo_id, filename)] = [after_bytes, times]
 
+    def hold(self, repo_id: str, filename: str, after_bytes: int) -> None:
+        """Pause the body of the next GET of the file after `after_bytes` bytes until
+        `release()` (or `reset()` / `stop()`): a client caught at a known point."""
+        with self._lock:
+            self._holds[(repo_id, filename)] = after_bytes
+            self._released.clear()
+
+    def release(self) -> None:
+        """Let every held body go on."""
+        self._released.set()
+
+    def wait_released(self) -> None:
+        """Block (a handler thread) until `release()`; _Dropped when the hub stops meanwhile."""
+        while not self._released.wait(0.05):
+            if self.stopping.is_set():
+                raise _Dropped()
+
     def throttle(self, bytes_per_second: int | None) -> None:
         """Send file bodies at about this rate (None: full speed); applies to bodies in flight."""
         self._bytes_per_second = bytes_per_second
@@ -300,6 +320,8 @@ class FakeHub:
             self._rules.clear()
             self._tokens.clear()
             self._drops.clear()
+            self._holds.clear()
+            self._released.set()
             self._bytes_per_second = None
             self._log.clear()
 
@@ -427,7 +449,12 @@ class FakeHub:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{end - 1}/{file.size}"
         cut = self._take_drop(repo_id, filename) if method == "GET" else None
-        return Answer(status, headers, file=file, span=(start, end), cut_after=cut)
+        hold = self._take_hold(repo_id, filename) if method == "GET" else None
+        return Answer(status, headers, file=file, span=(start, end), cut_after=cut, hold_after=hold)
+
+    def _take_hold(self, repo_id: str, filename: str) -> int | None:
+        with self._lock:
+            return self._holds.pop((repo_id, filename), None)
 
     def _take_drop(self, repo_id: str, filename: str) -> int | None:
         with self._lock:
@@ -691,6 +718,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_head(record, answer.status, answer.headers, end - start)
         if method == "HEAD":
             return
+        hold = answer.hold_after
+        if hold is not None and hold < end - start:
+            self._send_body(record, answer.file, start, start + hold, answer.cut_after)
+            self.server.hub.wait_released()
+            start += hold
         self._send_body(record, answer.file, start, end, answer.cut_after)
 
     def _send_body(self, record: RequestRecord, file: HubFile, start: int, end: int, cut: int | None) -> None:

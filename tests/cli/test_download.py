@@ -22,7 +22,7 @@ from rich.filesize import decimal as format_size
 from ruvllm_cli.registry.cache import ModelCache
 from ruvllm_cli.registry.download import download_model, map_hub_error
 from ruvllm_cli.registry.registry import resolve_model
-from ruvllm_cli.testing.fake_hub import FakeHub
+from ruvllm_cli.testing.fake_hub import FakeHub, hub_file
 
 ALIAS_REPO = "Qwen/Qwen2.5-0.5B-Instruct"  # what the registry alias `qwen-0.5b` names
 MIB = 1024 * 1024
@@ -410,6 +410,44 @@ def test_killed_download_is_not_downloaded_and_next_run_completes(
     assert removed.returncode == 0, removed.stderr
     assert json.loads(ruvllm("list", "--downloaded", "--json").stdout)["count"] == 0
     assert not blobs.parent.exists()
+
+
+def wait_held(hub: FakeHub, name: str, after_bytes: int, process: subprocess.Popen, timeout: float = 30) -> None:
+    """Until the hub has sent exactly `after_bytes` of `name` and holds the rest back."""
+    deadline = time.monotonic() + timeout
+    while not any(r.bytes_sent == after_bytes for r in hub.file_requests(name)):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{name} was never held at byte {after_bytes}"
+        time.sleep(0.02)
+
+
+def test_kill_9_in_every_file_in_turn_never_lists_the_model_and_the_next_run_completes(
+        ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path, cli_env: dict[str, str], isolated_env) -> None:
+    repo_id, commit = repo
+    blobs = isolated_env.cache_dir / "hub" / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    for name in TINY_FILES:   # the order the download fetches them in
+        half = (tiny_model_dir / name).stat().st_size // 2
+        fake_hub.hold(repo_id, name, after_bytes=half)
+        process = start_download(repo_id, cli_env)
+        try:
+            wait_held(fake_hub, name, half, process)
+            wait_for_partial_blob(blobs, hub_file(name, tiny_model_dir / name).etag, process)
+        finally:
+            process.send_signal(signal.SIGKILL)
+            process.communicate(timeout=30)
+            fake_hub.release()
+        listed = ruvllm("list", "--downloaded", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout)["count"] == 0, name
+
+    result = ruvllm("download", repo_id)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[0] == "Removed 1 partial file(s) a stopped download left behind."
+    assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
+    assert list(blobs.glob("*.incomplete")) == []
+    assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
+    listed = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    assert [(m["repo_id"], m["commit"]) for m in listed["models"]] == [(repo_id, commit)]
 
 
 def test_ctrl_c_exits_130_and_leaves_the_cache_consistent(fake_hub: FakeHub, repo, tiny_model_dir: Path,

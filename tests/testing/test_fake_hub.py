@@ -206,6 +206,25 @@ def test_throttle_slows_bodies_and_log_counts_bytes(fake_hub: FakeHub) -> None:
     assert fake_hub.file_requests("blob.bin")[0].bytes_sent == 30_000
 
 
+def test_hold_pauses_one_body_at_a_byte_until_released(fake_hub: FakeHub) -> None:
+    body = os.urandom(30_000)
+    fake_hub.add_repo("ruvllm-test/held", {"blob.bin": body})
+    fake_hub.hold("ruvllm-test/held", "blob.bin", after_bytes=12_345)
+    url = f"{fake_hub.url}/ruvllm-test/held/resolve/main/blob.bin"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.read(12_345) == body[:12_345]
+        deadline = time.monotonic() + 10
+        while fake_hub.file_requests("blob.bin")[0].bytes_sent != 12_345:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert fake_hub.file_requests("blob.bin")[0].bytes_sent == 12_345   # held there
+        fake_hub.release()
+        assert response.read() == body[12_345:]
+    with urllib.request.urlopen(url, timeout=10) as response:   # the hold was for one GET
+        assert response.read() == body
+
+
 def test_stop_closes_the_port() -> None:
     with FakeHub() as hub:
         hub.add_repo("org/x", {"a.txt": b"a"})
