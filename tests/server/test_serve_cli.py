@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import click
@@ -125,8 +126,8 @@ def test_a_model_path_is_served_as_typed_and_by_its_directory_name(tiny_model_di
     assert served_names(located, typed, ("tiny",)) == ["tiny", tiny_model_dir.name, typed]
 
 
-def start_serve(tiny_model_dir: Path, env: dict[str, str], port: int, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(tiny_model_dir), "--port", str(port), "-q", "none",
+def start_serve(model: Path | str, env: dict[str, str], port: int, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(model), "--port", str(port), "-q", "none",
                "--device", "cpu", "--served-model-name", "tiny", *extra]
     return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -174,6 +175,83 @@ def test_sigterm_ends_every_client_cleanly_within_the_shutdown_timeout(tiny_mode
     assert plain[0].status_code == 503
     assert plain[0].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in stderr
+
+
+def metric(url: str, name: str) -> float:
+    """One unlabelled sample from /metrics."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def cache_tree(root: Path) -> dict[str, int]:
+    """Every path under the cache with its size (-1 for directories)."""
+    return {str(p.relative_to(root)): -1 if p.is_dir() else p.stat().st_size for p in sorted(root.rglob("*"))}
+
+
+def read_stream(url: str, body: dict, lines: list[str]) -> None:
+    """Collect a streamed reply's lines until the stream ends or breaks off."""
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+            lines.extend(line for line in response.iter_lines() if line)
+    except httpx.TransportError as error:
+        lines.append(f"broken: {type(error).__name__}")
+
+
+def test_kill_9_mid_generation_then_the_same_port_and_cache_serve_cleanly(
+        ruvllm, fake_hub, tiny_model_dir, cli_env, free_port, isolated_env):
+    repo_id = f"ruvllm-tests/serve-kill-{uuid.uuid4().hex[:8]}"
+    fake_hub.add_model_dir(repo_id, tiny_model_dir)
+    assert ruvllm("download", repo_id).returncode == 0
+    cache_before = cache_tree(isolated_env.cache_dir)
+    url = f"http://127.0.0.1:{free_port}"
+    options = ("--max-context", "4096", "--kv-cache-memory", "16MiB")
+    long = {"model": "tiny", "max_tokens": 4000, "ignore_eos": True, "messages": [{"role": "user", "content": "Hi"}]}
+    process = start_serve(repo_id, cli_env, free_port, *options)
+    streams: list[list[str]] = [[], []]
+    try:
+        wait_healthy(url, process)
+        readers = [threading.Thread(target=read_stream, args=(url, {**long, "stream": True}, lines))
+                   for lines in streams]
+        for reader in readers:
+            reader.start()
+        wait_in_flight(url, 2)
+        deadline = time.monotonic() + 30
+        while not all(streams):   # both replies are under way
+            assert time.monotonic() < deadline, streams
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.communicate(timeout=30)
+        for reader in readers:
+            reader.join(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    for lines in streams:   # cut off mid-reply: no [DONE]
+        assert lines[0].startswith("data: ") and lines[-1].startswith("broken: "), lines[-3:]
+
+    process = start_serve(repo_id, cli_env, free_port, *options)
+    try:
+        assert set(wait_healthy(url, process)) <= {0, 503}
+        response = httpx.post(url + "/v1/chat/completions", json={**long, "max_tokens": 8}, timeout=30)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+        assert metric(url, "ruvllm_http_requests_in_flight") == 0
+        assert metric(url, "ruvllm_kv_cache_blocks_used") == 0
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert cache_tree(isolated_env.cache_dir) == cache_before
+    listed = ruvllm("list", "--downloaded", "--json")
+    assert [m["repo_id"] for m in json.loads(listed.stdout)["models"]] == [repo_id]
 
 
 # The engine's device work raises on the first step (a fault that no request can cause
