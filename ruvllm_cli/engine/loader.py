@@ -140,7 +140,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
 def load_model(path: str | Path, device: str = "auto",
                quantization: Quantization = Quantization.F16) -> LoadedModel:
     """Load model + tokenizer from a local directory, with the paged attention."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     from ruvllm_cli.engine.quantize import quantize_model
@@ -154,14 +153,7 @@ def load_model(path: str | Path, device: str = "auto",
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
     extra = _bitsandbytes_options(quantization, target)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(**source)
-        model = AutoModelForCausalLM.from_pretrained(
-            **source, dtype=dtype, attn_implementation=attention.register(), **extra)
-    except ValueError as error:
-        raise ModelLoadError(f"unsupported model in {path}: {str(error).splitlines()[0]}") from None
-    except OSError as error:
-        raise ModelLoadError(f"cannot load the model in {path}: {str(error).splitlines()[0]}") from None
+    tokenizer, model = _from_pretrained(path, source, dtype, extra)
     if not extra:
         model.to(target)
     model.eval()
@@ -178,6 +170,47 @@ def load_model(path: str | Path, device: str = "auto",
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path)
+
+
+def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype,
+                     extra: dict[str, Any]) -> tuple[Any, Any]:
+    """Tokenizer and model; whatever transformers raises on a bad file becomes one
+    ModelLoadError line, and a file that lacks weights is refused (transformers would
+    fill them with random values)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**source)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            **source, dtype=dtype, attn_implementation=attention.register(), output_loading_info=True, **extra)
+    except ValueError as error:
+        raise ModelLoadError(f"unsupported model in {path}: {_first_line(error)}") from None
+    except OSError as error:
+        raise ModelLoadError(f"cannot load the model in {path}: {_first_line(error)}") from None
+    except Exception as error:  # noqa: BLE001 - a file transformers cannot build a model from
+        raise ModelLoadError(f"cannot load the model in {path}: {_build_failure(error)}",
+                             "the file may be damaged: download it again") from error
+    missing = sorted(info["missing_keys"])
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{path} lacks weights the model needs: {missing[0]}{more}",
+                             "the file is damaged or incomplete: download it again")
+    return tokenizer, model
+
+
+def _build_failure(error: Exception) -> str:
+    text = _first_line(error)
+    if "ignore_mismatched_sizes" in text:  # its report of which weights went to the log we silence
+        return "its weights do not have the shapes its configuration gives"
+    return f"{type(error).__name__}: {text}"
+
+
+def _first_line(error: BaseException) -> str:
+    """The message's first line, with the next one when it only introduces it ("...:")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 @torch.no_grad()

@@ -38,6 +38,32 @@ def test_an_unknown_architecture_is_unsupported(engine_model_dir, tmp_path):
     assert "\n" not in error.value.message
 
 
+def test_weights_missing_from_the_file_are_refused_not_made_up(engine_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = copy_model(engine_model_dir, tmp_path / "short")
+    weights = load_file(model / "model.safetensors")
+    del weights["model.norm.weight"], weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as error:
+        load_model(model, "cpu", Q.F32)
+    assert error.value.message == (f"{model} lacks weights the model needs: "
+                                   "model.layers.1.mlp.up_proj.weight and 1 more")
+    assert error.value.hint == "the file is damaged or incomplete: download it again"
+
+
+def test_a_model_transformers_cannot_build_is_one_line(engine_model_dir, tmp_path):
+    model = copy_model(engine_model_dir, tmp_path / "no-heads")
+    config = json.loads((model / "config.json").read_text())
+    config["num_key_value_heads"] = 0
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(model, "cpu", Q.F32)
+    assert error.value.message == (f"cannot load the model in {model}: "
+                                   "ZeroDivisionError: integer division or modulo by zero")
+    assert error.value.hint == "the file may be damaged: download it again"
+
+
 def weights_on_disk(model: Path) -> int:
     return sum(f.stat().st_size for f in model.glob("*.safetensors"))
 
