@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ruvllm_cli.engine import attention
+from ruvllm_cli.engine.gguf_check import check_gguf
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 
@@ -76,6 +77,7 @@ def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"{path}: no such GGUF file")
+        check_gguf(path)  # before any reader trusts its counts and offsets
         return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}, None
     return {"pretrained_model_name_or_path": path}, _read_config(path)
 

@@ -47,13 +47,17 @@ def permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
         .swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
+def write_gguf(model_dir: str | Path, out_file: str | Path, *, alignment: int | None = None) -> Path:
+    """The model in `model_dir` as a GGUF file; `alignment` writes `general.alignment`
+    (the default 32 is implied when the key is absent)."""
     import gguf
     from safetensors.numpy import load_file
 
     model_dir, out_file = Path(model_dir), Path(out_file)
     config = json.loads((model_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(out_file), "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
     _write_config(writer, config)
     _write_tokenizer(writer, model_dir)
     tensors = load_file(str(model_dir / "model.safetensors"))

@@ -54,6 +54,22 @@ def test_gguf_quantized_at_load_really_shrinks(gguf_file):
     assert len(out.token_ids) == 4
 
 
+def test_the_structure_check_reads_what_gguf_reads(gguf_file):
+    import gguf
+
+    from ruvllm_cli.engine.gguf_check import TensorInfo, check_gguf
+
+    reader, layout = gguf.GGUFReader(gguf_file), check_gguf(gguf_file)
+    assert layout.data_start == reader.data_offset == 14880
+    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in layout.tensors] == [
+        (t.name, tuple(t.shape.tolist()), int(t.tensor_type), t.data_offset - reader.data_offset)
+        for t in reader.tensors]
+    assert layout.tensors[0] == TensorInfo("token_embd.weight", (64, 512), 8, 0)   # Q8_0
+    assert layout.metadata["general.architecture"] == "llama" and layout.metadata["llama.block_count"] == 2
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    assert layout.metadata["tokenizer.ggml.tokens"] == (8, tokens)   # an array: (item type, count)
+
+
 def test_missing_gguf_file_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="no such GGUF file"):
         load_model(tmp_path / "nope.gguf", "cpu", Q.F16)
