@@ -11,7 +11,7 @@ from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
-                                        Int8Embedding, PackedLinear, packing_works, quantize_int4)
+                                        Int8Embedding, PackedLinear, bucket_rows, packing_works, quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
@@ -127,7 +127,7 @@ def test_full_precision_linears_are_packed_on_cpu(engines):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 256), (5, 256), (1, 64, 256)])
+@pytest.mark.parametrize("shape", [(1, 256), (5, 256), (1, 64, 256), (1, 37, 256), (2, 50, 256)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_matches_nn_linear(dtype, shape, bias):
     if not packing_works(dtype):
@@ -141,6 +141,14 @@ def test_packed_linear_matches_nn_linear(dtype, shape, bias):
     # round differently, within a bfloat16 step.
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_packed_layers_see_few_row_counts():
+    assert [bucket_rows(n) for n in (1, 16, 32, 33, 36, 37, 64, 65, 100, 1000, 1024, 1025)] == \
+        [1, 16, 32, 36, 36, 40, 64, 72, 104, 1024, 1024, 1152]
+    # a primitive cached per shape: 72 of them for batches of 1 to 1,024 tokens, not 1,024
+    assert len({bucket_rows(n) for n in range(1, 1025)}) == 32 + 8 * 5
+    assert all(n <= bucket_rows(n) <= n * 1.125 for n in range(1, 5000))
 
 
 def test_packing_can_be_turned_off(model_dir, monkeypatch):
