@@ -154,10 +154,10 @@ def load_run(make_server: Callable, requests: int, concurrency: int, poisonous: 
 
 @pytest.mark.timeout(120)
 def test_load_run(make_server):
-    load_run(make_server, requests=120, concurrency=16, poisonous=4, warm_up=120, timeout=90)
+    load_run(make_server, requests=120, concurrency=16, poisonous=4, warm_up=240, timeout=90)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_load_run_1000_requests(make_server):
-    load_run(make_server, requests=1000, concurrency=32, poisonous=10, warm_up=250, timeout=800)
+    load_run(make_server, requests=1000, concurrency=32, poisonous=10, warm_up=500, timeout=800)
