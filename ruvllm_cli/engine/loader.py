@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +16,9 @@ from ruvllm_cli.engine import attention
 from ruvllm_cli.engine.gguf_check import check_gguf
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
+
+log = logging.getLogger(__name__)
+STREAM_ENV = "RUVLLM_STREAM_LOAD"  # "0": always load through transformers, then quantize
 
 
 @dataclass
@@ -28,6 +33,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_context: int
     quantization_path: str  # which load-time path was taken, for the notice line
+    streamed: bool = False  # built one module at a time from safetensors (stream_load)
 
     @property
     def config(self) -> Any:
@@ -82,30 +88,92 @@ def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]
     return {"pretrained_model_name_or_path": path}, _read_config(path)
 
 
-def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype,
-                  quantization: Quantization) -> None:
-    """Refuse early, with a clear message, a model that cannot fit."""
-    import psutil
+# Bytes a weight takes once loaded on a CPU: (linear layers, embedding table).
+# q8: int8 codes + a float32 scale per row; q4k: 4-bit codes + a bf16 scale and zero
+# per group of 128 (linears) or 32 (embeddings). Measured against `weight_bytes` of
+# the loaded 0.5B shape within 1% (docs/design.md, "Loading").
+QUANT_BYTES = {Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 128, 0.5 + 4 / 32)}
+ORDER = (Quantization.F32, Quantization.F16, Quantization.Q8_0, Quantization.Q4_K_M)
 
+
+def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.device,
+                  quantization: Quantization) -> int:
+    """Bytes of memory the loaded weights take at the load's peak, from the files'
+    sizes and config.json alone (nothing is read)."""
+    dtype = dtype_for(quantization, device)
     if config is None:
         # A GGUF file: loading dequantizes it all first, a 4-bit file growing about 4x in 16-bit.
-        needed = path.stat().st_size * (8 if dtype == torch.float32 else 4)
-    else:
-        on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        return path.stat().st_size * (8 if dtype == torch.float32 else 4)
+    on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    file_dtype = _config_dtype(config)
+    weights = on_disk // file_dtype.itemsize
+    if device.type != "cpu" or not on_disk:
         # The file's dtype to ours: a bf16 checkpoint doubles in float32, and so on.
-        needed = on_disk * dtype.itemsize // _config_dtype(config).itemsize
-        if on_disk and device.type == "cpu" and quantization in (Quantization.F16, Quantization.F32):
-            needed += _packed_head_copy_bytes(config, dtype)
+        return weights * dtype.itemsize
+    embedding, tied, rows, norms = _shape_counts(config)
+    if quantization in QUANT_BYTES:
+        linear, table = QUANT_BYTES[quantization]
+        # Streamed (stream_load): the quantized model, plus the one tensor being
+        # converted; a tied head gets its own quantized copy. Norms stay 16-bit; q8
+        # counts fbgemm's scale and zero point per output row.
+        quantized = weights - embedding - norms
+        needed = quantized * linear + embedding * table + (embedding * linear if tied else 0) + norms * 2
+        if quantization is Quantization.Q8_0:
+            needed += rows * 16
+        return int(needed)
+    needed = weights * dtype.itemsize
+    if tied and packing_possible(dtype):
+        needed += embedding * dtype.itemsize  # the tied head's packed copy
+    return needed
+
+
+def packing_possible(dtype: torch.dtype) -> bool:
+    from ruvllm_cli.engine.quantize import packing_works
+
+    return packing_works(dtype)
+
+
+def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device,
+                  quantization: Quantization) -> None:
+    """Refuse early, with a clear message, a model that cannot fit, naming the
+    quantization that would."""
+    import psutil
+
+    needed = memory_needed(path, config, device, quantization)
     if not needed:
         return
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
         free = psutil.virtual_memory().available
-    if needed > free:
-        raise ModelLoadError(f"not enough memory: the weights need about {needed / 2**30:.1f} GiB, "
-                             f"{free / 2**30:.1f} GiB is free on {device.type}",
-                             "try --quantization q4k or q8, or a smaller model")
+    if needed <= free:
+        return
+    smaller = ORDER[ORDER.index(quantization) + 1:] if quantization in ORDER else ()
+    fits = next(((q, n) for q in smaller if (n := memory_needed(path, config, device, q)) <= free), None)
+    if fits is not None:
+        hint = f"--quantization {fits[0].value} needs about {fits[1] / 2**30:.1f} GiB: try it"
+    elif smaller:
+        least = memory_needed(path, config, device, smaller[-1])
+        hint = f"even --quantization {smaller[-1].value} needs about {least / 2**30:.1f} GiB: try a smaller model"
+    else:
+        hint = "try a smaller model"
+    raise ModelLoadError(f"not enough memory: the weights need about {needed / 2**30:.1f} GiB, "
+                         f"{free / 2**30:.1f} GiB is free on {device.type}", hint)
+
+
+def _shape_counts(config: dict[str, Any]) -> tuple[int, bool, int, int]:
+    """(weights in the embedding table, whether the LM head is tied to it, output rows
+    of all linear layers, norm weights), from config.json."""
+    from ruvllm_cli.registry.model_config import shape_from_dict
+
+    try:
+        shape = shape_from_dict(config)
+    except ModelLoadError:
+        return 0, False, 0, 0  # from_pretrained will say what is wrong with the config
+    attention_rows = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim + shape.hidden_size
+    rows = shape.num_layers * (attention_rows + 2 * shape.intermediate_size + shape.hidden_size)
+    norms = (2 * shape.num_layers + 1) * shape.hidden_size
+    return shape.vocab_size * shape.hidden_size, shape.tie_word_embeddings, rows + shape.vocab_size, norms
 
 
 def _config_dtype(config: dict[str, Any]) -> torch.dtype:
@@ -113,19 +181,6 @@ def _config_dtype(config: dict[str, Any]) -> torch.dtype:
     name = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     found = getattr(torch, name.replace("torch.", ""), None)
     return found if isinstance(found, torch.dtype) else torch.bfloat16
-
-
-def _packed_head_copy_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
-    """A tied LM head gets its own packed copy on a CPU (quantize.PackedLinear)."""
-    from ruvllm_cli.registry.model_config import shape_from_dict
-
-    try:
-        shape = shape_from_dict(config)
-    except ModelLoadError:
-        return 0  # from_pretrained will say what is wrong with the config
-    if not shape.tie_word_embeddings:
-        return 0
-    return shape.vocab_size * shape.hidden_size * dtype.itemsize
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -150,28 +205,57 @@ def load_model(path: str | Path, device: str = "auto",
     source, config = _pretrained_args(path)
     target = select_device(device)
     dtype = dtype_for(quantization, target)
-    _check_memory(path, config, target, dtype, quantization)
+    _check_memory(path, config, target, quantization)
     hf_logging.disable_progress_bar()  # our own output says what is happening
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
     extra = _bitsandbytes_options(quantization, target)
-    tokenizer, model = _from_pretrained(path, source, dtype, extra)
-    if not extra:
-        model.to(target)
-    model.eval()
-    quant_path = quantize_model(model, quantization, target)
-    if target.type == "cpu":
-        # After quantizing: packed and quantized layers are already fresh copies, so
-        # only what is left (embeddings, norms, biases, unpacked layers) is copied.
-        _own_weights(model)
+    streamed = _stream(path, config, target, dtype, quantization)
+    if streamed is not None:
+        tokenizer, (model, quant_path) = _tokenizer(path, source), streamed
+    else:
+        tokenizer, model = _from_pretrained(path, source, dtype, extra)
+        if not extra:
+            model.to(target)
+        model.eval()
+        quant_path = quantize_model(model, quantization, target)
+        if target.type == "cpu":
+            # After quantizing: packed and quantized layers are already fresh copies, so
+            # only what is left (embeddings, norms, biases, unpacked layers) is copied.
+            _own_weights(model)
     if path.suffix == ".gguf":
         quant_path = f"GGUF {path.name} dequantized, then {quant_path}"
+    _release_freed_memory()
     load_seconds = time.perf_counter() - started
     return LoadedModel(model=model, tokenizer=tokenizer, device=target, dtype=dtype,
                        quantization=quantization, load_seconds=load_seconds,
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
-                       quantization_path=quant_path)
+                       quantization_path=quant_path, streamed=streamed is not None)
+
+
+def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype,
+            quantization: Quantization) -> tuple[Any, str] | None:
+    """The model loaded one module at a time (`stream_load`), or None where it takes
+    transformers' path: GGUF files, other devices, checkpoints whose names differ."""
+    from ruvllm_cli.engine.stream_load import stream_load
+
+    if config is None or device.type != "cpu" or os.environ.get(STREAM_ENV, "1") == "0":
+        return None
+    try:
+        return stream_load(path, dtype, quantization, attention.register())
+    except Exception as error:  # noqa: BLE001 - transformers' path loads it, or says what is wrong
+        log.debug("streamed load of %s not used: %s", path, error)
+        return None
+
+
+def _tokenizer(path: Path, source: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(**source)
+    except (ValueError, OSError) as error:
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_first_line(error)}") from None
 
 
 def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype,
@@ -213,6 +297,19 @@ def _first_line(error: BaseException) -> str:
     if not lines:
         return type(error).__name__
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def _release_freed_memory() -> None:
+    """Hand the allocator's freed pages back to the system (glibc keeps them: 170 MiB
+    of a 0.5B q8 load's temporaries stayed resident)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # musl and others: nothing to do
+            pass
 
 
 @torch.no_grad()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -67,10 +69,19 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
+        self._build(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedLinear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build(weight, bias)
+        return layer
+
+    def _build(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
         self.quantized_nbytes = weight.numel() * weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,14 +121,24 @@ class DynamicInt8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
-        scales = absmax_scales(weight).double()
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        self._build(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> "DynamicInt8Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build(weight, bias)
+        return layer
+
+    def _build(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        codes, scales = int8_rows(weight)
+        scales = scales.double()
+        bias = None if bias is None else bias.to(torch.float32, copy=True)  # never a view of a file
         with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm needs them
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.long),
-                                                 axis=0, dtype=torch.qint8)
+            qweight = torch._make_per_channel_quantized_tensor(
+                codes, scales, torch.zeros_like(scales, dtype=torch.long), 0)
             # Packed straight into fbgemm's layout: torch's dynamic Linear module would
             # pack a placeholder weight first and then this one (3 packings, not 1).
             self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
@@ -138,14 +159,31 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._build(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), group_size)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None,
+                    group_size: int = INT4_GROUP) -> "Int4Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build(weight, bias, group_size)
+        return layer
+
+    def _build(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None, group_size: int) -> None:
+        self.out_features, self.in_features = weight.shape
         self.group_size = group_size
-        q, scales_and_zeros = quantize_int4(linear.weight.detach().float(), group_size)
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q, INT4_INNER_K_TILES))
-        self.register_buffer("scales_and_zeros", scales_and_zeros)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(torch.bfloat16),
-                                                                 requires_grad=False)
+        n, k = weight.shape
+        packed = torch.empty(n, k // 2, dtype=torch.uint8)  # filled in place: no second copy to concatenate
+        scales = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
+        for start, rows in _row_chunks(weight):  # float32 codes of a few rows at a time, not the matrix
+            q, scales_and_zeros = quantize_int4(rows.float(), group_size)
+            block = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
+            packed[start:start + len(rows)] = block
+            scales[:, start:start + len(rows)] = scales_and_zeros
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales_and_zeros", scales)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16, copy=True),
+                                                           requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -154,6 +192,47 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+CHUNK_ROWS = 4096  # rows quantized at a time (a multiple of the int4 packer's 16)
+
+
+def _row_chunks(weight: torch.Tensor | RowBlocks) -> Iterator[tuple[int, torch.Tensor]]:
+    """Row blocks of [N, K]: each quantizer works row by row, so quantizing blocks
+    gives the very same codes as the whole matrix, with a float32 temporary of a
+    block (14 MiB at K = 896) instead of the matrix (545 MiB for a 151,936-row head).
+    A `RowBlocks` source (the streamed loader's) reads each block from its file.
+    Yields (first row, block)."""
+    blocks = weight.blocks(CHUNK_ROWS) if not isinstance(weight, torch.Tensor) else weight.split(CHUNK_ROWS)
+    start = 0
+    for block in blocks:
+        yield start, block
+        start += block.shape[0]
+
+
+class RowBlocks(Protocol):
+    """A [N, K] matrix handed over a block of rows at a time."""
+
+    shape: tuple[int, int]
+
+    def blocks(self, rows: int) -> Iterator[torch.Tensor]: ...
+
+
+def int8_rows(weight: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [N, K] and float32 scales [N] of a float matrix, a block
+    of rows at a time."""
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for start, rows in _row_chunks(weight):
+        rows = rows.float()
+        block_scales = absmax_scales(rows)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            codes[start:start + len(rows)] = torch.quantize_per_channel(
+                rows, block_scales.double(), torch.zeros_like(block_scales, dtype=torch.long),
+                axis=0, dtype=torch.qint8).int_repr()
+        scales[start:start + len(rows)] = block_scales
+    return codes, scales
 
 
 def absmax_scales(weight: torch.Tensor) -> torch.Tensor:
@@ -189,12 +268,27 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
-        weight = embedding.weight.detach().float()
-        scales = absmax_scales(weight)
-        self.register_buffer("qweight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self._build(embedding.weight.detach(), embedding.padding_idx)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> "Int8Embedding":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build(weight, padding_idx)
+        return layer
+
+    def _build(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> None:
+        codes = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+        for start, rows in _row_chunks(weight):
+            rows = rows.float()
+            block_scales = absmax_scales(rows)
+            codes[start:start + len(rows)] = (rows / block_scales[:, None]).round().clamp(-128, 127)
+            scales[start:start + len(rows)] = block_scales
+        self.register_buffer("qweight", codes)
+        self.register_buffer("scales", scales)
         self.num_embeddings, self.embedding_dim = weight.shape
-        self.padding_idx = embedding.padding_idx
+        self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].to(torch.bfloat16) * self.scales[ids].unsqueeze(-1)
@@ -206,15 +300,33 @@ class Int4Embedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding, group_size: int = 32) -> None:
         super().__init__()
-        weight = embedding.weight.detach().float()
+        self._build(embedding.weight.detach(), embedding.padding_idx, group_size)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor | RowBlocks, padding_idx: int | None, group_size: int = 32) -> "Int4Embedding":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build(weight, padding_idx, group_size)
+        return layer
+
+    def _build(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None, group_size: int) -> None:
         self.num_embeddings, self.embedding_dim = weight.shape
         self.group_size = group_size if self.embedding_dim % group_size == 0 else self.embedding_dim
-        codes, scales, low = int4_groups(weight, self.group_size)
-        codes = codes.to(torch.uint8)
-        self.register_buffer("packed", codes[:, 0::2] | (codes[:, 1::2] << 4))
-        self.register_buffer("scales", scales.squeeze(-1).to(torch.bfloat16))
-        self.register_buffer("lows", low.squeeze(-1).to(torch.bfloat16))
-        self.padding_idx = embedding.padding_idx
+        groups = self.embedding_dim // self.group_size
+        packed = torch.empty(self.num_embeddings, self.embedding_dim // 2, dtype=torch.uint8)
+        scales = torch.empty(self.num_embeddings, groups, dtype=torch.bfloat16)
+        lows = torch.empty(self.num_embeddings, groups, dtype=torch.bfloat16)
+        for start, rows in _row_chunks(weight):
+            codes, block_scales, low = int4_groups(rows.float(), self.group_size)
+            codes = codes.to(torch.uint8)
+            end = start + len(rows)
+            packed[start:end] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            scales[start:end] = block_scales.squeeze(-1)
+            lows[start:end] = low.squeeze(-1)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("lows", lows)
+        self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         packed = self.packed[ids]
@@ -224,58 +336,93 @@ class Int4Embedding(nn.Module):
         return rows.flatten(-2)
 
 
-def _int4_fits(linear: nn.Linear, group_size: int) -> bool:
-    return linear.in_features % group_size == 0 and linear.out_features % 8 == 0
+def int4_group_size(hidden_size: int) -> int:
+    """The largest of 128/64/32 that divides the model's hidden size."""
+    return next((g for g in (INT4_GROUP, 64, 32) if hidden_size % g == 0), 32)
 
 
-def _replace_linears(module: nn.Module, make: type, group_size: int | None) -> int:
-    count = 0
+class WeightPlan:
+    """What each linear and embedding weight becomes for a quantization on a CPU:
+    the one rule both the in-place pass (`quantize_model`) and the streamed loader
+    (`stream_load`) follow, so they build the same layers from the same tensors.
+
+    `linear`/`embedding` return the replacement module, or None where the plain one
+    stays (unpacked 16/32-bit weights, and the embedding outside q8/q4k)."""
+
+    def __init__(self, quantization: Quantization, dtype: torch.dtype, hidden_size: int) -> None:
+        self.quantization, self.dtype = quantization, dtype
+        self.quantized = quantization in (Quantization.Q8_0, Quantization.Q4_K_M)
+        self.packed = not self.quantized and packing_works(dtype)
+        self.group = int4_group_size(hidden_size) if quantization is Quantization.Q4_K_M else None
+        self.linears = 0
+
+    @property
+    def unties_head(self) -> bool:
+        """A tied LM head gets its own packed or quantized copy (the embedding lookup
+        keeps its own table): the vocabulary matrix is held twice, for the fastest
+        head at every batch size (docs/design.md)."""
+        return self.quantized or self.packed
+
+    def linear(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> nn.Module | None:
+        if not (self.quantized or self.packed):
+            return None
+        self.linears += 1
+        if self.packed:
+            return PackedLinear.from_weight(_whole(weight), bias)
+        out_features, in_features = weight.shape
+        if self.group is not None and in_features % self.group == 0 and out_features % 8 == 0:
+            return Int4Linear.from_weight(weight, bias, self.group)
+        return DynamicInt8Linear.from_weight(weight, bias)  # q8, and odd shapes under q4k
+
+    def embedding(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> nn.Module | None:
+        if self.quantization is Quantization.Q8_0:
+            return Int8Embedding.from_weight(weight, padding_idx)
+        if self.quantization is Quantization.Q4_K_M:
+            return Int4Embedding.from_weight(weight, padding_idx)
+        return None
+
+    def describe(self) -> str:
+        if self.quantization is Quantization.Q8_0:
+            return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
+                    "incl. LM head; int8 embeddings")
+        if self.quantization is Quantization.Q4_K_M:
+            return (f"int4 weight-only, group {self.group} (torch int4pack kernel), {self.linears} linear "
+                    "layers incl. LM head; int4 embeddings")
+        path = f"{str(self.dtype).replace('torch.', '')} weights, no quantization"
+        if self.packed:
+            path += f", {self.linears} linear layers incl. LM head in oneDNN's packed layout"
+        return path
+
+
+def _whole(weight: torch.Tensor | RowBlocks) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else torch.cat(list(weight.blocks(CHUNK_ROWS)))
+
+
+def _replace_linears(module: nn.Module, plan: WeightPlan) -> None:
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            if group_size is not None and not _int4_fits(child, group_size):
-                setattr(module, name, DynamicInt8Linear(child))  # odd shapes fall back to int8
-            else:
-                setattr(module, name, make(child) if group_size is None else make(child, group_size))
-            count += 1
+            bias = None if child.bias is None else child.bias.detach()
+            replacement = plan.linear(child.weight.detach(), bias)
+            if replacement is not None:
+                setattr(module, name, replacement)
         else:
-            count += _replace_linears(child, make, group_size)
-    return count
-
-
-def int4_group_size(model: nn.Module) -> int:
-    """The largest of 128/64/32 that divides the model's hidden size."""
-    hidden = model.config.hidden_size
-    return next((g for g in (INT4_GROUP, 64, 32) if hidden % g == 0), 32)
+            _replace_linears(child, plan)
 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, quantization: Quantization, device: torch.device) -> str:
     """Quantize `model` in place (CPU paths); returns a one-line description of the path."""
-    dtype = next(model.parameters()).dtype
-    if quantization in (Quantization.F32, Quantization.F16):
-        path = f"{str(dtype).replace('torch.', '')} weights, no quantization"
-        if device.type == "cpu" and packing_works(dtype):
-            # A tied LM head gets its own packed copy (the embedding lookup keeps the
-            # plain table): the vocabulary matrix is held twice, for the fastest
-            # head at every batch size (docs/design.md).
-            model.config.tie_word_embeddings = False
-            count = _replace_linears(model, PackedLinear, None)
-            path += f", {count} linear layers incl. LM head in oneDNN's packed layout"
-        return path
-    if device.type != "cpu":
+    if device.type != "cpu" and quantization in (Quantization.Q8_0, Quantization.Q4_K_M):
         return "bitsandbytes " + ("8-bit" if quantization is Quantization.Q8_0 else "4-bit NF4")
-    model.config.tie_word_embeddings = False  # the head gets its own quantized copy
+    dtype = next(model.parameters()).dtype
+    if device.type != "cpu":
+        return f"{str(dtype).replace('torch.', '')} weights, no quantization"
+    plan = WeightPlan(quantization, dtype, model.config.hidden_size)
+    if plan.unties_head:
+        model.config.tie_word_embeddings = False
+    _replace_linears(model, plan)
     embeddings = model.get_input_embeddings()
-    if quantization is Quantization.Q8_0:
-        count = _replace_linears(model, DynamicInt8Linear, None)
-        path = f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {count} linear layers incl. LM head"
-    else:
-        group = int4_group_size(model)
-        count = _replace_linears(model, Int4Linear, group)
-        path = (f"int4 weight-only, group {group} (torch int4pack kernel), {count} linear layers "
-                "incl. LM head")
-    if quantization is Quantization.Q8_0:
-        model.set_input_embeddings(Int8Embedding(embeddings))
-        return path + "; int8 embeddings"
-    model.set_input_embeddings(Int4Embedding(embeddings))
-    return path + "; int4 embeddings"
+    replacement = plan.embedding(embeddings.weight.detach(), embeddings.padding_idx)
+    if replacement is not None:
+        model.set_input_embeddings(replacement)
+    return plan.describe()

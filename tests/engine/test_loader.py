@@ -4,11 +4,13 @@ are read where that is possible."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
+import torch
 
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.errors import ModelLoadError
@@ -75,7 +77,39 @@ def test_too_little_memory_is_refused_before_loading(engine_model_dir, monkeypat
     with pytest.raises(ModelLoadError, match=r"^not enough memory: the weights need about .* GiB, "
                                              r".* GiB is free on cpu$") as error:
         load_model(engine_model_dir, "cpu", Q.F16)
-    assert error.value.hint == "try --quantization q4k or q8, or a smaller model"
+    assert re.fullmatch(r"even --quantization q4k needs about \d+\.\d GiB: try a smaller model", error.value.hint)
+
+
+# Weights, not per-row scales, dominate (as in real models).
+WIDE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, intermediate_size=1536)
+
+
+def test_the_refusal_names_the_quantization_that_fits(make_tiny_model, monkeypatch):
+    import psutil
+
+    from ruvllm_cli.engine.loader import memory_needed
+
+    engine_model_dir = make_tiny_model(**WIDE)
+    cpu = torch.device("cpu")
+    needs = {q: memory_needed(engine_model_dir, json.loads((engine_model_dir / "config.json").read_text()), cpu, q)
+             for q in Q}
+    assert needs[Q.F32] > needs[Q.Q8_0] > needs[Q.Q4_K_M]
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=needs[Q.Q8_0] + 1))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(engine_model_dir, "cpu", Q.F32)
+    assert error.value.hint.startswith("--quantization q8 needs about ")
+    assert load_model(engine_model_dir, "cpu", Q.Q8_0).weight_bytes <= needs[Q.Q8_0] * 1.02
+
+
+def test_the_quantized_estimate_matches_the_loaded_weights(make_tiny_model):
+    from ruvllm_cli.engine.loader import memory_needed
+
+    engine_model_dir = make_tiny_model(**WIDE)
+    config = json.loads((engine_model_dir / "config.json").read_text())
+    for quant in (Q.Q8_0, Q.Q4_K_M):
+        loaded = load_model(engine_model_dir, "cpu", quant).weight_bytes
+        estimate = memory_needed(engine_model_dir, config, torch.device("cpu"), quant)
+        assert 0.97 < estimate / loaded < 1.03, (quant, estimate, loaded)
 
 
 def test_memory_needed_is_the_weights_in_our_dtype_plus_a_tied_heads_packed_copy(engine_model_dir, monkeypatch):

@@ -1,0 +1,209 @@
+"""Streamed loading of a safetensors checkpoint on a CPU: each weight goes from the
+file to its final form (packed, int8, int4, or a plain copy) on its own.
+
+transformers' `from_pretrained` materialises the whole model in 16 or 32 bits before
+`quantize_model` converts it, so a load peaked at the unquantized model plus its
+converted copy plus the file's mapped pages (3.5 GiB for a 0.6 GiB q8 model). Here the
+model is built with its parameters on the meta device, and one module at a time is
+read (a fresh memory map per module, released with it), converted through the same
+`WeightPlan` that `quantize_model` follows, and put in place: the weights exist in
+two forms for one layer at a time, never for the whole model.
+
+Only checkpoints whose tensor names are exactly the model's parameter names stream
+(Llama, Qwen2, Mistral, Phi-3 and most decoder-only families); anything else
+(renamed or fused keys, fp32-kept modules, GGUF, CUDA) raises `NotStreamable` and the
+loader takes transformers' own path, which also reports missing or damaged weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ruvllm_cli.engine.quantize import CHUNK_ROWS, WeightPlan
+from ruvllm_cli.quantization import Quantization
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class NotStreamable(Exception):
+    """This checkpoint takes transformers' loading path (the message says why)."""
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise NotStreamable(f"unreadable {INDEX_FILE}: {error}") from None
+        return {name: path / file for name, file in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise NotStreamable("no safetensors files")
+    names: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                names.update(dict.fromkeys(handle.keys(), file))
+        except Exception as error:  # noqa: BLE001 - a damaged header: transformers' path reports it
+            raise NotStreamable(f"{file.name}: {error}") from None
+    return names
+
+
+def _read(files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """The named tensors, mapped from their files (pages are read when first touched,
+    and leave the process's memory when the tensors are dropped)."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name in file_names:
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+class FileRows:
+    """A 2-D tensor of a safetensors file, read a block of rows at a time, each block
+    through a mapping of its own: the quantizers see the whole matrix (as a
+    `quantize.RowBlocks`) while at most one block of its file pages is resident
+    (the 0.5B shape's embedding table is 272 MiB in bf16)."""
+
+    def __init__(self, file: Path, name: str, dtype: torch.dtype) -> None:
+        from safetensors import safe_open
+
+        self.file, self.name, self.dtype = file, name, dtype
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            rows, columns = handle.get_slice(name).get_shape()
+        self.shape = (rows, columns)
+
+    def blocks(self, rows: int) -> Iterator[torch.Tensor]:
+        from safetensors import safe_open
+
+        for start in range(0, self.shape[0], rows):
+            with safe_open(self.file, framework="pt", device="cpu") as handle:
+                block = handle.get_slice(self.name)[start:start + rows]
+            yield block.to(self.dtype)
+
+
+def _weight(files: dict[str, Path], name: str, dtype: torch.dtype, plan: WeightPlan) -> torch.Tensor | FileRows:
+    """A weight matrix for `plan`: block by block where it is quantized (row blocks
+    are all its quantizers need), else whole."""
+    if plan.quantized:
+        rows = FileRows(files[name], name, dtype)
+        if rows.shape[0] > CHUNK_ROWS:
+            return rows
+    return _read(files, [name])[name].to(dtype)
+
+
+def _skeleton(path: Path, dtype: torch.dtype, attn_implementation: str) -> Any:
+    """The model with every parameter on the meta device; buffers computed at
+    construction (rotary frequencies) are real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
+        raise NotStreamable(f"{type(model).__name__} keeps some modules in float32")
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.tie_weights()  # as the config says: a tied head is the embedding's parameter
+    return model
+
+
+@torch.no_grad()
+def stream_load(path: Path, dtype: torch.dtype, quantization: Quantization,
+                attn_implementation: str) -> tuple[Any, str]:
+    """The model, built from `path`'s safetensors one module at a time, and the
+    one-line description `quantize_model` would give of it."""
+    files = checkpoint_files(path)
+    model = _skeleton(path, dtype, attn_implementation)
+    params = dict(model.named_parameters())          # tied parameters once, under their first name
+    missing = sorted(set(params) - set(files))
+    unexpected = sorted(set(files) - set(dict(model.named_parameters(remove_duplicate=False))))
+    if missing or unexpected:
+        raise NotStreamable(f"checkpoint names differ from the model's: {(missing + unexpected)[:3]}")
+    plan = WeightPlan(quantization, dtype, model.config.hidden_size)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embeddings.weight
+    if tied and plan.unties_head:
+        model.config.tie_word_embeddings = False
+    modules = dict(model.named_modules())
+    for module_name, module in list(modules.items()):
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        if module is head and tied:
+            continue  # built with the embedding, from the same tensor
+        if isinstance(module, nn.Linear):
+            _load_linear(model, module_name, module, files, plan)
+        elif module is embeddings:
+            _load_embedding(model, module_name, module, files, plan, head if tied else None)
+        else:
+            tensors = _read(files, [prefix + n for n, _ in own])
+            for name, param in own:
+                module._parameters[name] = _plain(tensors[prefix + name], param.dtype)
+    if tied and not plan.unties_head:
+        model.tie_weights()
+    model.eval()
+    return model, plan.describe()
+
+
+def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    # A copy in process memory, never a view of the file's pages (design: _own_weights).
+    return nn.Parameter(tensor.to(dtype, copy=True), requires_grad=False)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _load_linear(model: nn.Module, name: str, linear: nn.Linear, files: dict[str, Path],
+                 plan: WeightPlan) -> None:
+    dtype = linear.weight.dtype
+    weight = _weight(files, f"{name}.weight", dtype, plan)
+    bias = None
+    if linear.bias is not None:
+        bias = _read(files, [f"{name}.bias"])[f"{name}.bias"].to(dtype)
+    replacement = plan.linear(weight, bias)
+    if replacement is not None:
+        _set_module(model, name, replacement)
+        return
+    assert isinstance(weight, torch.Tensor)  # only quantized plans read by blocks
+    linear.weight = _plain(weight, dtype)
+    if bias is not None:
+        linear.bias = _plain(bias, dtype)
+
+
+def _load_embedding(model: Any, name: str, embedding: nn.Module, files: dict[str, Path],
+                    plan: WeightPlan, tied_head: nn.Linear | None) -> None:
+    dtype = embedding.weight.dtype
+    weight = _weight(files, f"{name}.weight", dtype, plan)
+    if tied_head is not None and plan.unties_head:
+        head_name = next(n for n, m in model.named_modules() if m is tied_head)
+        head_bias = None if tied_head.bias is None else tied_head.bias
+        if head_bias is not None:
+            raise NotStreamable("a tied LM head with a bias")
+        _set_module(model, head_name, plan.linear(weight, None))
+    replacement = plan.embedding(weight, getattr(embedding, "padding_idx", None))
+    if replacement is not None:
+        model.set_input_embeddings(replacement)
+    else:
+        assert isinstance(weight, torch.Tensor)  # only quantized plans read by blocks
+        embedding.weight = _plain(weight, dtype)

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Peak memory and time of loading a model, per quantization, each load in a fresh
+process: the streamed loader (engine/stream_load.py) beside transformers' path
+(RUVLLM_STREAM_LOAD=0), and llama.cpp's `llama-bench` on the same weights in GGUF
+when --llamacpp DIR is given (a directory where ../shared/tools/llamacpp.sh built
+its tools and converted the model: llbuild/bin/llama-bench, f16/Q8_0/Q4_K_M.gguf).
+
+Peak is the process's VmHWM (resident high-water mark: anonymous memory and the
+file pages it mapped), after `import torch, transformers` and after the load;
+llama.cpp's is GNU time's maximum resident size of a whole `llama-bench -p 0 -n 16`
+run. Ratios are taken inside one run of this script.
+
+    .venv/bin/python scripts/bench_load.py [--model DIR] [--quantizations none,f16,q8,q4k]
+    .venv/bin/python scripts/bench_load.py --llamacpp ~/.cache/llamacpp --format json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
+
+GGUF_NAME = {"f16": "f16.gguf", "q8": "Q8_0.gguf", "q4k": "Q4_K_M.gguf"}
+
+CHILD = r"""
+import json, sys, time
+from pathlib import Path
+
+def status():
+    return {k: int(v.split()[0]) // 1024 for k, v in
+            (line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
+
+started = time.perf_counter()
+import torch, transformers  # noqa: F401
+imported = status()
+import_s = time.perf_counter() - started
+torch.set_num_threads(int(sys.argv[3]))
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.quantization import parse_quantization
+loaded = load_model(sys.argv[1], "cpu", parse_quantization(sys.argv[2]))
+after = status()
+print(json.dumps({"import_mib": imported["VmHWM"], "import_s": import_s, "peak_mib": after["VmHWM"],
+                  "rss_after_mib": after["VmRSS"], "anon_after_mib": after["RssAnon"],
+                  "weights_mib": loaded.weight_bytes / 2**20, "load_s": loaded.load_seconds,
+                  "streamed": loaded.streamed, "path": loaded.quantization_path}))
+"""
+
+
+def ruvllm_load(model: Path, quantization: str, streamed: bool, threads: int) -> dict[str, Any]:
+    env = dict(os.environ, RUVLLM_STREAM_LOAD="1" if streamed else "0")
+    done = subprocess.run([sys.executable, "-c", CHILD, str(model), quantization, str(threads)],
+                          capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"loading {quantization} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def llamacpp_load(tools: Path, quantization: str, threads: int) -> dict[str, Any] | None:
+    """GNU time's peak RSS of a short llama-bench run (load, 16 generated tokens)."""
+    gguf = tools / GGUF_NAME.get(quantization, "")
+    bench = tools / "llbuild" / "bin" / "llama-bench"
+    if quantization not in GGUF_NAME or not gguf.is_file() or not bench.is_file():
+        return None
+    started = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-f", "%M", str(bench), "-m", str(gguf), "-p", "0", "-n", "16",
+                           "-r", "1", "-t", str(threads)], capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        return None
+    return {"peak_mib": int(done.stderr.strip().splitlines()[-1]) / 1024, "run_s": wall, "gguf": gguf.name}
+
+
+def main() -> None:
+    parser = script_parser(__doc__)
+    parser.add_argument("--quantizations", default="none,f16,q8,q4k")
+    parser.add_argument("--llamacpp", type=Path, help="llamacpp.sh's WORKDIR (tools and GGUF files)")
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+    args = parser.parse_args()
+    model = script_model(args)
+    rows = []
+    for quantization in args.quantizations.split(","):
+        rows.append({"quantization": quantization,
+                     "streamed": ruvllm_load(model, quantization, True, args.threads),
+                     "transformers": ruvllm_load(model, quantization, False, args.threads),
+                     "llamacpp": llamacpp_load(args.llamacpp, quantization, args.threads)
+                     if args.llamacpp else None})
+    if args.format == "json":
+        print(json.dumps({"model": str(model), "threads": args.threads, "rows": rows}, indent=2))
+        return
+    print(f"{model} · {args.threads} threads · MiB of peak resident memory (VmHWM)")
+    print("quant  import  weights  streamed peak / after  transformers' path peak / after  "
+          "llama.cpp peak  streamed/llama.cpp  load s streamed / transformers")
+    for row in rows:
+        s, t, ll = row["streamed"], row["transformers"], row["llamacpp"]
+        llama = f"{ll['peak_mib']:14.0f}  {s['peak_mib'] / ll['peak_mib']:17.2f}x" if ll else f"{'n/a':>14s}  {'n/a':>18s}"
+        print(f"{row['quantization']:5s}  {s['import_mib']:6d}  {s['weights_mib']:7.0f}  "
+              f"{s['peak_mib']:13d} / {s['rss_after_mib']:5d}  {t['peak_mib']:25d} / {t['rss_after_mib']:5d}  "
+              f"{llama}  {s['load_s']:15.1f} / {t['load_s']:.1f}")
+        if not s["streamed"]:
+            print(f"       (not streamed: {s['path']})")
+
+
+if __name__ == "__main__":
+    main()
