@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Peak memory and time of loading a model, per quantization, each load in a fresh
-process: the streamed loader (engine/stream_load.py) beside transformers' path
-(RUVLLM_STREAM_LOAD=0), and llama.cpp's `llama-bench` on the same weights in GGUF
+process: the streamed loader (engine/stream_load.py) quantizing, the same from the
+quantized-weight cache (q8/q4k; primed first: it writes into the model's directory),
+transformers' path (RUVLLM_STREAM_LOAD=0), and llama.cpp's `llama-bench` on the same weights in GGUF
 when --llamacpp DIR is given (a directory where ../shared/tools/llamacpp.sh built
 its tools and converted the model: llbuild/bin/llama-bench, f16/Q8_0/Q4_K_M.gguf).
 
@@ -51,12 +52,28 @@ after = status()
 print(json.dumps({"import_mib": imported["VmHWM"], "import_s": import_s, "peak_mib": after["VmHWM"],
                   "rss_after_mib": after["VmRSS"], "anon_after_mib": after["RssAnon"],
                   "weights_mib": loaded.weight_bytes / 2**20, "load_s": loaded.load_seconds,
-                  "streamed": loaded.streamed, "path": loaded.quantization_path}))
+                  "streamed": loaded.streamed, "from_cache": loaded.from_weight_cache,
+                  "path": loaded.quantization_path}))
 """
 
 
-def ruvllm_load(model: Path, quantization: str, streamed: bool, threads: int) -> dict[str, Any]:
-    env = dict(os.environ, RUVLLM_STREAM_LOAD="1" if streamed else "0")
+MODES = {"streamed": {"RUVLLM_STREAM_LOAD": "1", "RUVLLM_WEIGHT_CACHE": "0"},
+         "transformers": {"RUVLLM_STREAM_LOAD": "0", "RUVLLM_WEIGHT_CACHE": "0"},
+         "cached": {"RUVLLM_STREAM_LOAD": "1", "RUVLLM_WEIGHT_CACHE": "1"}}
+
+
+def ruvllm_load(model: Path, quantization: str, mode: str, threads: int) -> dict[str, Any] | None:
+    if mode == "cached":
+        if quantization not in ("q8", "q4k"):
+            return None
+        first = _child(model, quantization, mode, threads)
+        if first["from_cache"]:
+            return first
+    return _child(model, quantization, mode, threads)
+
+
+def _child(model: Path, quantization: str, mode: str, threads: int) -> dict[str, Any]:
+    env = dict(os.environ, **MODES[mode])
     done = subprocess.run([sys.executable, "-c", CHILD, str(model), quantization, str(threads)],
                           capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -89,22 +106,26 @@ def main() -> None:
     rows = []
     for quantization in args.quantizations.split(","):
         rows.append({"quantization": quantization,
-                     "streamed": ruvllm_load(model, quantization, True, args.threads),
-                     "transformers": ruvllm_load(model, quantization, False, args.threads),
+                     **{mode: ruvllm_load(model, quantization, mode, args.threads) for mode in MODES},
                      "llamacpp": llamacpp_load(args.llamacpp, quantization, args.threads)
                      if args.llamacpp else None})
     if args.format == "json":
         print(json.dumps({"model": str(model), "threads": args.threads, "rows": rows}, indent=2))
         return
     print(f"{model} · {args.threads} threads · MiB of peak resident memory (VmHWM)")
-    print("quant  import  weights  streamed peak / after  transformers' path peak / after  "
-          "llama.cpp peak  streamed/llama.cpp  load s streamed / transformers")
+    print("quant  import  weights  peak: streamed / cached / transformers' path  llama.cpp  "
+          "streamed/llama.cpp  cached/llama.cpp  load s: streamed / cached / transformers  llama.cpp run s")
     for row in rows:
-        s, t, ll = row["streamed"], row["transformers"], row["llamacpp"]
-        llama = f"{ll['peak_mib']:14.0f}  {s['peak_mib'] / ll['peak_mib']:17.2f}x" if ll else f"{'n/a':>14s}  {'n/a':>18s}"
+        s, c, t, ll = row["streamed"], row["cached"], row["transformers"], row["llamacpp"]
+        cached_peak = f"{c['peak_mib']:6d}" if c else f"{'n/a':>6s}"
+        cached_load = f"{c['load_s']:6.1f}" if c else f"{'n/a':>6s}"
+        llama = f"{ll['peak_mib']:9.0f}  {s['peak_mib'] / ll['peak_mib']:17.2f}x  " + (
+            f"{c['peak_mib'] / ll['peak_mib']:15.2f}x" if c else f"{'n/a':>16s}") if ll else (
+            f"{'n/a':>9s}  {'n/a':>18s}  {'n/a':>16s}")
         print(f"{row['quantization']:5s}  {s['import_mib']:6d}  {s['weights_mib']:7.0f}  "
-              f"{s['peak_mib']:13d} / {s['rss_after_mib']:5d}  {t['peak_mib']:25d} / {t['rss_after_mib']:5d}  "
-              f"{llama}  {s['load_s']:15.1f} / {t['load_s']:.1f}")
+              f"{s['peak_mib']:14d} / {cached_peak} / {t['peak_mib']:6d}  {llama}  "
+              f"{s['load_s']:14.1f} / {cached_load} / {t['load_s']:5.1f}  "
+              f"{ll['run_s'] if ll else float('nan'):15.1f}")
         if not s["streamed"]:
             print(f"       (not streamed: {s['path']})")
 

@@ -109,6 +109,9 @@ def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> IsolatedEnv
     monkeypatch.setenv("RUVLLM_CACHE_DIR", str(env.cache_dir))
     monkeypatch.setenv("RUVLLM_CONFIG_DIR", str(env.config_dir))
     monkeypatch.setenv("HF_HOME", str(env.hf_home))
+    # The session's tiny models are shared: q8/q4k loads must not write weight caches
+    # into them (tests/engine/test_weight_cache.py turns the cache on for its copies).
+    monkeypatch.setenv("RUVLLM_WEIGHT_CACHE", "0")
     return env
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ruvllm_cli.engine import attention
+from ruvllm_cli.engine import attention, weight_cache
 from ruvllm_cli.engine.gguf_check import check_gguf
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
@@ -34,6 +34,7 @@ class LoadedModel:
     max_context: int
     quantization_path: str  # which load-time path was taken, for the notice line
     streamed: bool = False  # built one module at a time from safetensors (stream_load)
+    from_weight_cache: bool = False  # q8/q4k tensors read from the weight cache (weight_cache)
 
     @property
     def config(self) -> Any:
@@ -210,7 +211,10 @@ def load_model(path: str | Path, device: str = "auto",
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
     extra = _bitsandbytes_options(quantization, target)
-    streamed = _stream(path, config, target, dtype, quantization)
+    cache = weight_cache.cache_file(path, quantization) if (
+        config is not None and weight_cache.enabled(quantization, target)) else None
+    cached = weight_cache.load(cache, path, dtype, attention.register()) if cache is not None else None
+    streamed = cached or _stream(path, config, target, dtype, quantization)
     if streamed is not None:
         tokenizer, (model, quant_path) = _tokenizer(path, source), streamed
     else:
@@ -225,13 +229,18 @@ def load_model(path: str | Path, device: str = "auto",
             _own_weights(model)
     if path.suffix == ".gguf":
         quant_path = f"GGUF {path.name} dequantized, then {quant_path}"
+    if cache is not None and cached is None:
+        weight_cache.save(model, cache, quant_path)
     _release_freed_memory()
     load_seconds = time.perf_counter() - started
+    if cached is not None:
+        quant_path += "; read from the quantized-weight cache"
     return LoadedModel(model=model, tokenizer=tokenizer, device=target, dtype=dtype,
                        quantization=quantization, load_seconds=load_seconds,
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
-                       quantization_path=quant_path, streamed=streamed is not None)
+                       quantization_path=quant_path, streamed=streamed is not None,
+                       from_weight_cache=cached is not None)
 
 
 def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype,

@@ -131,8 +131,12 @@ class DynamicInt8Linear(nn.Module):
         return layer
 
     def _build(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> None:
-        self.out_features, self.in_features = weight.shape
         codes, scales = int8_rows(weight)
+        self._build_from_codes(codes, scales, bias)
+
+    def _build_from_codes(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """From int8 codes [N, K] and float32 scales [N] (also the weight cache's way in)."""
+        self.out_features, self.in_features = codes.shape
         scales = scales.double()
         bias = None if bias is None else bias.to(torch.float32, copy=True)  # never a view of a file
         with warnings.catch_warnings():  # torch marks quantized tensors deprecated; fbgemm needs them

@@ -1,0 +1,200 @@
+"""The quantized-weight cache: q8/q4k models saved after their first load, so later
+loads read int8/int4 tensors instead of quantizing again.
+
+One safetensors file per quantization in `<model dir>/.ruvllm-weights/`, named by
+the quantization, `LAYOUT` (bumped whenever a quantized module's tensors change
+meaning) and a key of the checkpoint's files (names, sizes, modification times) and
+config.json, so a changed checkpoint or a new layout never reads a stale file. The
+file is written under a temporary name and renamed into place: a killed write
+leaves at most a temporary file, never a partial cache file that a load would use.
+Removing the model (`ruvllm rm`) removes its directory and so its cache.
+
+A cache file holds every module's tensors under the module's name (int8 codes and
+scales for fbgemm's layers, whose packed form cannot be saved, is re-packed at load),
+and in its metadata each quantized module's kind and settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding
+from ruvllm_cli.quantization import Quantization
+
+log = logging.getLogger(__name__)
+
+LAYOUT = 1
+CACHE_DIR = ".ruvllm-weights"
+ENV = "RUVLLM_WEIGHT_CACHE"  # "0": neither read nor write the cache
+CACHED = (Quantization.Q8_0, Quantization.Q4_K_M)
+KINDS = {cls.__name__: cls for cls in (DynamicInt8Linear, Int4Linear, Int8Embedding, Int4Embedding)}
+
+
+def enabled(quantization: Quantization, device: torch.device) -> bool:
+    return quantization in CACHED and device.type == "cpu" and os.environ.get(ENV, "1") != "0"
+
+
+def cache_file(model_path: Path, quantization: Quantization) -> Path:
+    """Where this checkpoint's weights at `quantization` are cached."""
+    digest = hashlib.sha256()
+    for file in sorted(model_path.glob("*.safetensors")) + [model_path / "config.json"]:
+        stat = file.stat()
+        digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    digest.update((model_path / "config.json").read_bytes())
+    return model_path / CACHE_DIR / f"{quantization.value}-layout{LAYOUT}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def _module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A quantized module's tensors and settings, from which `_rebuild` makes it again."""
+    if isinstance(module, DynamicInt8Linear):
+        qweight, bias = torch.ops.quantized.linear_unpack(module.packed)
+        tensors = {"codes": qweight.int_repr(), "scales": qweight.q_per_channel_scales().float()}
+        if bias is not None:
+            tensors["bias"] = bias
+        return tensors, {}
+    if isinstance(module, Int4Linear):
+        tensors = {"qweight": module.qweight, "scales_and_zeros": module.scales_and_zeros}
+        if module.bias is not None:
+            tensors["bias"] = module.bias.detach()
+        return tensors, {"group_size": module.group_size, "in_features": module.in_features,
+                         "out_features": module.out_features}
+    settings = {"padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
+                "embedding_dim": module.embedding_dim}
+    if isinstance(module, Int4Embedding):
+        settings["group_size"] = module.group_size
+    return dict(module.named_buffers()), settings
+
+
+def _rebuild(kind: str, tensors: dict[str, torch.Tensor], settings: dict[str, Any]) -> nn.Module:
+    cls = KINDS[kind]
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    if cls is DynamicInt8Linear:
+        module._build_from_codes(tensors["codes"], tensors["scales"], tensors.get("bias"))
+        return module
+    if cls is Int4Linear:
+        module.in_features, module.out_features = settings["in_features"], settings["out_features"]
+        module.group_size = settings["group_size"]
+        module.register_buffer("qweight", tensors["qweight"])
+        module.register_buffer("scales_and_zeros", tensors["scales_and_zeros"])
+        bias = tensors.get("bias")
+        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return module
+    for name, tensor in tensors.items():
+        module.register_buffer(name, tensor)
+    for name, value in settings.items():
+        setattr(module, name, value)
+    return module
+
+
+def save(model: nn.Module, path: Path, description: str) -> None:
+    """Write the loaded model's weights to `path` (atomically); a failure to write
+    (read-only model directory, full disk) only costs the next load its speed."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, list[Any]] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in KINDS:
+            own, settings = _module_tensors(module)
+            kinds[name] = [type(module).__name__, settings]
+            tensors.update({f"{name}.{key}": value.contiguous() for key, value in own.items()})
+            continue
+        for key, param in module.named_parameters(recurse=False):
+            tensors[f"{name}.{key}" if name else key] = param.detach().contiguous()
+    metadata = {"ruvllm_layout": str(LAYOUT), "modules": json.dumps(kinds), "description": description,
+                "tie_word_embeddings": json.dumps(bool(getattr(model.config, "tie_word_embeddings", False)))}
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(exist_ok=True)
+        for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.safetensors"):
+            stale.unlink(missing_ok=True)  # this quantization's files for older checkpoints or layouts
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        log.info("the quantized weights were not cached in %s: %s", path.parent, error)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+
+
+@torch.no_grad()
+def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: str) -> tuple[Any, str] | None:
+    """The model rebuilt from a cache file, or None when there is none (or it does
+    not fit this model: then it is ignored)."""
+    from safetensors import safe_open
+
+    from ruvllm_cli.engine.stream_load import _set_module, _skeleton
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            names = set(handle.keys())
+        if metadata.get("ruvllm_layout") != str(LAYOUT):
+            return None
+        kinds: dict[str, list[Any]] = json.loads(metadata["modules"])
+        model = _skeleton(model_path, dtype, attn_implementation)
+        if json.loads(metadata["tie_word_embeddings"]) is False:
+            model.config.tie_word_embeddings = False
+        modules = dict(model.named_modules())
+        embeddings_name = _name_of(model.get_input_embeddings(), modules)
+        head_name = _name_of(model.get_output_embeddings(), modules)
+        # The vocabulary matrices first: their transient copies (fbgemm packs a copy of
+        # the codes) then come on top of an almost empty model, not of a loaded one.
+        order = sorted(kinds, key=lambda name: name not in (embeddings_name, head_name))
+        for name in order:
+            kind, settings = kinds[name]
+            prefix = f"{name}."
+            # fbgemm packs int8 codes into a copy of its own: they need no copy of ours.
+            tensors = _read(path, [n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]],
+                            copy=kind != DynamicInt8Linear.__name__)
+            module = _rebuild(kind, {n[len(prefix):]: t for n, t in tensors.items()}, settings)
+            if name == embeddings_name:
+                model.set_input_embeddings(module)
+            else:
+                _set_module(model, name, module)
+        for name, module in dict(model.named_modules()).items():
+            if type(module).__name__ in KINDS:
+                continue
+            own = [key for key, _ in module.named_parameters(recurse=False)]
+            keys = [f"{name}.{key}" if name else key for key in own]
+            if not keys:
+                continue
+            missing = [k for k in keys if k not in names]
+            if missing:
+                raise KeyError(f"no tensor {missing[0]}")
+            tensors = _read(path, keys)
+            for key, full in zip(own, keys):
+                module._parameters[key] = nn.Parameter(tensors[full], requires_grad=False)
+    except Exception as error:  # noqa: BLE001 - a damaged or foreign file: quantize again instead
+        log.info("the weight cache %s was not used: %s: %s", path, type(error).__name__, error)
+        return None
+    model.eval()
+    return model, metadata["description"]
+
+
+def _name_of(module: nn.Module | None, modules: dict[str, nn.Module]) -> str | None:
+    return next((name for name, candidate in modules.items() if candidate is module), None)
+
+
+def _read(path: Path, names: list[str], copy: bool = True) -> dict[str, torch.Tensor]:
+    """The named tensors, read through a mapping that is released with them: copies
+    in process memory (not the file's pages, which are slower to compute on and
+    would tie the file to the model) unless `copy` is False."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as handle:
+        return {name: handle.get_tensor(name).clone() if copy else handle.get_tensor(name) for name in names}
+

@@ -1,0 +1,120 @@
+"""The quantized-weight cache (engine/weight_cache.py): a q8/q4k load writes it, the
+next load reads it and builds the very same model; a changed checkpoint or layout
+is never read; a killed write never leaves a file a load would use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ruvllm_cli.engine import weight_cache
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.quantization import Quantization as Q
+from tests.engine.test_stream_load import VARIANTS, _int8_codes, _logits
+
+
+@pytest.fixture
+def model_copy(make_tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv(weight_cache.ENV, "1")
+    path = tmp_path / "model"
+    shutil.copytree(make_tiny_model(**VARIANTS["untied-bias-bf16"]), path)
+    return path
+
+
+def _cache_files(path):
+    return sorted(p.name for p in (path / weight_cache.CACHE_DIR).glob("*"))
+
+
+@pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_K_M])
+def test_the_second_load_reads_the_cache_and_builds_the_same_model(model_copy, quant):
+    first = load_model(model_copy, "cpu", quant)
+    assert not first.from_weight_cache
+    assert _cache_files(model_copy) == [weight_cache.cache_file(model_copy, quant).name]
+    second = load_model(model_copy, "cpu", quant)
+    assert second.from_weight_cache
+    assert second.quantization_path == first.quantization_path + "; read from the quantized-weight cache"
+    assert second.weight_bytes == first.weight_bytes
+    first_state, second_state = first.model.state_dict(), second.model.state_dict()
+    assert first_state.keys() == second_state.keys()
+    for name, tensor in first_state.items():
+        assert second_state[name].dtype == tensor.dtype and torch.equal(second_state[name], tensor), name
+    for a, b in zip(_int8_codes(first.model), _int8_codes(second.model), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(_logits(second.model), _logits(first.model))
+    # Nothing maps the cache file: overwritten under a running model, it changes nothing.
+    cached = weight_cache.cache_file(model_copy, quant)
+    cached.write_bytes(b"\0" * cached.stat().st_size)
+    assert torch.equal(_logits(second.model), _logits(first.model))
+
+
+def test_a_changed_checkpoint_or_layout_is_not_read(model_copy, monkeypatch):
+    load_model(model_copy, "cpu", Q.Q8_0)
+    old_name = weight_cache.cache_file(model_copy, Q.Q8_0).name
+    weights = next(model_copy.glob("*.safetensors"))
+    os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))      # a new download of the file
+    assert not load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+    assert _cache_files(model_copy) == [weight_cache.cache_file(model_copy, Q.Q8_0).name] != [old_name]
+    monkeypatch.setattr(weight_cache, "LAYOUT", weight_cache.LAYOUT + 1)  # ruvllm changed its layout
+    assert not load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+    assert load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+
+
+def test_the_cache_can_be_turned_off(model_copy, monkeypatch):
+    monkeypatch.setenv(weight_cache.ENV, "0")
+    load_model(model_copy, "cpu", Q.Q4_K_M)
+    assert not (model_copy / weight_cache.CACHE_DIR).exists()
+
+
+def test_a_damaged_cache_file_is_quantized_again(model_copy):
+    load_model(model_copy, "cpu", Q.Q4_K_M)
+    cached = weight_cache.cache_file(model_copy, Q.Q4_K_M)
+    cached.write_bytes(cached.read_bytes()[: cached.stat().st_size // 2])
+    reloaded = load_model(model_copy, "cpu", Q.Q4_K_M)
+    assert not reloaded.from_weight_cache
+    assert load_model(model_copy, "cpu", Q.Q4_K_M).from_weight_cache   # and written anew
+
+
+def test_a_cache_that_cannot_be_written_costs_only_speed(model_copy):
+    (model_copy / weight_cache.CACHE_DIR).write_text("a file where the cache directory goes")
+    first = load_model(model_copy, "cpu", Q.Q8_0)
+    assert not first.from_weight_cache and not load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+    assert [p.name for p in model_copy.iterdir() if p.name.endswith(".tmp")] == []
+
+
+KILLER = r"""
+import os, signal, sys
+from pathlib import Path
+import safetensors.torch as st
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.quantization import Quantization
+real = st.save_file
+def save_then_die(tensors, filename, metadata=None):
+    real(tensors, filename, metadata=metadata)
+    if sys.argv[2] == "after-write":
+        os.kill(os.getpid(), signal.SIGKILL)   # written under its temporary name, not yet renamed
+    raise SystemExit("unreachable")
+def die_midway(tensors, filename, metadata=None):
+    Path(filename).write_bytes(b"partial")
+    os.kill(os.getpid(), signal.SIGKILL)
+st.save_file = save_then_die if sys.argv[2] == "after-write" else die_midway
+load_model(sys.argv[1], "cpu", Quantization.Q8_0)
+"""
+
+
+@pytest.mark.parametrize("moment", ["midway", "after-write"])
+def test_a_killed_write_never_leaves_a_cache_file_a_load_would_use(model_copy, moment):
+    env = dict(os.environ, RUVLLM_WEIGHT_CACHE="1")
+    done = subprocess.run([sys.executable, "-c", KILLER, str(model_copy), moment], env=env,
+                          capture_output=True, timeout=300, check=False)
+    assert done.returncode == -signal.SIGKILL
+    assert not weight_cache.cache_file(model_copy, Q.Q8_0).exists()
+    loaded = load_model(model_copy, "cpu", Q.Q8_0)
+    assert not loaded.from_weight_cache
+    assert load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
