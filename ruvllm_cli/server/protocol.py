@@ -185,11 +185,14 @@ COMPLETION_FIELDS = (
     Field("best_of", "integer", "Only best_of = n is supported.", low=1),
     *STREAMING,
 )
+# Each JSON route's fields, which its parser reads and /openapi.json documents.
+REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {"/v1/chat/completions": CHAT_FIELDS,
+                                               "/v1/completions": COMPLETION_FIELDS}
 
 
 # ---- chat ---------------------------------------------------------------------------
 def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
-    values = read_fields(Fields(body), CHAT_FIELDS)
+    values = read_fields(Fields(body), REQUEST_FIELDS["/v1/chat/completions"])
     tools = tool_request(values)
     logprobs, top = values["logprobs"], values["top_logprobs"]
     if top is not None and not logprobs:
@@ -207,7 +210,7 @@ def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> Ch
 
 # ---- completions ----------------------------------------------------------------------
 def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
-    values = read_fields(Fields(body), COMPLETION_FIELDS)
+    values = read_fields(Fields(body), REQUEST_FIELDS["/v1/completions"])
     prompts = values["prompt"]
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"'prompt' holds {len(prompts)} prompts; this server takes at most {limits.max_prompts} "
@@ -256,5 +259,5 @@ def _streaming(values: dict[str, Any]) -> StreamFields:
     return StreamFields(stream, options.get("include_usage", False) and stream)
 
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "ChatRequest", "CompletionRequest", "Prompt", "RequestLimits",
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "REQUEST_FIELDS", "ChatRequest", "CompletionRequest", "Prompt", "RequestLimits",
            "SamplingFields", "StreamFields", "parse_chat_request", "parse_completion_request", "parse_prompts"]

@@ -1,4 +1,5 @@
-"""Request handlers: /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions."""
+"""Request handlers: /health, /metrics, /openapi.json, /v1/models, /v1/chat/completions,
+/v1/completions."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
+from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
                                        tokenize_prompts)
@@ -33,6 +35,7 @@ METRICS_TIMEOUT_S = 10.0
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -49,6 +52,10 @@ async def health(request: web.Request) -> web.Response:
         return json_response({"status": "engine_failed"}, status=503)
     return json_response({"status": "ok", "model": state.model_name,
                           "uptime_s": round(time.monotonic() - state.ready_at, 3)})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document(request.app, api_key=bool(get_state(request.app).config.api_key)))
 
 
 async def list_models(request: web.Request) -> web.Response:
