@@ -48,6 +48,7 @@ class SamplingFields(SamplingKnobs):
 
     max_tokens: int | None = None
     default_max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"   # the field it came from, for errors
     n: int = 1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -197,10 +198,8 @@ def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> Ch
     logprobs, top = values["logprobs"], values["top_logprobs"]
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
-    max_tokens = values["max_completion_tokens"]
-    if max_tokens is None:
-        max_tokens = values["max_tokens"]
-    sampling = _sampling(values, max_tokens, (top or 0) if logprobs else None)
+    name = "max_tokens" if values["max_completion_tokens"] is None else "max_completion_tokens"
+    sampling = _sampling(values, name, (top or 0) if logprobs else None)
     _check_sequences(1, sampling.n, limits)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
@@ -220,7 +219,7 @@ def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits())
         raise bad_request("'echo' together with 'logprobs' is not supported.", "echo", "unsupported_parameter")
     if values["suffix"]:
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
-    sampling = _sampling(values, values["max_tokens"], logprobs, default_max_tokens=COMPLETION_MAX_TOKENS)
+    sampling = _sampling(values, "max_tokens", logprobs, default_max_tokens=COMPLETION_MAX_TOKENS)
     best_of = values["best_of"]
     if best_of is not None and best_of != sampling.n:
         raise bad_request("'best_of' other than 'n' is not supported.", "best_of", "unsupported_parameter")
@@ -237,13 +236,15 @@ def _check_sequences(num_prompts: int, n: int, limits: RequestLimits) -> None:
 
 
 # ---- shared ---------------------------------------------------------------------------
-def _sampling(values: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+def _sampling(values: dict[str, Any], max_tokens: str, logprobs: int | None,
               default_max_tokens: int | None = None) -> SamplingFields:
+    """The sampling fields, with `max_tokens` the name of the field the limit comes from."""
     knobs = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
              "seed", "n", "stop", "ignore_eos")
     return SamplingFields(
-        max_tokens=max_tokens,
+        max_tokens=values[max_tokens],
         default_max_tokens=default_max_tokens,
+        max_tokens_param=max_tokens,
         top_k=0 if values["top_k"] == -1 else values["top_k"],   # vLLM spells "off" as -1
         logprobs=logprobs,
         cache_salt=values["cache_salt"] or None,
