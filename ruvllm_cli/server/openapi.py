@@ -25,6 +25,9 @@ _FINISH = {"enum": ["stop", "length", "tool_calls", None]}
 _HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
          "system_fingerprint": {"type": "null"}}
 
+# One server-sent event of a stream (stream: true): a chunk's JSON, or an error
+# body, and `[DONE]` last.
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 SCHEMAS: dict[str, JsonSchema] = {
     "Error": {"type": "object", "required": ["error"], "additionalProperties": False, "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
@@ -119,8 +122,7 @@ def operation_object(operation: Operation, guarded: bool, request: Sequence[Fiel
         else {"schema": {"type": "object"} if operation.content == "application/json" else {"type": "string"}}
     content = {operation.content: ok}
     if operation.streams:
-        content["text/event-stream"] = {"schema": {
-            "type": "string", "description": "With stream: true: `data: {chunk}` lines, then `data: [DONE]`."}}
+        content["text/event-stream"] = {"schema": _EVENT}
     errors = (*operation.errors, *((401,) if guarded else ()))
     responses: JsonSchema = {"200": {"description": "OK", "content": content}}
     for status in operation.same_body:
