@@ -20,9 +20,10 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 # write those endings, and then what aiohttp gives any other handler before cancelling
 # it: each only event-loop work of a few milliseconds.
 FINAL_GRACE = 0.2
-# A connection must deliver a whole request within this many seconds of connecting or
-# of its last answer, else it is closed: a client trickling its headers (slowloris)
-# holds a socket for at most this long. Above the 5 s after which httpx (and so the
+# A connection must deliver a request's headers within this many seconds of connecting
+# or of its last answer, else it is closed, and then its body within as many again
+# (else a 408, body.read_json): a client trickling either (slowloris) holds a socket
+# for at most this long each. Above the 5 s after which httpx (and so the
 # OpenAI SDK) drops idle pooled connections, so the client closes first and never
 # reuses a connection the server is closing.
 DEFAULT_IDLE_TIMEOUT = 15.0

@@ -218,16 +218,20 @@ def test_a_request_that_is_not_http_is_a_json_400(server):
 
 
 class SlowClient:
-    """A raw connection that sends a request line and then one header byte every
-    `interval` seconds, never finishing its headers; notes when the server hangs up."""
+    """A raw connection that sends `opening` (by default a request line and the start
+    of a header) and then one byte every `interval` seconds, never finishing; notes
+    what the server answers and when it hangs up."""
 
-    def __init__(self, url: str, interval: float = 0.2) -> None:
+    HEADERS = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+    def __init__(self, url: str, interval: float = 0.2, opening: bytes = HEADERS) -> None:
         host, port = url.removeprefix("http://").split(":")
         self.sock = socket.create_connection((host, int(port)), timeout=30)
         self.interval = interval
         self.opened = time.monotonic()
         self.closed_after: float | None = None
-        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        self.received = b""
+        self.sock.sendall(opening)
         self._thread = threading.Thread(target=self._trickle, daemon=True)
         self._thread.start()
 
@@ -236,8 +240,10 @@ class SlowClient:
         try:
             while True:
                 try:
-                    if self.sock.recv(1) == b"":
+                    chunk = self.sock.recv(65536)
+                    if chunk == b"":
                         break
+                    self.received += chunk
                 except BlockingIOError:
                     pass
                 self.sock.send(b"a")
@@ -263,3 +269,18 @@ def test_slow_clients_hold_no_slot_and_are_closed_within_the_idle_timeout(make_s
     closed = [client.wait_closed(max(0.0, deadline - time.monotonic())) for client in slow]
     assert all(after is not None and after < 1.0 + 1.0 for after in closed), closed
 
+
+
+def test_a_body_that_trickles_in_is_a_408_within_the_idle_timeout(make_server):
+    live = make_server(idle_timeout=1.0)
+    opening = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 100000\r\n\r\n{\"model\": \"tiny\", \"prompt\": \"")
+    slow = SlowClient(live.url, opening=opening)
+    closed_after = slow.wait_closed(5)
+    assert closed_after is not None and closed_after < 1.0 + 1.0, closed_after
+    head, _, body = slow.received.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 408 Request Timeout", head
+    assert json.loads(body) == {"error": {"message": "The request body did not arrive within 1 s.",
+                                          "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}).status_code == 200
