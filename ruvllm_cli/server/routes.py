@@ -16,7 +16,7 @@ from ruvllm_cli.server import bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
-from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
+from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot, read_engine_snapshot
 from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
@@ -74,13 +74,28 @@ async def metrics(request: web.Request) -> web.Response:
     state = get_state(request.app)
     snapshot = None
     if state.engine_loop is not None:
-        engine_loop = state.engine_loop
-        aio = asyncio.get_running_loop()
-        # EngineLoop.call waits for the current step to end: keep that off the event loop.
-        snapshot = await asyncio.wait_for(
-            aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot), METRICS_TIMEOUT_S)
+        with state.admission.scraping():   # a shutdown waits for it, as for a generation
+            snapshot = await engine_snapshot(state, state.engine_loop)
     body = state.metrics.render(snapshot)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def engine_snapshot(state: ServerState, engine_loop: EngineLoop) -> EngineSnapshot:
+    """The engine's figures, read on its thread between steps; a 503 once the shutdown
+    timeout runs out or after METRICS_TIMEOUT_S."""
+    aio = asyncio.get_running_loop()
+    # EngineLoop.call waits for the current step to end: keep that off the event loop.
+    reading = aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot)
+    expired = asyncio.ensure_future(state.expired.wait())
+    try:
+        await asyncio.wait({reading, expired}, timeout=METRICS_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        expired.cancel()
+    if reading.done():
+        return reading.result()
+    if state.expired.is_set():
+        raise bridge.shutting_down()
+    raise ApiError(503, f"The engine did not answer within {METRICS_TIMEOUT_S:g} s.", code="engine_busy")
 
 
 # ---- generation ------------------------------------------------------------------------------
