@@ -7,6 +7,7 @@ tokenizer (`check_grammar`)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,6 +17,9 @@ from ruvllm_cli.server.fields import Fields, invalid_value
 from ruvllm_cli.server.spec import Field
 
 MAX_LOGIT_BIAS = 300         # OpenAI's own cap on entries
+# A token id as a logit_bias key. At most 19 digits: int() of a 5,000-digit key
+# raises, and no vocabulary is that large.
+TOKEN_KEY = re.compile(r"^-?[0-9]{1,19}$")
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # vLLM's `structured_outputs` keys, and the `guided_*` request fields it took before.
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -111,8 +115,7 @@ def parse_logit_bias(bias: Fields) -> tuple[tuple[int, float], ...]:
         raise invalid_value("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(bias.body)} entries")
     entries = []
     for key in bias.body:
-        # At most 20 digits: int() of a 5,000-digit key raises, and no vocabulary is that large.
-        if not (key.isascii() and key.strip().lstrip("-").isdigit()) or len(key) > 20:
+        if not TOKEN_KEY.fullmatch(key):   # fullmatch: `$` alone lets a final newline through
             raise invalid_value("logit_bias", "keys must be token ids (integers as strings)", key[:40])
         low, high = LOGIT_BIAS_RANGE
         entries.append((int(key), bias.number(key, 0.0, low=low, high=high)))
@@ -194,8 +197,8 @@ STRUCTURED_FIELDS = (
         Field("json_repair", "boolean", "Close a JSON reply that max_tokens cut off (non-strict schemas).",
               False),)),
 )
+_LOGIT_BIAS = {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": TOKEN_KEY.pattern},
+               "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                        "maximum": LOGIT_BIAS_RANGE[1]}}
 LOGIT_BIAS = Field("logit_bias", "object", "Token id (as a string) -> bias added to its logit.",
-                   parse=parse_logit_bias, schema={
-                       "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^-?[0-9]{1,19}$"},
-                       "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
-                                                "maximum": LOGIT_BIAS_RANGE[1]}})
+                   parse=parse_logit_bias, schema=_LOGIT_BIAS)

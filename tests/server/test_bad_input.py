@@ -150,6 +150,8 @@ def constraints() -> list[Any]:
         "bias-negative-id": (chat(400, "logit_bias", logit_bias={"-1": 1}), None),
         "bias-huge-id": (completion(400, "logit_bias", logit_bias={str(10**30): 1}), None),
         "bias-5000-digit-id": (chat(400, "logit_bias", logit_bias={"9" * 5000: 1}), None),
+        "bias-double-minus": (chat(400, "logit_bias", logit_bias={"--5": 1}), None),   # was int("--5"): a 500
+        "bias-spaced-id": (completion(400, "logit_bias", logit_bias={" 5": 1}), None),
         "bias-400-entries": (chat(400, "logit_bias", logit_bias={str(i): 1 for i in range(400)}), None),
         "format-bogus": (chat(400, "response_format.type", response_format={"type": "bogus"}), None),
         "regex-unclosed": (chat(400, "structured_outputs.regex", structured_outputs={"regex": "((("}), None),
