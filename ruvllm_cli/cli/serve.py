@@ -94,8 +94,9 @@ def command(**options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
 
     Binds 127.0.0.1 unless --host says otherwise. /health answers 503 while the model
-    loads, then 200; /metrics is in Prometheus format. Ctrl+C or SIGTERM stops accepting,
-    lets running requests finish (--shutdown-timeout), then exits.
+    loads, then 200; /metrics is in Prometheus format; /openapi.json describes the API.
+    Ctrl+C or SIGTERM stops accepting, lets running requests finish (--shutdown-timeout),
+    then exits; a second Ctrl+C ends them at once.
 
     \b
     Examples:
