@@ -116,31 +116,40 @@ def parse_prompts(value: Any) -> list[Prompt]:
         raise invalid_type("prompt", "a string or an array", value)
     if not value:
         raise bad_request("'prompt' must not be empty.", "prompt")
-    if all(_is_token_id(v) for v in value):
-        return [list(value)]
+    if _all_numbers(value):
+        return [_token_ids(value, "prompt")]
     prompts: list[Prompt] = []
     for i, item in enumerate(value):
         if isinstance(item, str):
             prompts.append(item)
-        elif isinstance(item, list) and item and all(_is_token_id(v) for v in item):
-            prompts.append(list(item))
+        elif isinstance(item, list) and item and _all_numbers(item):
+            prompts.append(_token_ids(item, f"prompt[{i}]"))
         else:
             raise invalid_type(f"prompt[{i}]", "a string or a non-empty array of token ids", item)
     return prompts
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _all_numbers(values: list[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _token_ids(values: list[Any], where: str) -> list[int]:
+    """Numbers meant as token ids: the first that is not an integer is named (not the
+    whole list, as when [1, 2.0] was reported as prompt[0] not being a string)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, int):
+            raise invalid_type(f"{where}[{i}]", "an integer (a token id)", value)
+    return list(values)
 
 
 _TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 _STOP = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}
 
 MODEL = Field("model", "string", "One of the names /v1/models lists.", required=True)
+_TEXT = {"type": "string", "minLength": 1}   # an empty prompt is refused
 PROMPT = Field("prompt", None, "A string, an array of strings, token ids, or an array of token-id arrays.",
                required=True, parse=parse_prompts, schema={"anyOf": [
-                   {"type": "string"}, _TOKEN_IDS,
-                   {"type": "array", "minItems": 1, "items": {"anyOf": [{"type": "string"}, _TOKEN_IDS]}}]})
+                   _TEXT, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": {"anyOf": [_TEXT, _TOKEN_IDS]}}]})
 MAX_TOKENS = Field("max_tokens", "integer", "Most tokens to generate (default: the endpoint's, see /v1/models).",
                    low=1)
 SAMPLING = (

@@ -92,6 +92,8 @@ def bad_prompts() -> list[Any]:
         "oov-in-list": completion(400, "prompt", prompt=[[1, 2], [3, 10**6]]),
         "float-id": completion(400, "prompt[0]", prompt=[1.5, 2]),
         "bool-id": completion(400, "prompt[0]", prompt=[True, 2]),
+        "float-id-later": completion(400, "prompt[2]", prompt=[1, 2, 3.0]),   # found by fuzzing: was prompt[0]
+        "float-id-nested": completion(400, "prompt[1][0]", prompt=[[1], [2.5, 3]]),
         "empty-string": completion(400, "prompt", prompt=""),
         "empty-list": completion(400, "prompt", prompt=[]),
         "list-of-empty-string": completion(400, "prompt", prompt=[""]),
