@@ -82,19 +82,19 @@ def _content(value: Any, where: str, required: bool) -> str | None:
 
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
 _PAST_CALL = {"type": "object", "required": ["function"], "properties": {"function": {
     "type": "object", "required": ["name"],
     "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}
-_MESSAGE = {
-    "type": "object", "required": ["role", "content"],
-    "description": "An assistant message that carries tool_calls may leave content out.",
-    "properties": {
-        "role": {"enum": sorted(ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
-        "name": {"type": ["string", "null"]},
-        "tool_call_id": {"type": ["string", "null"], "description": "The call a tool message answers."},
-        "tool_calls": {"type": ["array", "null"], "items": _PAST_CALL},
-    },
-}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": sorted(ROLES - {"assistant"})}, "content": _CONTENT, "name": {"type": ["string", "null"]},
+    "tool_call_id": {"type": ["string", "null"], "description": "The call a tool message answers."},
+    "tool_calls": {"type": "null"}}}
+_ASSISTANT = {"type": "object", "required": ["role"], "description": "content, or tool_calls, or both.",
+              "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]},
+                             "name": {"type": ["string", "null"]},
+                             "tool_calls": {"type": ["array", "null"], "items": _PAST_CALL}},
+              "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
+                        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}
 MESSAGES = Field("messages", "array", "The conversation so far.", required=True, parse=parse_messages,
-                 schema={"type": "array", "minItems": 1, "items": _MESSAGE})
+                 schema={"type": "array", "minItems": 1, "items": {"anyOf": [_MESSAGE, _ASSISTANT]}})

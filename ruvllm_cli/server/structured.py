@@ -179,13 +179,15 @@ _RESPONSE_FORMAT = (
         Field("strict", "boolean", "false: json-repair may close a truncated reply (ruvllm.json_repair).",
               False))),
 )
+_CHOICES = {"type": "array", "minItems": 1, "items": {"type": "string"}}
+_LARK = {"type": "string", "minLength": 1, "description": "A Lark grammar (rule `start`)."}
+_REGEX = {"type": "string", "minLength": 1, "description": "A regular expression the whole reply matches."}
 _STRUCTURED_OUTPUTS = {"type": "object", "minProperties": 1, "properties": {
-    "json": _SCHEMA_TEXT, "regex": {"type": "string"}, "choice": {"type": "array", "items": {"type": "string"}},
-    "grammar": {"type": "string", "description": "A Lark grammar."}, "json_object": {"type": "boolean"}},
+    "json": _SCHEMA_TEXT, "regex": _REGEX, "choice": _CHOICES, "grammar": _LARK,
+    "json_object": {"type": "boolean"}},
     "description": "vLLM's form: exactly one of json, regex, choice, grammar, json_object."}
-_GUIDED_SCHEMAS = {"guided_json": _SCHEMA_TEXT, "guided_regex": {"type": "string"},
-                   "guided_choice": {"type": "array", "items": {"type": "string"}},
-                   "guided_grammar": {"type": "string"}}
+_GUIDED_SCHEMAS = {"guided_json": _SCHEMA_TEXT, "guided_regex": _REGEX, "guided_choice": _CHOICES,
+                   "guided_grammar": _LARK}
 
 STRUCTURED_FIELDS = (
     Field("response_format", "object", "Constrain the reply to JSON, or to a JSON schema.",
