@@ -94,8 +94,9 @@ def command(**options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
 
     Binds 127.0.0.1 unless --host says otherwise. /health answers 503 while the model
-    loads, then 200; /metrics is in Prometheus format. Ctrl+C or SIGTERM stops accepting,
-    lets running requests finish (--shutdown-timeout), then exits.
+    loads, then 200; /metrics is in Prometheus format; /openapi.json describes the API.
+    Ctrl+C or SIGTERM stops accepting, lets running requests finish (--shutdown-timeout),
+    then exits; a second Ctrl+C ends them at once.
 
     \b
     Examples:
@@ -146,7 +147,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         raise RuvllmError(f"cannot listen on {options['host']}:{options['port']}: {reason}",
                           "pick another --port, or stop whatever uses it") from error
     stop = asyncio.Event()
-    install_signal_handlers(stop)
+    install_signal_handlers(stop.set)
     out.info(f"[dim]Listening on {escape(server.url)}; loading the model (/health answers 503 until it is ready)[/dim]")
     try:
         opened = await until_stopped(run_in_daemon_thread(lambda: load(app, options)), stop)
@@ -164,7 +165,9 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         attach_engine(web_app, engine_loop, names)
         print_banner(app, server.url, opened.describe(), names, options)
         await stop.wait()
-        out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s ...")
+        out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s "
+                 "(Ctrl+C again: end them now) ...")
+        install_signal_handlers(lambda: end_now(server, out))
         await server.stop()
     finally:
         engine_loop.shutdown(ENGINE_STOP_TIMEOUT)
@@ -221,13 +224,22 @@ def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[s
     return list(dict.fromkeys(names))
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
+def install_signal_handlers(handler: Callable[[], None]) -> None:
+    """Call `handler` on the event loop at SIGINT or SIGTERM (replacing any earlier one)."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, handler)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
-            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(handler))
+
+
+def end_now(server: Any, out: Any) -> None:
+    """A second signal while draining: end what is still in flight (each gets a clean
+    503 or error event) and exit, without waiting out the shutdown timeout."""
+    if not server.ending:
+        out.info("Stopping now: requests still in flight get a 503.")
+        server.end_now()
 
 
 async def until_stopped(work: "asyncio.Future[T]", stop: asyncio.Event) -> T | None:

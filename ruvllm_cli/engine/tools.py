@@ -17,7 +17,7 @@ from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.errors import UsageError
 
 MAX_PARALLEL_CALLS = 5          # what the grammar allows when parallel calls are on
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")   # OpenAI's rule for function names
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Tool:
     description: str | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not TOOL_NAME.fullmatch(self.name):
             raise UsageError(f"tool name {self.name!r} must be 1-64 letters, digits, '_' or '-'")
 
     def for_template(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Layout: `app` (factory, runner helpers), `runner` (aiohttp's runner, answering
 protocol errors in our shape), `routes` (handlers), `body` (reading and checking
-the JSON body), `protocol` + `fields` (request parsing), `prompts` (chat template,
+the JSON body), `protocol` + `fields` + `spec` (request parsing: each field declared
+once as a `spec.Field`, which the validator and `openapi` both read; `messages`,
+`tool_fields` and `structured` declare theirs), `prompts` (chat template,
 tokenizing, per-sequence plans), `bridge` (engine submission and streams),
 `responses` (bodies and chunks), `sse`, `metrics`, `middlewares` (errors, CORS,
 API key), `state` (per-app state), `token_text` (token strings and bytes for

@@ -20,9 +20,10 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 # write those endings, and then what aiohttp gives any other handler before cancelling
 # it: each only event-loop work of a few milliseconds.
 FINAL_GRACE = 0.2
-# A connection must deliver a whole request within this many seconds of connecting or
-# of its last answer, else it is closed: a client trickling its headers (slowloris)
-# holds a socket for at most this long. Above the 5 s after which httpx (and so the
+# A connection must deliver a request's headers within this many seconds of connecting
+# or of its last answer, else it is closed, and then its body within as many again
+# (else a 408, body.read_json): a client trickling either (slowloris) holds a socket
+# for at most this long each. Above the 5 s after which httpx (and so the
 # OpenAI SDK) drops idle pooled connections, so the client closes first and never
 # reuses a connection the server is closing.
 DEFAULT_IDLE_TIMEOUT = 15.0
@@ -89,19 +90,32 @@ class RunningServer:
         state.draining = True
         for site in list(self.runner.sites):
             await site.stop()
-        if not await _until_idle(state, self.shutdown_timeout):
+        if not await _until_idle(state, self.shutdown_timeout, interrupt=state.expired):   # end_now interrupts
             state.expired.set()
             await _until_idle(state, FINAL_GRACE)
         await self.runner.cleanup()   # with FINAL_GRACE for whatever is left (a slow /metrics)
 
+    def end_now(self) -> None:
+        """Cut a stop() short: end every request still in flight as its timeout would."""
+        get_state(self.runner.app).expired.set()
 
-async def _until_idle(state: ServerState, timeout: float) -> bool:
-    """Whether every admitted request has ended within `timeout` seconds."""
+    @property
+    def ending(self) -> bool:
+        return get_state(self.runner.app).expired.is_set()
+
+
+async def _until_idle(state: ServerState, timeout: float, interrupt: asyncio.Event | None = None) -> bool:
+    """Whether every admitted request has ended within `timeout` seconds (or before
+    `interrupt` was set)."""
+    waits = {asyncio.ensure_future(state.admission.idle.wait())}
+    if interrupt is not None:
+        waits.add(asyncio.ensure_future(interrupt.wait()))
     try:
-        await asyncio.wait_for(state.admission.idle.wait(), timeout)
-    except asyncio.TimeoutError:
-        return False
-    return True
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return state.admission.idle.is_set()
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,

@@ -4,6 +4,7 @@ encoder would choke on (NUL, lone surrogates). Each refusal is a 4xx naming its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any, Iterator, NoReturn
@@ -22,11 +23,20 @@ _BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
 
 async def read_json(request: web.Request, max_size: int) -> Any:
     """The body as checked JSON: 413 beyond `max_size` bytes, 400 when it does not parse
-    or holds a string we refuse."""
+    or holds a string we refuse, 408 when it has not all arrived within the server's
+    idle timeout (a client trickling its body must not hold a handler for ever)."""
     if request.content_length is not None and request.content_length > max_size:
         raise ApiError(413, f"The request body is too large: {request.content_length} bytes, the limit is "
                             f"{max_size} bytes.", code="request_too_large")
-    raw = await request.read()   # aiohttp enforces the cap on chunked bodies (HTTPRequestEntityTooLarge)
+    # The connection's keep-alive timeout is the server's idle timeout (app.start_server):
+    # the time a connection has to deliver a whole request.
+    timeout = getattr(request.protocol, "keepalive_timeout", None) or None
+    try:
+        # aiohttp enforces the cap on chunked bodies (HTTPRequestEntityTooLarge)
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout",
+                       close=True) from None
     body = parse_json(raw)
     check_json(body)
     return body

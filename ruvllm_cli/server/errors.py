@@ -16,6 +16,7 @@ ERROR_TYPES = {
     403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "server_error",
@@ -23,25 +24,35 @@ ERROR_TYPES = {
 }
 
 
+# Marks a response after which the connection closes at once, without first reading
+# (for up to aiohttp's 10 s of lingering) what the client still sends (runner.py).
+CLOSE_AT_ONCE = web.ResponseKey("ruvllm_close_at_once", bool)
+
+
 class ApiError(Exception):
     """An HTTP error answer; raised anywhere in a handler, rendered by the middleware."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.close = close   # close the connection right after answering (CLOSE_AT_ONCE)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> web.Response:
         # Never fails: a message may quote client input that UTF-8 cannot carry.
-        return web.Response(body=json_bytes(self.body()), status=self.status, content_type="application/json",
-                            headers=self.headers)
+        response = web.Response(body=json_bytes(self.body()), status=self.status, content_type="application/json",
+                                headers=self.headers)
+        if self.close:
+            response.force_close()
+            response[CLOSE_AT_ONCE] = True
+        return response
 
     @classmethod
     def from_ruvllm(cls, error: RuvllmError, param: str | None = None) -> "ApiError":

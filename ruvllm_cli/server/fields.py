@@ -76,8 +76,7 @@ class Fields:
         value = self.body.get(name)
         if value is None:
             return default
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
+        # 4.0 is refused as OpenAI refuses it: an integer field takes integers only.
         if isinstance(value, bool) or not isinstance(value, int):
             raise invalid_type(self.prefix + name, "an integer", value)
         check_range(self.prefix + name, value, low, high)

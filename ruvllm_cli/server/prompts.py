@@ -13,6 +13,7 @@ from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
+from ruvllm_cli.server.fields import invalid_value
 from ruvllm_cli.server.protocol import Prompt, SamplingFields
 from ruvllm_cli.server.structured import Structured, check_grammar, check_logit_bias
 
@@ -83,6 +84,7 @@ def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_mo
     """`n` sequences per prompt, choice index prompt * n + copy; `max_tokens` defaults
     to what the context leaves (capped by the endpoint's default), and a prompt plus an
     explicit `max_tokens` beyond the context is a 400."""
+    check_max_tokens(sampling, max_model_len)
     plans = []
     for prompt_index, ids in enumerate(prompt_ids):
         max_tokens = fit_max_tokens(len(ids), sampling.max_tokens, max_model_len, param)
@@ -92,6 +94,13 @@ def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_mo
             plans.append(SequencePlan(prompt_index * sampling.n + copy, prompt_index, ids,
                                       sampling.params(max_tokens, copy), sampling.cache_salt))
     return plans
+
+
+def check_max_tokens(sampling: SamplingFields, max_model_len: int) -> None:
+    """A `max_tokens` beyond the whole context fits no prompt: the error names it."""
+    if sampling.max_tokens is not None and sampling.max_tokens > max_model_len:
+        raise invalid_value(sampling.max_tokens_param, f"must leave room for the prompt in this model's context "
+                                                       f"of {max_model_len} tokens", sampling.max_tokens)
 
 
 def fit_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, param: str) -> int:

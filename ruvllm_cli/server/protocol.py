@@ -3,7 +3,6 @@ dataclasses. Every malformed field is a 400 naming the offending `param`."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -12,14 +11,15 @@ from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
-from ruvllm_cli.server.structured import Structured, parse_logit_bias, parse_structured
-from ruvllm_cli.server.tool_fields import parse_tool_request
+from ruvllm_cli.server.messages import MESSAGES
+from ruvllm_cli.server.spec import Field, read_fields
+from ruvllm_cli.server.structured import LOGIT_BIAS, STRUCTURED_FIELDS, Structured, pick_structured
+from ruvllm_cli.server.tool_fields import TOOL_FIELDS, tool_request
 
 MAX_N = 128
 MAX_STOP = 4
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
-ROLES = {"system", "developer", "user", "assistant", "tool"}
 # One request fills at most one default batch (--max-concurrent 16), so a 1 KB body
 # cannot take the whole queue (80 sequences by default) from everyone else.
 DEFAULT_MAX_SEQUENCES = 16
@@ -48,6 +48,7 @@ class SamplingFields(SamplingKnobs):
 
     max_tokens: int | None = None
     default_max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"   # the field it came from, for errors
     n: int = 1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -96,141 +97,143 @@ class CompletionRequest:
     echo: bool = False
 
 
-# ---- chat ---------------------------------------------------------------------------
-def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
-    fields = Fields(body)
-    model = _model(fields)
-    messages = parse_messages(fields.required("messages"))
-    tools = parse_tool_request(fields)
-    logprobs = fields.boolean("logprobs")
-    top = fields.integer("top_logprobs", None, low=0, high=MAX_LOGPROBS)
-    if top is not None and not logprobs:
-        raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
-    max_tokens = fields.integer("max_completion_tokens", None, low=1)
-    if max_tokens is None:
-        max_tokens = fields.integer("max_tokens", None, low=1)
-    sampling = _sampling(fields, max_tokens, (top or 0) if logprobs else None)
-    _check_sequences(1, sampling.n, limits)
-    if tools is not None and tools.choice.forced and sampling.structured is not None:
-        raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
-                          "constrain the reply; give one.", "tool_choice", "invalid_value")
-    return ChatRequest(model, messages, sampling, _streaming(fields), tools)
-
-
-def parse_messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise invalid_type("messages", "an array", value)
-    if not value:
-        raise bad_request("'messages' must contain at least one message.", "messages")
-    return [_message(item, f"messages[{i}]") for i, item in enumerate(value)]
-
-
-def _message(item: Any, where: str) -> dict[str, Any]:
-    if not isinstance(item, dict):
-        raise invalid_type(where, "an object", item)
-    role = item.get("role")
-    if not isinstance(role, str) or role not in ROLES:
-        raise invalid_value(f"{where}.role", f"must be one of {', '.join(sorted(ROLES))}", role)
-    message: dict[str, Any] = {"role": "system" if role == "developer" else role}
-    tool_calls = item.get("tool_calls")
-    content_required = not (role == "assistant" and tool_calls)
-    message["content"] = _content(item.get("content"), f"{where}.content", content_required)
-    if tool_calls is not None:
-        if role != "assistant" or not isinstance(tool_calls, list):
-            raise invalid_value(f"{where}.tool_calls", "only assistant messages carry an array of tool calls",
-                                tool_calls)
-        message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
-    for key in ("name", "tool_call_id"):
-        if item.get(key) is not None:
-            if not isinstance(item[key], str):
-                raise invalid_type(f"{where}.{key}", "a string", item[key])
-            message[key] = item[key]
-    return message
-
-
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
-    """A past tool call for the template. OpenAI sends `arguments` as a JSON string;
-    chat templates (Qwen, Llama 3) expect an object they can `tojson` themselves."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise invalid_value(f"{where}.function", "must be an object with a name", function)
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            pass   # not JSON: the template gets the text as it came
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-def _content(value: Any, where: str, required: bool) -> str | None:
-    """A string, or text parts joined by newlines; any other part is refused."""
-    if value is None:
-        if required:
-            raise bad_request(f"Missing required parameter: '{where}'.", where, "missing_required_parameter")
-        return None
+# ---- the fields ------------------------------------------------------------------------
+def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise invalid_type(where, "a string or an array of content parts", value)
-    texts = []
-    for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else part
-            raise invalid_value(f"{where}[{i}].type", "only text content parts are supported", kind)
-        if not isinstance(part.get("text"), str):
-            raise invalid_type(f"{where}[{i}].text", "a string", part.get("text"))
-        texts.append(part["text"])
-    return "\n".join(texts)
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid_type("stop", "a string or an array of strings", value)
+    if len(value) > MAX_STOP:
+        raise invalid_value("stop", f"at most {MAX_STOP} stop sequences", value)
+    return tuple(value)
 
 
-# ---- completions ----------------------------------------------------------------------
-def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
-    fields = Fields(body)
-    model = _model(fields)
-    prompts = parse_prompts(fields.required("prompt"), limits.max_prompts)
-    logprobs = fields.integer("logprobs", None, low=0, high=MAX_LOGPROBS)
-    echo = fields.boolean("echo")
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' is not supported.", "echo", "unsupported_parameter")
-    if fields.string("suffix"):
-        raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
-    sampling = _sampling(fields, fields.integer("max_tokens", None, low=1), logprobs,
-                        default_max_tokens=COMPLETION_MAX_TOKENS)
-    best_of = fields.integer("best_of", None, low=1)
-    if best_of is not None and best_of != sampling.n:
-        raise bad_request("'best_of' other than 'n' is not supported.", "best_of", "unsupported_parameter")
-    _check_sequences(len(prompts), sampling.n, limits)
-    return CompletionRequest(model, prompts, sampling, _streaming(fields), echo)
-
-
-def parse_prompts(value: Any, max_prompts: int | None = None) -> list[Prompt]:
-    """A string, an array of strings, an array of token ids, or an array of those
-    (at most `max_prompts` of them)."""
+def parse_prompts(value: Any) -> list[Prompt]:
+    """A string, an array of strings, an array of token ids, or an array of those."""
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
         raise invalid_type("prompt", "a string or an array", value)
     if not value:
         raise bad_request("'prompt' must not be empty.", "prompt")
-    if all(_is_token_id(v) for v in value):
-        return [list(value)]
-    if max_prompts is not None and len(value) > max_prompts:
-        raise bad_request(f"'prompt' holds {len(value)} prompts; this server takes at most {max_prompts} in one "
-                          "request.", "prompt", "invalid_value")
+    if _all_numbers(value):
+        return [_token_ids(value, "prompt")]
     prompts: list[Prompt] = []
     for i, item in enumerate(value):
         if isinstance(item, str):
             prompts.append(item)
-        elif isinstance(item, list) and item and all(_is_token_id(v) for v in item):
-            prompts.append(list(item))
+        elif isinstance(item, list) and item and _all_numbers(item):
+            prompts.append(_token_ids(item, f"prompt[{i}]"))
         else:
             raise invalid_type(f"prompt[{i}]", "a string or a non-empty array of token ids", item)
     return prompts
 
 
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _all_numbers(values: list[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def _token_ids(values: list[Any], where: str) -> list[int]:
+    """Numbers meant as token ids: the first that is not an integer is named (not the
+    whole list, as when [1, 2.0] was reported as prompt[0] not being a string)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, int):
+            raise invalid_type(f"{where}[{i}]", "an integer (a token id)", value)
+    return list(values)
+
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_STOP = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}
+
+MODEL = Field("model", "string", "One of the names /v1/models lists.", required=True)
+_TEXT = {"type": "string", "minLength": 1}   # an empty prompt is refused
+PROMPT = Field("prompt", None, "A string, an array of strings, token ids, or an array of token-id arrays.",
+               required=True, parse=parse_prompts, schema={"anyOf": [
+                   _TEXT, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": {"anyOf": [_TEXT, _TOKEN_IDS]}}]})
+MAX_TOKENS = Field("max_tokens", "integer", "Most tokens to generate (default: the endpoint's, see /v1/models).",
+                   low=1)
+SAMPLING = (
+    Field("top_p", "number", "Nucleus sampling: the smallest set of tokens holding this much probability.", 1.0,
+          low=0.0, high=1.0, above_low=True),
+    # vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos), which clients
+    # send through `extra_body`.
+    Field("repetition_penalty", "number", "Divides the logits of tokens already seen (1: off).", 1.0,
+          low=0.0, high=10.0, above_low=True),
+    Field("n", "integer", "Replies to generate for each prompt.", 1, low=1, high=MAX_N),
+    Field("temperature", "number", "0: greedy; higher: more random.", 1.0, low=0.0, high=2.0),
+    Field("top_k", "integer", "Sample from the k likeliest tokens (0 or -1: off).", 0, low=-1),
+    Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", 0.0, low=0.0, high=1.0),
+    Field("presence_penalty", "number", default=0.0, low=-2.0, high=2.0),
+    Field("frequency_penalty", "number", default=0.0, low=-2.0, high=2.0),
+    Field("seed", "integer", "Replays the same sampling (copy i of n uses seed + i).",
+          low=SEED_RANGE[0], high=SEED_RANGE[1]),
+    Field("stop", None, "Text that ends the reply (not included in it).", (), parse=_stop, schema=_STOP),
+    Field("ignore_eos", "boolean", "Generate max_tokens tokens whatever the model says.", False),
+    Field("cache_salt", "string", "Prefix-cache blocks are shared only between requests with the same salt."),
+    LOGIT_BIAS,
+    *STRUCTURED_FIELDS,
+)
+STREAMING = (
+    Field("stream", "boolean", "Send the reply as server-sent events, ending with `data: [DONE]`.", False),
+    Field("stream_options", "object", properties=(
+        Field("include_usage", "boolean", "A last chunk with the token counts.", False),)),
+)
+CHAT_FIELDS = (
+    MODEL, MESSAGES, *TOOL_FIELDS,
+    Field("logprobs", "boolean", "Return each token's log probability.", False),
+    Field("top_logprobs", "integer", "Alternatives per token (needs logprobs).", low=0, high=MAX_LOGPROBS),
+    Field("max_completion_tokens", "integer", "max_tokens under its newer name (wins over it).", low=1),
+    MAX_TOKENS, *SAMPLING, *STREAMING,
+)
+COMPLETION_FIELDS = (
+    MODEL, PROMPT,
+    Field("logprobs", "integer", "Alternatives per token; each token's log probability with them.",
+          low=0, high=MAX_LOGPROBS),
+    Field("echo", "boolean", "Put the prompt before the reply.", False),
+    Field("suffix", "string", "Not supported: any non-empty suffix is refused."),
+    MAX_TOKENS, *SAMPLING,
+    Field("best_of", "integer", "Only best_of = n is supported.", low=1),
+    *STREAMING,
+)
+# Each JSON route's fields, which its parser reads and /openapi.json documents.
+REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {"/v1/chat/completions": CHAT_FIELDS,
+                                               "/v1/completions": COMPLETION_FIELDS}
+
+
+# ---- chat ---------------------------------------------------------------------------
+def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
+    values = read_fields(Fields(body), REQUEST_FIELDS["/v1/chat/completions"])
+    tools = tool_request(values)
+    logprobs, top = values["logprobs"], values["top_logprobs"]
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' set to true.", "top_logprobs")
+    name = "max_tokens" if values["max_completion_tokens"] is None else "max_completion_tokens"
+    sampling = _sampling(values, name, (top or 0) if logprobs else None)
+    _check_sequences(1, sampling.n, limits)
+    if tools is not None and tools.choice.forced and sampling.structured is not None:
+        raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
+                          "constrain the reply; give one.", "tool_choice", "invalid_value")
+    return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools)
+
+
+# ---- completions ----------------------------------------------------------------------
+def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
+    values = read_fields(Fields(body), REQUEST_FIELDS["/v1/completions"])
+    prompts = values["prompt"]
+    if len(prompts) > limits.max_prompts:
+        raise bad_request(f"'prompt' holds {len(prompts)} prompts; this server takes at most {limits.max_prompts} "
+                          "in one request.", "prompt", "invalid_value")
+    logprobs = values["logprobs"]
+    if values["echo"] and logprobs is not None:
+        raise bad_request("'echo' together with 'logprobs' is not supported.", "echo", "unsupported_parameter")
+    if values["suffix"]:
+        raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
+    sampling = _sampling(values, "max_tokens", logprobs, default_max_tokens=COMPLETION_MAX_TOKENS)
+    best_of = values["best_of"]
+    if best_of is not None and best_of != sampling.n:
+        raise bad_request("'best_of' other than 'n' is not supported.", "best_of", "unsupported_parameter")
+    _check_sequences(len(prompts), sampling.n, limits)
+    return CompletionRequest(values["model"], prompts, sampling, _streaming(values), values["echo"])
 
 
 def _check_sequences(num_prompts: int, n: int, limits: RequestLimits) -> None:
@@ -242,67 +245,30 @@ def _check_sequences(num_prompts: int, n: int, limits: RequestLimits) -> None:
 
 
 # ---- shared ---------------------------------------------------------------------------
-def _model(fields: Fields) -> str:
-    model = fields.string("model", required=True)
-    if not model:
-        raise bad_request("Missing required parameter: 'model'.", "model", "missing_required_parameter")
-    return model
-
-
-def _sampling(fields: Fields, max_tokens: int | None, logprobs: int | None,
+def _sampling(values: dict[str, Any], max_tokens: str, logprobs: int | None,
               default_max_tokens: int | None = None) -> SamplingFields:
-    top_p = fields.number("top_p", 1.0, low=0.0, high=1.0)
-    if top_p == 0.0:
-        raise invalid_value("top_p", "must be greater than 0 and at most 1", top_p)
-    # vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos), which clients
-    # send through `extra_body`.
-    repetition_penalty = fields.number("repetition_penalty", 1.0, low=0.0, high=10.0)
-    if repetition_penalty == 0.0:
-        raise invalid_value("repetition_penalty", "must be greater than 0", repetition_penalty)
+    """The sampling fields, with `max_tokens` the name of the field the limit comes from."""
+    knobs = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "seed", "n", "stop", "ignore_eos")
     return SamplingFields(
-        max_tokens=max_tokens,
+        max_tokens=values[max_tokens],
         default_max_tokens=default_max_tokens,
-        n=fields.integer("n", 1, low=1, high=MAX_N) or 1,
-        temperature=fields.number("temperature", 1.0, low=0.0, high=2.0),
-        top_p=top_p,
-        top_k=_top_k(fields),
-        min_p=fields.number("min_p", 0.0, low=0.0, high=1.0),
-        repetition_penalty=repetition_penalty,
-        presence_penalty=fields.number("presence_penalty", 0.0, low=-2.0, high=2.0),
-        frequency_penalty=fields.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
-        seed=fields.integer("seed", None, low=SEED_RANGE[0], high=SEED_RANGE[1]),
-        stop=_stop(fields.raw("stop")),
-        ignore_eos=fields.boolean("ignore_eos"),
+        max_tokens_param=max_tokens,
+        top_k=0 if values["top_k"] == -1 else values["top_k"],   # vLLM spells "off" as -1
         logprobs=logprobs,
-        cache_salt=fields.string("cache_salt") or None,
-        logit_bias=parse_logit_bias(fields),
-        structured=parse_structured(fields),
+        cache_salt=values["cache_salt"] or None,
+        logit_bias=values["logit_bias"] or (),
+        structured=pick_structured(values),
+        **{name: values[name] for name in knobs},
     )
 
 
-def _top_k(fields: Fields) -> int:
-    top_k = fields.integer("top_k", 0, low=-1)
-    return 0 if top_k in (None, -1) else top_k   # vLLM spells "off" as -1
+def _streaming(values: dict[str, Any]) -> StreamFields:
+    stream = values["stream"]
+    options = values["stream_options"] or {}
+    return StreamFields(stream, options.get("include_usage", False) and stream)
 
 
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise invalid_type("stop", "a string or an array of strings", value)
-    if len(value) > MAX_STOP:
-        raise invalid_value("stop", f"at most {MAX_STOP} stop sequences", value)
-    return tuple(value)
-
-
-def _streaming(fields: Fields) -> StreamFields:
-    stream = fields.boolean("stream")
-    options = fields.object("stream_options")
-    include_usage = options.boolean("include_usage") if options is not None else False
-    return StreamFields(stream, include_usage and stream)
-
-
-__all__ = ["ChatRequest", "CompletionRequest", "Prompt", "RequestLimits", "SamplingFields", "StreamFields",
-           "parse_chat_request", "parse_completion_request", "parse_messages", "parse_prompts"]
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "REQUEST_FIELDS", "ChatRequest", "CompletionRequest", "Prompt",
+           "RequestLimits", "SamplingFields", "StreamFields", "parse_chat_request", "parse_completion_request",
+           "parse_prompts"]

@@ -1,4 +1,5 @@
-"""Request handlers: /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions."""
+"""Request handlers: /health, /metrics, /openapi.json, /v1/models, /v1/chat/completions,
+/v1/completions."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ruvllm_cli.server import bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
-from ruvllm_cli.server.metrics import CONTENT_TYPE, read_engine_snapshot
+from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot, read_engine_snapshot
+from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
                                        tokenize_prompts)
@@ -33,6 +35,7 @@ METRICS_TIMEOUT_S = 10.0
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
@@ -51,6 +54,10 @@ async def health(request: web.Request) -> web.Response:
                           "uptime_s": round(time.monotonic() - state.ready_at, 3)})
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(openapi_document(request.app, api_key=bool(get_state(request.app).config.api_key)))
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = get_state(request.app)
     engine_loop = state.require_engine()
@@ -67,13 +74,28 @@ async def metrics(request: web.Request) -> web.Response:
     state = get_state(request.app)
     snapshot = None
     if state.engine_loop is not None:
-        engine_loop = state.engine_loop
-        aio = asyncio.get_running_loop()
-        # EngineLoop.call waits for the current step to end: keep that off the event loop.
-        snapshot = await asyncio.wait_for(
-            aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot), METRICS_TIMEOUT_S)
+        with state.admission.scraping():   # a shutdown waits for it, as for a generation
+            snapshot = await engine_snapshot(state, state.engine_loop)
     body = state.metrics.render(snapshot)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def engine_snapshot(state: ServerState, engine_loop: EngineLoop) -> EngineSnapshot:
+    """The engine's figures, read on its thread between steps; a 503 once the shutdown
+    timeout runs out or after METRICS_TIMEOUT_S."""
+    aio = asyncio.get_running_loop()
+    # EngineLoop.call waits for the current step to end: keep that off the event loop.
+    reading = aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot)
+    expired = asyncio.ensure_future(state.expired.wait())
+    try:
+        await asyncio.wait({reading, expired}, timeout=METRICS_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        expired.cancel()
+    if reading.done():
+        return reading.result()
+    if state.expired.is_set():
+        raise bridge.shutting_down()
+    raise ApiError(503, f"The engine did not answer within {METRICS_TIMEOUT_S:g} s.", code="engine_busy")
 
 
 # ---- generation ------------------------------------------------------------------------------

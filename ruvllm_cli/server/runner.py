@@ -1,6 +1,7 @@
 """The aiohttp runner we serve with. aiohttp answers what fails before a request
 reaches the app (an oversized header, a malformed request line) itself, in plain
-text and with a logged traceback; our connections answer those in OpenAI's shape."""
+text and with a logged traceback; our connections answer those in OpenAI's shape,
+and close at once after an answer marked CLOSE_AT_ONCE (a body that timed out)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.errors import CLOSE_AT_ONCE, ApiError
 
 log = logging.getLogger("ruvllm.server")
 
@@ -31,6 +32,14 @@ class ApiRequestHandler(RequestHandler):
         response = ApiError(status, text, code="bad_http_request" if status < 500 else None).response()
         response.force_close()
         return response
+
+
+    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        answered = await super().finish_response(request, resp, start_time)
+        if resp.get(CLOSE_AT_ONCE):
+            self.force_close()   # a client trickling its body: read none of the rest
+        return answered
 
 
 class _ApiServer(web.Server):

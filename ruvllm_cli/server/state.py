@@ -41,14 +41,31 @@ class ServerConfig:
 
 
 class Admission:
-    """Bounds the sequences admitted: `capacity` = decoded together + allowed to wait."""
+    """Bounds the sequences admitted: `capacity` = decoded together + allowed to wait.
+    A shutdown waits until `idle`: no generation and no /metrics scrape in flight."""
 
     def __init__(self) -> None:
         self.capacity = 0
         self.in_flight = 0    # sequences
         self.requests = 0     # the requests those sequences belong to
+        self.scrapes = 0      # /metrics requests, which wait on the engine thread too
         self.idle = asyncio.Event()   # set while no request is admitted
         self.idle.set()
+
+    @contextmanager
+    def scraping(self) -> Iterator[None]:
+        """Count a /metrics request while the body runs (it holds no sequence)."""
+        self.scrapes += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.scrapes -= 1
+            self._settle()
+
+    def _settle(self) -> None:
+        if not self.requests and not self.scrapes:
+            self.idle.set()
 
     @contextmanager
     def reserve(self, n: int, param: str = "n") -> Iterator[None]:
@@ -71,8 +88,7 @@ class Admission:
         finally:
             self.in_flight -= n
             self.requests -= 1
-            if not self.requests:
-                self.idle.set()
+            self._settle()
 
 
 class ServerState:

@@ -7,14 +7,19 @@ tokenizer (`check_grammar`)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ruvllm_cli.engine.grammar import GrammarError, GrammarSpec
 from ruvllm_cli.server.errors import ApiError, bad_request
-from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.fields import Fields, invalid_value
+from ruvllm_cli.server.spec import Field
 
 MAX_LOGIT_BIAS = 300         # OpenAI's own cap on entries
+# A token id as a logit_bias key. At most 19 digits: int() of a 5,000-digit key
+# raises, and no vocabulary is that large.
+TOKEN_KEY = re.compile(r"^-?[0-9]{1,19}$")
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # vLLM's `structured_outputs` keys, and the `guided_*` request fields it took before.
 _VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -35,46 +40,39 @@ class Structured:
         return self.json_repair and self.spec.kind in ("json_object", "json_schema") and not self.strict
 
 
-def parse_structured(fields: Fields) -> Structured | None:
-    """At most one of response_format (non-text), structured_outputs or guided_*."""
-    found = [s for s in (_response_format(fields), _structured_outputs(fields), _guided(fields)) if s]
+def pick_structured(values: dict[str, Any]) -> Structured | None:
+    """At most one of response_format (non-text), structured_outputs or guided_*,
+    from the request's STRUCTURED_FIELDS values."""
+    guided = [name for name in _GUIDED if values[name] is not None]
+    if len(guided) > 1:
+        raise bad_request(f"Give one of {', '.join(_GUIDED)}, not several.", guided[1], "invalid_value")
+    given = [values["response_format"], values["structured_outputs"], *(values[name] for name in guided)]
+    found = [s for s in given if s is not None]
     if len(found) > 1:
         raise bad_request("Give one of 'response_format', 'structured_outputs' or 'guided_*', not several.",
                           found[1].param, "invalid_value")
     if not found:
         return None
-    repair = _json_repair(fields)
     structured = found[0]
-    return Structured(structured.spec, structured.param, structured.strict, repair)
+    extension = values["ruvllm"] or {}
+    return Structured(structured.spec, structured.param, structured.strict, extension.get("json_repair", False))
 
 
-def _response_format(fields: Fields) -> Structured | None:
-    response_format = fields.object("response_format")
-    if response_format is None:
-        return None
-    kind = response_format.string("type", required=True)
+def _response_format(response_format: Fields) -> Structured | None:
+    kind = response_format.body["type"]
     if kind == "text":
         return None
     if kind == "json_object":
         return Structured(GrammarSpec.json_object(), "response_format", strict=False)
-    if kind != "json_schema":
-        raise invalid_value("response_format.type", "must be one of text, json_object, json_schema", kind)
     json_schema = response_format.object("json_schema")
     if json_schema is None:
         raise bad_request("Missing required parameter: 'response_format.json_schema'.",
                           "response_format.json_schema", "missing_required_parameter")
-    schema = json_schema.required("schema")
-    if not isinstance(schema, dict):
-        raise invalid_type("response_format.json_schema.schema", "an object", schema)
-    json_schema.string("name")
-    return Structured(_spec("json_schema", schema, "response_format.json_schema.schema"),
+    return Structured(_spec("json_schema", json_schema.body["schema"], "response_format.json_schema.schema"),
                       "response_format", strict=json_schema.boolean("strict"))
 
 
-def _structured_outputs(fields: Fields) -> Structured | None:
-    options = fields.object("structured_outputs")
-    if options is None:
-        return None
+def _structured_outputs(options: Fields) -> Structured | None:
     given = [key for key in (*_VLLM_KINDS, "json_object") if options.has(key)]
     if len(given) != 1:
         raise invalid_value("structured_outputs", "must hold exactly one of json, regex, choice, grammar, "
@@ -86,14 +84,11 @@ def _structured_outputs(fields: Fields) -> Structured | None:
     return Structured(_spec(_VLLM_KINDS[key], options.raw(key), param), param)
 
 
-def _guided(fields: Fields) -> Structured | None:
-    given = [name for name in _GUIDED if fields.has(name)]
-    if not given:
-        return None
-    if len(given) > 1:
-        raise bad_request(f"Give one of {', '.join(_GUIDED)}, not several.", given[1], "invalid_value")
-    name = given[0]
-    return Structured(_spec(_VLLM_KINDS[_GUIDED[name]], fields.raw(name), name), name)
+def _guided(name: str) -> Callable[[Any], Structured]:
+    def parse(value: Any) -> Structured:
+        return Structured(_spec(_VLLM_KINDS[_GUIDED[name]], value, name), name)
+
+    return parse
 
 
 def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
@@ -113,23 +108,14 @@ def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
         raise invalid_value(param, f"is not a valid {kind.replace('_', ' ')}", str(value)[:80]) from error
 
 
-def _json_repair(fields: Fields) -> bool:
-    extension = fields.object("ruvllm")
-    return extension.boolean("json_repair") if extension is not None else False
-
-
-def parse_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+def parse_logit_bias(bias: Fields) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, at most 300 entries.
     Ids are checked against the vocabulary later (`check_logit_bias`)."""
-    bias = fields.object("logit_bias")
-    if bias is None:
-        return ()
     if len(bias.body) > MAX_LOGIT_BIAS:
         raise invalid_value("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(bias.body)} entries")
     entries = []
     for key in bias.body:
-        # At most 20 digits: int() of a 5,000-digit key raises, and no vocabulary is that large.
-        if not (key.isascii() and key.strip().lstrip("-").isdigit()) or len(key) > 20:
+        if not TOKEN_KEY.fullmatch(key):   # fullmatch: `$` alone lets a final newline through
             raise invalid_value("logit_bias", "keys must be token ids (integers as strings)", key[:40])
         low, high = LOGIT_BIAS_RANGE
         entries.append((int(key), bias.number(key, 0.0, low=low, high=high)))
@@ -182,3 +168,39 @@ def mark_repaired(body: dict[str, Any], choices: Any) -> dict[str, Any]:
         if choice is not None and choice.repaired:
             entry["ruvllm"] = {"json_repaired": True}
     return body
+
+
+_SCHEMA_TEXT = {"type": ["object", "string"], "description": "A JSON schema, or its JSON text."}
+_RESPONSE_FORMAT = (
+    Field("type", "string", required=True, enum=("text", "json_object", "json_schema")),
+    Field("json_schema", "object", "Needed by type json_schema.", properties=(
+        Field("name", "string"),
+        Field("schema", "object", "The JSON schema the reply must match.", required=True),
+        Field("strict", "boolean", "false: json-repair may close a truncated reply (ruvllm.json_repair).",
+              False))),
+)
+_CHOICES = {"type": "array", "minItems": 1, "items": {"type": "string"}}
+_LARK = {"type": "string", "minLength": 1, "description": "A Lark grammar (rule `start`)."}
+_REGEX = {"type": "string", "minLength": 1, "description": "A regular expression the whole reply matches."}
+_STRUCTURED_OUTPUTS = {"type": "object", "minProperties": 1, "properties": {
+    "json": _SCHEMA_TEXT, "regex": _REGEX, "choice": _CHOICES, "grammar": _LARK,
+    "json_object": {"type": "boolean"}},
+    "description": "vLLM's form: exactly one of json, regex, choice, grammar, json_object."}
+_GUIDED_SCHEMAS = {"guided_json": _SCHEMA_TEXT, "guided_regex": _REGEX, "guided_choice": _CHOICES,
+                   "guided_grammar": _LARK}
+
+STRUCTURED_FIELDS = (
+    Field("response_format", "object", "Constrain the reply to JSON, or to a JSON schema.",
+          properties=_RESPONSE_FORMAT, parse=_response_format),
+    Field("structured_outputs", "object", parse=_structured_outputs, schema=_STRUCTURED_OUTPUTS),
+    *(Field(name, None, f"vLLM's older form of structured_outputs.{kind}.", parse=_guided(name),
+            schema=_GUIDED_SCHEMAS[name]) for name, kind in _GUIDED.items()),
+    Field("ruvllm", "object", "ruvllm's extensions.", properties=(
+        Field("json_repair", "boolean", "Close a JSON reply that max_tokens cut off (non-strict schemas).",
+              False),)),
+)
+_LOGIT_BIAS = {"type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": TOKEN_KEY.pattern},
+               "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS_RANGE[0],
+                                        "maximum": LOGIT_BIAS_RANGE[1]}}
+LOGIT_BIAS = Field("logit_bias", "object", "Token id (as a string) -> bias added to its logit.",
+                   parse=parse_logit_bias, schema=_LOGIT_BIAS)

@@ -1,22 +1,23 @@
-"""OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, parsed into the
-engine's ToolRequest; each malformed field is a 400 naming its param."""
+"""OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` (TOOL_FIELDS), parsed
+into the engine's ToolRequest; each malformed field is a 400 naming its param."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ruvllm_cli.engine.tools import Tool, ToolChoice, ToolRequest
+from ruvllm_cli.engine.tools import TOOL_NAME, Tool, ToolChoice, ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.spec import Field
 
 MAX_TOOLS = 512
+_CHOICES = ("auto", "none", "required")
 
 
-def parse_tool_request(fields: Fields) -> ToolRequest | None:
-    tools = _tools(fields.raw("tools"))
-    choice = _choice(fields.raw("tool_choice"))
-    parallel = fields.boolean("parallel_tool_calls", True)
+def tool_request(values: dict[str, Any]) -> ToolRequest | None:
+    """The request's tools (None when it has none) from its TOOL_FIELDS values."""
+    tools, choice, parallel = values["tools"], values["tool_choice"], values["parallel_tool_calls"]
     if not tools:
         if choice.forced:
             raise bad_request(f"'tool_choice' {choice.mode!r} needs 'tools'.", "tool_choice", "invalid_value")
@@ -28,11 +29,7 @@ def parse_tool_request(fields: Fields) -> ToolRequest | None:
         raise bad_request(error.message[0].upper() + error.message[1:] + ".", param, "invalid_value") from error
 
 
-def _tools(value: Any) -> list[Tool]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise invalid_type("tools", "an array", value)
+def _tools(value: list[Any]) -> list[Tool]:
     if len(value) > MAX_TOOLS:
         raise invalid_value("tools", f"at most {MAX_TOOLS} tools", f"{len(value)} tools")
     return [_tool(item, f"tools[{i}]") for i, item in enumerate(value)]
@@ -59,10 +56,8 @@ def _tool(item: Any, where: str) -> Tool:
 
 
 def _choice(value: Any) -> ToolChoice:
-    if value is None:
-        return ToolChoice()
     if isinstance(value, str):
-        if value not in ("auto", "none", "required"):
+        if value not in _CHOICES:
             raise invalid_value("tool_choice", "must be auto, none, required or a named function", value)
         return ToolChoice(value)
     if isinstance(value, dict):
@@ -71,3 +66,21 @@ def _choice(value: Any) -> ToolChoice:
             return ToolChoice("function", function["name"])
     raise invalid_value("tool_choice", 'must be auto, none, required or {"type": "function", '
                                        '"function": {"name": ...}}', value)
+
+
+_FUNCTION = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "pattern": TOOL_NAME.pattern}, "description": {"type": ["string", "null"]},
+    "parameters": {"type": ["object", "null"], "description": "A JSON schema of the arguments."}}}
+_NAMED_CHOICE = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
+
+TOOL_FIELDS = (
+    Field("tools", "array", "Functions the model may call.", (), parse=_tools,
+          schema={"type": "array", "maxItems": MAX_TOOLS, "items": {
+              "type": "object", "required": ["function"],
+              "properties": {"type": {"const": "function"}, "function": _FUNCTION}}}),
+    Field("tool_choice", None, "Whether and which tool the model must call.", ToolChoice(), parse=_choice,
+          schema={"anyOf": [{"enum": list(_CHOICES)}, _NAMED_CHOICE]}),
+    Field("parallel_tool_calls", "boolean", "Whether one reply may hold several calls.", True),
+)

@@ -181,3 +181,59 @@ def test_a_chat_without_max_tokens_stops_at_the_server_default(make_server):
 def test_the_chat_default_is_1024_tokens(server):
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert model["max_tokens_default"] == {"/v1/chat/completions": 1024, "/v1/completions": 16}
+
+
+def slow_snapshot(seconds: float):
+    from ruvllm_cli.server.metrics import read_engine_snapshot
+
+    def read(engine):
+        time.sleep(seconds)   # on the engine thread, as a long step would hold it
+        return read_engine_snapshot(engine)
+
+    return read
+
+
+def scrape_in_background(url: str) -> tuple[threading.Thread, list]:
+    answers: list = []
+
+    def scrape() -> None:
+        try:
+            answers.append(httpx.get(url + "/metrics", timeout=30))
+        except httpx.TransportError as error:
+            answers.append(error)
+
+    thread = threading.Thread(target=scrape)
+    thread.start()
+    return thread, answers
+
+
+def test_shutdown_waits_for_a_metrics_scrape_in_flight(make_server, monkeypatch):
+    from ruvllm_cli.server import routes
+
+    monkeypatch.setattr(routes, "read_engine_snapshot", slow_snapshot(1.0))
+    live = make_server(shutdown_timeout=5)
+    thread, answers = scrape_in_background(live.url)
+    time.sleep(0.3)   # the scrape waits on the engine thread
+    started = time.monotonic()
+    live.thread.stop()
+    stopped = time.monotonic() - started
+    thread.join(10)
+    assert isinstance(answers[0], httpx.Response), answers   # before: the connection was cut
+    assert answers[0].status_code == 200 and "ruvllm_kv_cache_usage" in answers[0].text
+    assert 0.4 < stopped < 5
+
+
+def test_a_metrics_scrape_that_outlives_the_shutdown_timeout_gets_a_503(make_server, monkeypatch):
+    from ruvllm_cli.server import routes
+
+    monkeypatch.setattr(routes, "read_engine_snapshot", slow_snapshot(3.0))
+    live = make_server(shutdown_timeout=0.3)
+    thread, answers = scrape_in_background(live.url)
+    time.sleep(0.3)
+    started = time.monotonic()
+    live.thread.stop()
+    stopped = time.monotonic() - started
+    thread.join(10)
+    assert isinstance(answers[0], httpx.Response), answers
+    assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "shutting_down"
+    assert stopped < 0.3 + 1

@@ -285,3 +285,34 @@ def test_a_dead_engine_makes_serve_exit_non_zero(tiny_model_dir, cli_env, free_p
     assert process.returncode == 1
     assert "Error: the engine failed: RuntimeError: device lost" in stderr
     assert "Traceback" not in stderr
+
+
+def test_a_second_ctrl_c_ends_the_drain_at_once(tiny_model_dir, cli_env, free_port):
+    url = f"http://127.0.0.1:{free_port}"
+    process = start_serve(tiny_model_dir, cli_env, free_port, "--max-context", "4096", "--kv-cache-memory", "16MiB",
+                          "--shutdown-timeout", "60")
+    chat = {"model": "tiny", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Hello"}]}
+    try:
+        wait_healthy(url, process)
+        with httpx.stream("POST", url + "/v1/chat/completions", json=chat, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGINT)
+            time.sleep(1.0)
+            assert process.poll() is None   # draining: the reply still streams
+            assert next(line for line in lines if line).startswith("data: {")
+            process.send_signal(signal.SIGINT)
+            signalled = time.monotonic()
+            rest = [line for line in lines if line]   # raises if the chunked body breaks off
+        stdout, stderr = process.communicate(timeout=30)
+        exited = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert exited < 2, f"exited {exited:.2f} s after the second SIGINT"
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "shutting_down"
+    assert "Ctrl+C again" in stderr and "Stopping now" in stderr and "Traceback" not in stderr

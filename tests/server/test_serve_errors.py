@@ -100,6 +100,32 @@ def test_context_length_exceeded(http, server):
                  "context_length_exceeded")
 
 
+@pytest.mark.parametrize("path, field", [("/v1/chat/completions", "max_tokens"),
+                                         ("/v1/chat/completions", "max_completion_tokens"),
+                                         ("/v1/completions", "max_tokens")])
+def test_a_max_tokens_beyond_the_whole_context_is_named_as_the_culprit(http, server, path, field):
+    limit = server.engine(lambda e: e.max_model_len)
+    body = {"model": "tiny", field: 10**6, **({"messages": HELLO} if "chat" in path else {"prompt": "Hi"})}
+    assert_error(http.post(path, json=body), 400, field, "invalid_value",
+                 f"Invalid value for '{field}': must leave room for the prompt in this model's context of {limit} "
+                 "tokens (got 1000000).")
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "max_tokens", 4.0), ("/v1/chat/completions", "max_completion_tokens", 4.0),
+    ("/v1/chat/completions", "n", 2.0), ("/v1/chat/completions", "seed", 7.0), ("/v1/chat/completions", "top_k", 5.0),
+    ("/v1/chat/completions", "top_logprobs", 2.0), ("/v1/completions", "max_tokens", 4.0),
+    ("/v1/completions", "logprobs", 1.0), ("/v1/completions", "best_of", 1.0), ("/v1/completions", "n", 1e3),
+])
+def test_an_integral_float_is_not_an_integer(http, path, field, value):
+    """OpenAI refuses 4.0 where it takes an integer; so do we (4.0 was taken as 4)."""
+    body = {"model": "tiny", field: value, **({"messages": HELLO} if "chat" in path else {"prompt": "Hi"})}
+    assert_error(http.post(path, json=body), 400, field, "invalid_type",
+                 f"Invalid type for '{field}': expected an integer, but got a number instead.")
+    assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [1.0, 2]}), 400, "prompt[0]",
+                 "invalid_type")
+
+
 def test_bad_prompts(http):
     assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": []}), 400, "prompt")
     assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [[1, 2], "x", 3]}), 400,

@@ -1,0 +1,100 @@
+"""Chat `messages`: checked and turned into what the chat template takes, each
+malformed part a 400 naming its path (`messages[0].content`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ruvllm_cli.server.errors import bad_request
+from ruvllm_cli.server.fields import invalid_type, invalid_value
+from ruvllm_cli.server.spec import Field
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise invalid_type("messages", "an array", value)
+    if not value:
+        raise bad_request("'messages' must contain at least one message.", "messages")
+    return [_message(item, f"messages[{i}]") for i, item in enumerate(value)]
+
+
+def _message(item: Any, where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise invalid_type(where, "an object", item)
+    role = item.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise invalid_value(f"{where}.role", f"must be one of {', '.join(sorted(ROLES))}", role)
+    message: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    tool_calls = item.get("tool_calls")
+    content_required = not (role == "assistant" and tool_calls)
+    message["content"] = _content(item.get("content"), f"{where}.content", content_required)
+    if tool_calls is not None:
+        if role != "assistant" or not isinstance(tool_calls, list):
+            raise invalid_value(f"{where}.tool_calls", "only assistant messages carry an array of tool calls",
+                                tool_calls)
+        message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
+    for key in ("name", "tool_call_id"):
+        if item.get(key) is not None:
+            if not isinstance(item[key], str):
+                raise invalid_type(f"{where}.{key}", "a string", item[key])
+            message[key] = item[key]
+    return message
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """A past tool call for the template. OpenAI sends `arguments` as a JSON string;
+    chat templates (Qwen, Llama 3) expect an object they can `tojson` themselves."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid_value(f"{where}.function", "must be an object with a name", function)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            pass   # not JSON: the template gets the text as it came
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _content(value: Any, where: str, required: bool) -> str | None:
+    """A string, or text parts joined by newlines; any other part is refused."""
+    if value is None:
+        if required:
+            raise bad_request(f"Missing required parameter: '{where}'.", where, "missing_required_parameter")
+        return None
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid_type(where, "a string or an array of content parts", value)
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else part
+            raise invalid_value(f"{where}[{i}].type", "only text content parts are supported", kind)
+        if not isinstance(part.get("text"), str):
+            raise invalid_type(f"{where}[{i}].text", "a string", part.get("text"))
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_PAST_CALL = {"type": "object", "required": ["function"], "properties": {"function": {
+    "type": "object", "required": ["name"],
+    "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": sorted(ROLES - {"assistant"})}, "content": _CONTENT, "name": {"type": ["string", "null"]},
+    "tool_call_id": {"type": ["string", "null"], "description": "The call a tool message answers."},
+    "tool_calls": {"type": "null"}}}
+_ASSISTANT = {"type": "object", "required": ["role"], "description": "content, or tool_calls, or both.",
+              "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]},
+                             "name": {"type": ["string", "null"]},
+                             "tool_calls": {"type": ["array", "null"], "items": _PAST_CALL}},
+              "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
+                        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}
+MESSAGES = Field("messages", "array", "The conversation so far.", required=True, parse=parse_messages,
+                 schema={"type": "array", "minItems": 1, "items": {"anyOf": [_MESSAGE, _ASSISTANT]}})

@@ -1,0 +1,142 @@
+"""The server's OpenAPI 3.1 document (GET /openapi.json), built from the app's own
+router and from the request field specs the handlers validate with
+(protocol.REQUEST_FIELDS): a route or a field is in the document exactly when the
+server has it. The response schemas are checked against real answers by the fuzz
+test (tests/server/test_fuzz_openapi.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from aiohttp import web
+
+from ruvllm_cli import __version__
+from ruvllm_cli.server.errors import ERROR_TYPES
+from ruvllm_cli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from ruvllm_cli.server.middlewares import PUBLIC_PATHS
+from ruvllm_cli.server.protocol import REQUEST_FIELDS
+from ruvllm_cli.server.spec import Field, JsonSchema, object_schema
+
+_ERROR_REF = {"$ref": "#/components/schemas/Error"}
+_NULL_STRING = {"type": ["string", "null"]}
+_LOGPROBS = {"type": ["object", "null"]}
+_FINISH = {"enum": ["stop", "length", "tool_calls", None]}
+_HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"type": "string"},
+         "system_fingerprint": {"type": "null"}}
+
+# One server-sent event of a stream (stream: true): a chunk's JSON, or an error
+# body, and `[DONE]` last.
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+SCHEMAS: dict[str, JsonSchema] = {
+    "Error": {"type": "object", "required": ["error"], "additionalProperties": False, "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
+        "properties": {"message": {"type": "string"}, "type": {"enum": sorted(set(ERROR_TYPES.values()))},
+                       "param": _NULL_STRING, "code": _NULL_STRING}}}},
+    "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}},
+    "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                       "properties": {**_HEAD, "object": {"const": "chat.completion"}, "choices": {
+                           "type": "array", "items": {
+                               "type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+                                   "index": {"type": "integer"}, "logprobs": _LOGPROBS, "finish_reason": _FINISH,
+                                   "message": {"type": "object", "required": ["role", "content"], "properties": {
+                                       "role": {"const": "assistant"}, "content": _NULL_STRING,
+                                       "refusal": {"type": "null"}, "tool_calls": {"type": "array"}}}}}},
+                           "usage": {"$ref": "#/components/schemas/Usage"}}},
+    "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+                   "properties": {**_HEAD, "object": {"const": "text_completion"}, "choices": {
+                       "type": "array", "items": {
+                           "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+                               "index": {"type": "integer"}, "text": {"type": "string"}, "logprobs": _LOGPROBS,
+                               "finish_reason": _FINISH}}},
+                       "usage": {"$ref": "#/components/schemas/Usage"}}},
+    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+                "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
+                "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}}}}},
+    "Health": {"type": "object", "required": ["status"], "properties": {
+        "status": {"enum": ["ok", "loading", "engine_failed", "shutting_down"]}, "model": {"type": "string"},
+        "uptime_s": {"type": "number"}}},
+}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What the document says of one route beyond what the router knows."""
+
+    summary: str
+    answer: str | None = None                # the 200 body's schema; None: `content` below
+    content: str = "application/json"
+    errors: tuple[int, ...] = ()             # statuses answered with an Error body
+    same_body: tuple[int, ...] = ()          # statuses answered with the 200's body
+    streams: bool = False                    # `stream: true` answers in server-sent events
+
+
+_GENERATION_ERRORS = (400, 404, 408, 413, 429, 503)
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("GET", "/health"): Operation("200 once the model is loaded; 503 while loading or shutting down.", "Health",
+                                  same_body=(503,)),
+    ("GET", "/metrics"): Operation("Prometheus metrics.", content=METRICS_CONTENT_TYPE, errors=(503,)),
+    ("GET", "/openapi.json"): Operation("This document.", content="application/json"),
+    ("GET", "/v1/models"): Operation("The names this server answers to.", "ModelList", errors=(503,)),
+    ("POST", "/v1/chat/completions"): Operation("A chat reply.", "ChatCompletion",
+                                                errors=_GENERATION_ERRORS, streams=True),
+    ("POST", "/v1/completions"): Operation("A completion of a prompt.", "Completion",
+                                           errors=_GENERATION_ERRORS, streams=True),
+}
+
+
+def openapi_document(app: web.Application, *, api_key: bool = False) -> JsonSchema:
+    """The document of every route `app` serves (HEAD aside)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in app.router.routes():
+        if route.method == "HEAD" or route.resource is None:
+            continue
+        key = (route.method, route.resource.canonical)
+        if key not in OPERATIONS:
+            raise KeyError(f"{key[0]} {key[1]} has no entry in openapi.OPERATIONS")
+        guarded = api_key and key[1] not in PUBLIC_PATHS
+        operation = operation_object(OPERATIONS[key], guarded, REQUEST_FIELDS.get(key[1], ()))
+        paths.setdefault(key[1], {})[key[0].lower()] = operation
+    document: JsonSchema = {
+        "openapi": "3.1.0",
+        "info": {"title": "ruvllm", "version": __version__,
+                 "description": "An OpenAI-compatible API. Every error body is {\"error\": {message, type, param, "
+                                "code}}; a request field that is null counts as absent."},
+        "paths": dict(sorted(paths.items())),
+        "components": {"schemas": SCHEMAS},
+    }
+    if api_key:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return document
+
+
+def operation_object(operation: Operation, guarded: bool, request: Sequence[Field]) -> JsonSchema:
+    """One operation, with `request` its JSON body's fields; `guarded`: it needs the API key."""
+    ok: JsonSchema = {"schema": {"$ref": f"#/components/schemas/{operation.answer}"}} if operation.answer \
+        else {"schema": {"type": "object"} if operation.content == "application/json" else {"type": "string"}}
+    content = {operation.content: ok}
+    if operation.streams:
+        content["text/event-stream"] = {"schema": _EVENT}
+    errors = (*operation.errors, *((401,) if guarded else ()))
+    responses: JsonSchema = {"200": {"description": "OK", "content": content}}
+    for status in operation.same_body:
+        responses[str(status)] = {"description": "Not ready", "content": {operation.content: ok}}
+    for status in sorted(errors):
+        responses[str(status)] = _error_response()
+    responses["default"] = _error_response()
+    result: JsonSchema = {"summary": operation.summary, "responses": responses}
+    if request:
+        result["requestBody"] = {"required": True, "content": {"application/json": {"schema": object_schema(request)}}}
+    if guarded:
+        result["security"] = [{"bearer": []}]
+    return result
+
+
+def _error_response() -> JsonSchema:
+    return {"description": "An error in OpenAI's shape.", "content": {"application/json": {"schema": _ERROR_REF}}}
