@@ -148,8 +148,10 @@ def default_text(param: click.Parameter, ctx: click.Context) -> str | None:
 
 
 def option_body(param: click.Option, ctx: click.Context) -> str:
-    parts = [param.help.strip().rstrip(".") + "." if param.help else ""]
-    default = default_text(param, ctx)
+    # A default that is a rule, not a value, is written into the help as "  [default: ...]".
+    text, _, written_default = (param.help or "").partition("  [default: ")
+    parts = [text.strip().rstrip(".") + "." if text.strip() else ""]
+    default = written_default.rstrip("]") or default_text(param, ctx)
     if default is not None:
         parts.append(f"Default: {default}.")
     if isinstance(param.type, (click.IntRange, click.FloatRange)):

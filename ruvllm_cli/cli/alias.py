@@ -32,7 +32,8 @@ def command() -> None:
 @click.argument("name")
 @click.argument("repo_id")
 @click.option("--name", "display_name", default=None, help="Display name (default: the repo's name).")
-@quantization_option(help_extra=" Recommended for this alias.")
+@quantization_option("Recommended quantization for this alias (what `ruvllm download` fetches)",
+                     "the built-in entry's for that repo, else q4k")
 @click.option("--notes", default=None, help="Free-text notes shown by `list --long` and `info`.")
 @global_options
 def set_alias(name: str, repo_id: str, display_name: str | None, quantization: Quantization | None,

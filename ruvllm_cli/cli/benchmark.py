@@ -11,7 +11,8 @@ import click
 
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+                                     prefix_caching)
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
               help="Prompt length in tokens (exact).")
 @click.option("--gen-length", type=click.IntRange(min=1), default=64, show_default=True,
               help="Generated tokens per request (exact; EOS ignored).")
-@quantization_option()
+@load_quantization_option()
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests submitted together in each iteration.")

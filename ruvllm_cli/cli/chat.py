@@ -9,7 +9,8 @@ import click
 from click.core import ParameterSource
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+                                     prefix_caching)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import RuvllmError, UsageError
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
-@quantization_option()
+@load_quantization_option()
 @prefix_cache_option()
 @device_option()
 @global_options

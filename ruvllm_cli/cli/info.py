@@ -51,7 +51,7 @@ def local_storage(path: Path) -> dict[str, Any]:
 def download_record(model: DownloadedModel) -> dict[str, Any]:
     files = [{"name": f.name, "size": f.size} for f in model.files]
     return {**_storage(model.path, files), "repo_id": model.repo_id, "revision": model.revision,
-            "commit": model.commit, "quantization": model.quantization,
+            "commit": model.commit, "stored_as": model.stored_as,
             "downloaded_at": model.downloaded_at}
 
 
@@ -188,7 +188,7 @@ def _render_cache(out: Output, data: dict[str, Any]) -> None:
         return
     for download in data["downloads"]:
         extra = [("Repo", download["repo_id"]), ("Revision", download["revision"]),
-                 ("Commit", download["commit"]), ("Quantization", download["quantization"] or None),
+                 ("Commit", download["commit"]), ("Stored as", download["stored_as"]),
                  ("Downloaded", download["downloaded_at"])]
         _render_storage(out, "Cache", download, extra)
     if not data["downloads"]:

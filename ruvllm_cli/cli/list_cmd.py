@@ -44,7 +44,7 @@ def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel]) -> dic
         "memory_estimate": entry_memory(entry),
         "downloaded": bool(mine),
         "downloads": [{"repo_id": m.repo_id, "revision": m.revision, "commit": m.commit,
-                       "quantization": m.quantization, "path": str(m.path)} for m in mine],
+                       "stored_as": m.stored_as, "path": str(m.path)} for m in mine],
     }
 
 
@@ -124,9 +124,9 @@ def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) ->
         name = r["repo_id"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
         revision = r["revision"] if r["revision"] == r["commit"] else f"{r['revision']} ({r['commit'][:7]})"
         path = r["path"] + ("\n" + "\n".join(f["name"] for f in r["files"]) if long else "")
-        rows.append((escape(name), escape(revision), r["quantization"] or "-",
+        rows.append((escape(name), escape(revision), escape(r["stored_as"]),
                      format_bytes(r["total_bytes"]), escape(path)))
-    out.table(["Model", "Revision", "Quantization", "Size", "Path"], rows, title="Downloaded models",
+    out.table(["Model", "Revision", "Stored as", "Size", "Path"], rows, title="Downloaded models",
               caption=_total_line(records))
 
 

@@ -24,9 +24,21 @@ QUANTIZATION = QuantizationType()
 DEVICE = click.Choice(["auto", "cpu", "cuda", "mps"], case_sensitive=False)
 
 
-def quantization_option(default: str | None = None, help_extra: str = "") -> Any:
-    return click.option("-q", "--quantization", type=QUANTIZATION, default=default,
-                        help=f"Weight quantization ({CHOICES}).{help_extra}")
+# What chat, serve and benchmark load when -q is not given (cli/engine_setup.py decides).
+LOAD_DEFAULT = ("what the files are: a GGUF file keeps its type; safetensors load as f16, or none on a CPU "
+                "without bfloat16 kernels (AVX-512)")
+
+
+def quantization_option(help_text: str, default_text: str) -> Any:
+    """-q/--quantization, None when not given; --help shows `default_text` as its default
+    (Click would wrap a text default in parentheses)."""
+    return click.option("-q", "--quantization", type=QUANTIZATION, default=None,
+                        help=f"{help_text}.  [default: {default_text}]")
+
+
+def load_quantization_option() -> Any:
+    """chat, serve and benchmark's -q: the quantization applied when the model loads."""
+    return quantization_option("Quantization applied when the model loads", LOAD_DEFAULT)
 
 
 def device_option() -> Any:

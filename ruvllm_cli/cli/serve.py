@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+                                     prefix_caching)
 from ruvllm_cli.errors import RuvllmError
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ BYTE_SIZE = ByteSize()
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
               help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
 @prefix_cache_option()
-@quantization_option()
+@load_quantization_option()
 @click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
               default="auto", show_default=True,
               help="How the model writes tool calls; auto reads it from the chat template or architecture.")

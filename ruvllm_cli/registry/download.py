@@ -163,26 +163,20 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
     names = [file_name] if file_name else plan_files(sizes, quantization, shards)
     records = [FileRecord(name, sizes[name]) for name in names]
     _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
-    label = quantization.value
     earlier = cache.find(repo_id, commit)
     if earlier is not None and _gguf_names(f.name for f in earlier.files) and _gguf_names(names):
         # Another quantization of the same GGUF repo commit: one manifest lists both.
-        records, label = _merge_gguf_downloads(earlier, records, quantization)
-    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit,
-                                 quantization=label, files=records)
+        records = _merge_gguf_downloads(earlier, records)
+    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit, files=records)
     cache.write_ref(repo_id, revision or DEFAULT_REVISION, commit)
     progress.finished(model)
     return model
 
 
-def _merge_gguf_downloads(earlier: DownloadedModel, records: list[FileRecord],
-                          quantization: Quantization) -> tuple[list[FileRecord], str]:
-    """The files of an earlier complete GGUF download of this commit plus the new
-    ones, and their quantizations in registry order ("q4k,q8")."""
+def _merge_gguf_downloads(earlier: DownloadedModel, records: list[FileRecord]) -> list[FileRecord]:
+    """The files of an earlier complete GGUF download of this commit plus the new ones."""
     names = {r.name for r in records}
-    merged = sorted([*(f for f in earlier.files if f.name not in names), *records], key=lambda r: r.name)
-    held = {q for q in Quantization if q is quantization or q.value in earlier.quantization.split(",")}
-    return merged, ",".join(q.value for q in Quantization if q in held)
+    return sorted([*(f for f in earlier.files if f.name not in names), *records], key=lambda r: r.name)
 
 
 def _fetch_files(repo_id: str, commit: str, records: list[FileRecord], cache: ModelCache, *,

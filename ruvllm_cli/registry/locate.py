@@ -53,7 +53,9 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
 
 
 def _downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantization | None) -> Path | None:
-    wanted = [quantization] if quantization else list(Quantization)
+    recommended = ref.entry.recommended_quantization if ref.entry is not None else Quantization.Q4_K_M
+    # Without -q: the registry's recommendation (what `download` fetches by default) first.
+    wanted = [quantization] if quantization else [recommended, *(q for q in Quantization if q is not recommended)]
     for quant in wanted:
         variant = gguf_variant(ref, quant)
         if variant is None:

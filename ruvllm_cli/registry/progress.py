@@ -212,4 +212,4 @@ def _make_progress(console: Console) -> Progress:
 
 
 def _label(model: DownloadedModel) -> str:
-    return f"{model.repo_id}@{model.revision} (commit {model.commit[:7]}, {model.quantization})"
+    return f"{model.repo_id}@{model.revision} (commit {model.commit[:7]}, {model.stored_as})"

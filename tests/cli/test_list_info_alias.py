@@ -29,14 +29,14 @@ def wide_env(cli_env: dict[str, str]) -> dict[str, str]:
 
 
 def fake_download(cache_dir: Path, model_dir: Path, repo_id: str = "Qwen/Qwen2.5-0.5B-Instruct",
-                  commit: str = COMMIT, quantization: str = "none") -> Path:
+                  commit: str = COMMIT) -> Path:
     """Puts `model_dir`'s files into the cache as a complete download of `repo_id` at `main`."""
     cache = ModelCache(cache_dir)
     snapshot = cache.snapshot_dir(repo_id, commit)
     shutil.copytree(model_dir, snapshot)
     files = [FileRecord(p.name, p.stat().st_size) for p in sorted(snapshot.iterdir())]
     cache.write_ref(repo_id, "main", commit)
-    cache.write_manifest(repo_id=repo_id, revision="main", commit=commit, quantization=quantization, files=files)
+    cache.write_manifest(repo_id=repo_id, revision="main", commit=commit, files=files)
     return snapshot
 
 
