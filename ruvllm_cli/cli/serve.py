@@ -17,6 +17,7 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
                                      prefix_caching)
 from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.registry.locate import locate_model
 
 if TYPE_CHECKING:
     from ruvllm_cli.server.state import ServerConfig
@@ -106,6 +107,8 @@ def command(**options: Any) -> None:
     """
     app = app_context()
     configure_logging(app.verbose)
+    # A missing or undownloaded model fails here, before the port is bound or announced.
+    locate_model(options["model"], app.cache_dir, options["quantization"])
     asyncio.run(serve(app, options))
     exit_now()
 
