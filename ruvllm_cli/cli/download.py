@@ -8,7 +8,7 @@ import click
 
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.options import quantization_option
-from ruvllm_cli.errors import UsageError
+from ruvllm_cli.errors import RepoUnavailableError, UsageError
 from ruvllm_cli.quantization import Quantization
 
 if TYPE_CHECKING:
@@ -64,7 +64,12 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     cache = ModelCache(app.cache_dir)
     if variant is not None:
         gguf_ref, file_name = variant
-        download_model(gguf_ref, quantization, cache, force=force, progress=progress, file_name=file_name)
+        try:
+            download_model(gguf_ref, quantization, cache, force=force, progress=progress, file_name=file_name)
+        except RepoUnavailableError as error:
+            # The alias's own safetensors repo is another way to get the model.
+            raise RepoUnavailableError(error.message, f"fetch the safetensors from {ref.repo_id} instead: "
+                                       f"ruvllm download {model} --safetensors") from error
         return
     downloaded = download_model(ref, quantization, cache, force=force, revision=revision, progress=progress)
     if chosen is not None and downloaded.stored_as.startswith("safetensors"):

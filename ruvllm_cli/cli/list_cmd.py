@@ -73,9 +73,15 @@ def _alias_cell(record: dict[str, Any]) -> str:
     return f"{record['alias']} (user)" if record["user"] else record["alias"]
 
 
+def _status_cell(record: dict[str, Any]) -> str:
+    if record["path"]:
+        return "local"
+    return "downloaded" if record["downloaded"] else "-"
+
+
 def render_registry(out: Output, records: list[dict[str, Any]]) -> None:
     rows = [(escape(_alias_cell(r)), escape(r["name"]), format_params(r["params_b"]), _memory_cell(r),
-             "downloaded" if r["downloaded"] else "-") for r in records]
+             _status_cell(r)) for r in records]
     out.table(["Alias", "Name", "Params", "Memory", "Status"], rows, title="Models",
               caption=MEMORY_CAPTION)
 
@@ -85,7 +91,8 @@ def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
     gguf = "\n".join(f"{q}: {name}" for q, name in record["gguf_files"].items()) or "-"
     context = record["context_length"]
     return [
-        ("Alias", _alias_cell(record)), ("Name", record["name"]), ("Repo", record["repo_id"]),
+        ("Alias", _alias_cell(record)), ("Name", record["name"]),
+        ("Path" if record["path"] else "Repo", record["path"] or record["repo_id"]),
         ("Architecture", record["architecture"] or "-"),
         ("Parameters", f"{record['params']:,}" if record["params"] else "-"),
         ("Context length", f"{context:,}" if context else "-"),
@@ -94,7 +101,7 @@ def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
         ("Memory estimate", _memory_cell(record)), ("Sampling", sampling),
         ("GGUF repo", record["gguf_repo"] or "-"), ("GGUF files", gguf),
         ("Notes", record["notes"] or "-"), ("Source", "user alias" if record["user"] else "built-in"),
-        ("Status", "downloaded" if record["downloaded"] else "not downloaded"),
+        ("Status", "local" if record["path"] else "downloaded" if record["downloaded"] else "not downloaded"),
     ]
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from rich.filesize import decimal as format_size
 
-from ruvllm_cli.errors import CacheError, DownloadError, RuvllmError, UsageError
+from ruvllm_cli.errors import CacheError, DownloadError, RepoUnavailableError, RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization, parse_quantization
 from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache
 from ruvllm_cli.registry.progress import DownloadObserver
@@ -159,7 +159,7 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
                              tqdm_class=DownloadObserver().tqdm_class)
         shards, done = _index_shards(Path(index)), {SAFETENSORS_INDEX}
     if file_name is not None and file_name not in sizes:
-        raise DownloadError(f"{repo_id} has no file {file_name}", "try --safetensors")
+        raise RepoUnavailableError(f"{repo_id} has no file {file_name}", "try --safetensors")
     names = [file_name] if file_name else plan_files(sizes, quantization, shards)
     records = [FileRecord(name, sizes[name]) for name in names]
     _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
@@ -262,10 +262,11 @@ def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
     if isinstance(error, hf.GatedRepoError):
         status = error.response.status_code if error.response is not None else None
         refused = "the hub refused this token" if status == 403 else "it needs a token"
-        return DownloadError(f"{repo_id} is a gated repo and {refused} (HTTP {status})",
-                             "accept its terms on the hub and set HF_TOKEN to a token of that account")
+        return RepoUnavailableError(f"{repo_id} is a gated repo and {refused} (HTTP {status})",
+                                    "accept its terms on the hub and set HF_TOKEN to a token of that account")
     if isinstance(error, hf.RevisionNotFoundError):
-        return DownloadError(f"revision '{rev}' not found in {repo_id}", "check the branch, tag or commit name")
+        return RepoUnavailableError(f"revision '{rev}' not found in {repo_id}",
+                                    "check the branch, tag or commit name")
     if isinstance(error, hf.HfHubHTTPError):
         return _http_error(error, repo_id, rev)
     if isinstance(error, hf.OfflineModeIsEnabled):
@@ -294,14 +295,14 @@ def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:
         return DownloadError("the hub rejected the token in HF_TOKEN (HTTP 401: invalid credentials)",
                              "set HF_TOKEN to a valid token, or unset it for public repos")
     if status == 401:
-        return DownloadError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does not exist",
-                             "set HF_TOKEN to a token that can read it")
+        return RepoUnavailableError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does "
+                                    "not exist", "set HF_TOKEN to a token that can read it")
     if status == 403:
-        return DownloadError(f"access to {repo_id} is forbidden with this token (HTTP 403)",
-                             "set HF_TOKEN to a token with read access to the repo")
+        return RepoUnavailableError(f"access to {repo_id} is forbidden with this token (HTTP 403)",
+                                    "set HF_TOKEN to a token with read access to the repo")
     if isinstance(error, hf.RepositoryNotFoundError) or status == 404:
-        return DownloadError(f"model repo {repo_id} not found on the hub",
-                             "check the id (org/name); private repos need HF_TOKEN")
+        return RepoUnavailableError(f"model repo {repo_id} not found on the hub",
+                                    "check the id (org/name); private repos need HF_TOKEN")
     return DownloadError(f"the hub answered HTTP {status} for {repo_id}@{rev}", "try again later")
 
 

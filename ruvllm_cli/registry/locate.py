@@ -35,7 +35,8 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     ref = resolve_model(name)
     if ref.kind == "local":
         assert ref.local_path is not None
-        return LocatedModel(ref, ref.local_path, ref.local_path.name)
+        # A user alias of a local model is served under the alias.
+        return LocatedModel(ref, ref.local_path, ref.entry.alias if ref.entry else ref.local_path.name)
     assert ref.repo_id is not None
     cache = ModelCache(cache_dir)
     served = ref.entry.alias if ref.kind == "registry" and ref.entry else ref.repo_id

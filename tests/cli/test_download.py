@@ -79,7 +79,8 @@ def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hu
     fetched, done = result.stderr.splitlines()
     assert fetched.startswith(f"Fetched 6 file(s) ({size}) in ") and fetched.endswith("; 0 already in the cache.")
     # The label says what the files are (the tiny model is a float32 checkpoint), not a -q.
-    assert done == f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, safetensors f32) to {snapshot} ({size}, 6 files)"
+    assert done == (f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, safetensors f32) to {snapshot} "
+                    f"({size}, 6 files)")
     assert_same_files(snapshot, tiny_model_dir, TINY_FILES)
     assert sorted(resolve_gets(fake_hub)) == TINY_FILES  # no README.md, no .gitattributes
     manifest = json.loads((isolated_env.cache_dir / "manifests" / "Qwen--Qwen2.5-0.5B-Instruct"
@@ -344,6 +345,17 @@ def test_unknown_repo_is_404(ruvllm: Run, fake_hub: FakeHub, cli_env: dict[str, 
     result = ruvllm("download", "ruvllm-tests/no-such-model", env={**cli_env, "HF_TOKEN": "valid"})
     assert_one_error(result, "model repo ruvllm-tests/no-such-model not found on the hub",
                      "check the id (org/name); private repos need HF_TOKEN")
+
+
+def test_a_missing_gguf_repo_points_at_the_aliass_safetensors(ruvllm: Run) -> None:
+    """Issue 23, item 7: the hint said to set HF_TOKEN, which leads nowhere; the alias's
+    safetensors repo is another way to the model. (The fake hub answers an unknown repo
+    with 401, as the real one does without a token.)"""
+    result = ruvllm("download", "smollm")
+    assert_one_error(result, "bartowski/SmolLM2-360M-Instruct-GGUF needs authentication (HTTP 401): it is "
+                             "private or gated, or does not exist",
+                     "fetch the safetensors from HuggingFaceTB/SmolLM2-360M-Instruct instead: "
+                     "ruvllm download smollm --safetensors")
 
 
 def test_unknown_revision(ruvllm: Run, repo) -> None:
