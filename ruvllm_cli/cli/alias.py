@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
+from ruvllm_cli.cli.completion import complete_user_alias
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.options import quantization_option
 from ruvllm_cli.quantization import Quantization
@@ -56,7 +57,7 @@ def set_alias(name: str, target: str, display_name: str | None, quantization: Qu
 
 
 @command.command("rm")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_user_alias)
 @global_options
 def remove_alias(name: str) -> None:
     """Remove your alias NAME (built-in aliases cannot be removed).

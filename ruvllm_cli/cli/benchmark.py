@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import click
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @click.command("benchmark")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
               help="Iterations run first and discarded.")
 @click.option("-i", "--iterations", type=click.IntRange(min=1), default=10, show_default=True,

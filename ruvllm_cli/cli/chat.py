@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
                                      prefix_caching)
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @click.command("chat")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("-s", "--system", help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.options import quantization_option
 from ruvllm_cli.errors import RepoUnavailableError, UsageError
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 
 @click.command("download")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @quantization_option("Which GGUF file to fetch from a GGUF repo (or an alias's); safetensors are fetched "
                      "as they are, and -q on chat, serve and benchmark quantizes them when they load",
                      "the alias's recommended one (ruvllm list), else q4k")

@@ -11,6 +11,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.output import Output
 from ruvllm_cli.errors import ModelLoadError
@@ -218,7 +219,7 @@ def render(out: Output, data: dict[str, Any]) -> None:
 
 
 @click.command("info")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--json", "as_json", is_flag=True, help="Print the same data as JSON on stdout.")
 @global_options
 def command(model: str, as_json: bool) -> None:

@@ -5,19 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from click.shell_completion import CompletionItem
 
 from ruvllm_cli.errors import UsageError
-from ruvllm_cli.quantization import CHOICES, Quantization, parse_quantization
+from ruvllm_cli.quantization import CHOICES, QUANTIZATION_NAMES, Quantization, parse_quantization
 
 
 class QuantizationType(click.ParamType):
-    name = CHOICES
+    """q4k|q8|f16|none and their other names (quantization.py), any case."""
+
+    name = "quantization"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return f"[{CHOICES}]"  # as typed: Click would show the type's name in capitals
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Quantization:
         try:
             return parse_quantization(value)
         except UsageError as error:
             self.fail(f"{error.message} ({error.hint})", param, ctx)
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+        """The four names; another spelling (q4_k_m, fp16, ...) once it is being typed."""
+        typed = incomplete.lower()
+        names = [q.value for q in Quantization if q.value.startswith(typed)]
+        names = names or [name for name in QUANTIZATION_NAMES if name.startswith(typed)]
+        return [CompletionItem(name, help=parse_quantization(name).label) for name in names]
 
 
 QUANTIZATION = QuantizationType()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 from click.core import ParameterSource
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
                                      prefix_caching)
@@ -56,7 +57,7 @@ BYTE_SIZE = ByteSize()
 
 
 @click.command("serve")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("-p", "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Port to listen on (0: any free port).")
