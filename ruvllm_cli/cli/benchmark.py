@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 @click.option("--gen-length", type=click.IntRange(min=1), default=64, show_default=True,
               help="Generated tokens per request (exact; EOS ignored).")
 @load_quantization_option()
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
+              help="Tables for people; JSON or CSV, alone on stdout, for scripts (fields: docs/benchmark.md).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests submitted together in each iteration.")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,

@@ -6,7 +6,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import click
-from click.core import ParameterSource
 
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
@@ -28,9 +27,11 @@ if TYPE_CHECKING:
 @click.option("-s", "--system", help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")
-@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=0.7, show_default=True,
-              help="Sampling temperature (0 is greedy); a registry model's own recommendation when not given.")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None)
+@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=None,
+              help="Sampling temperature (0 is greedy).  [default: the registry model's recommendation, else 0.7]")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="Nucleus sampling: draw only from the most likely tokens whose probabilities add up to P "
+                   "(1 keeps them all).  [default: the registry model's recommendation, else 1]")
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
@@ -56,8 +57,6 @@ def command(**options: Any) -> None:
       echo "Ada Lovelace, born 1815" | ruvllm chat qwen --json-schema person.json
     """
     app = app_context()
-    if click.get_current_context().get_parameter_source("temperature") is ParameterSource.DEFAULT:
-        options["temperature"] = None  # let a registry model's recommendation apply
     options["structured"] = structured_spec(options.pop("json_schema"), options.pop("json_object"))
     interactive = sys.stdin.isatty()
     message = None if interactive else read_stdin_message()

@@ -118,7 +118,8 @@ def test_man_page_options_defaults_and_examples(man_page: str) -> None:
     # The option's help line ends with its default and range.
     help_line = benchmark.split(iterations)[1].split("\n")[0]
     assert help_line.endswith("Default: 10. Range: x>=1.")
-    assert "\\fB\\-\\-format\\fR \\fI[table|json|csv]\\fR\nDefault: table.\n" in benchmark
+    assert ("\\fB\\-\\-format\\fR \\fI[table|json|csv]\\fR\nTables for people; JSON or CSV, alone on stdout, "
+            "for scripts (fields: docs/benchmark.md). Default: table.\n") in benchmark
     assert "\\fB\\-\\-no\\-color\\fR" not in benchmark  # global options are described once
     assert "Examples:\n.RS 4\n.nf\nruvllm benchmark qwen\n" in benchmark
     globals_ = man_page.split(".SH GLOBAL OPTIONS")[1].split(".SH ")[0]
