@@ -178,6 +178,20 @@ def test_max_and_set(conv: Conversation) -> None:
     assert "top_p: 0.9" in lines(conv) and "seed: 42" in lines(conv)
 
 
+def test_max_beyond_the_context_is_refused(conv: Conversation) -> None:
+    """Issue 23, item 8: /max 100000 was accepted with a 4,096-token context."""
+    run_command(conv, "/max 64")
+    for bad in ("/max 100000", "/set max_tokens 4097"):
+        with pytest.raises(UsageError) as caught:
+            run_command(conv, bad)
+        assert caught.value.message.endswith("is beyond the model's 4096-token context")
+        assert caught.value.hint == ("a reply ends where the context does: give at most 4096 (/tokens shows how "
+                                     "much the conversation takes)")
+    assert conv.session.settings.max_tokens == 64
+    run_command(conv, "/max 4096")
+    assert conv.session.settings.max_tokens == 4096
+
+
 def test_system_shows_sets_and_clears(conv: Conversation) -> None:
     run_command(conv, "/system")
     assert lines(conv)[-1].startswith("No system prompt.")
