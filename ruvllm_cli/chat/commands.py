@@ -173,7 +173,8 @@ COMMANDS: list[Command] = [
     Command("temp", "[value]", "Show or set the temperature (0 to 2; 0 is greedy).", cmd_temp),
     Command("max", "[n]", "Show or set the most tokens per reply.", cmd_max),
     Command("set", "[param value]", f"Show or set a sampling parameter: {', '.join(param_names())}.", cmd_set),
-    Command("save", "[file]", "Save the chat (model, system prompt, parameters, messages) as JSON.", cmd_save),
+    Command("save", "[file]", "Save the chat (model, system prompt, parameters, messages) as JSON (default: a "
+            "new file in the data dir's chats/).", cmd_save),
     Command("load", "[file]", "Load a saved chat, its parameters too: a file, or a saved chat's name (Tab "
             "lists them; default: the newest saved).", cmd_load),
     Command("history", "", "Show the conversation.", cmd_history),

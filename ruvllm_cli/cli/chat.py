@@ -127,6 +127,7 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     from ruvllm_cli.chat.conversation import Conversation
     from ruvllm_cli.chat.render import PipeRenderer, TerminalRenderer
     from ruvllm_cli.chat.session import ChatSession, ChatTemplate
+    from ruvllm_cli.paths import chats_dir
 
     engine = opened.engine
     session = ChatSession(ChatTemplate(engine.tokenizer), engine.max_model_len,
@@ -135,7 +136,7 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
                           structured=options["structured"])
     out = app.output()
     renderer = TerminalRenderer(out.out) if interactive else PipeRenderer(out.err)
-    return Conversation(session, loop, renderer, chats_dir=app.cache_dir / "chats")
+    return Conversation(session, loop, renderer, chats_dir=chats_dir())
 
 
 def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conversation") -> None:

@@ -132,8 +132,8 @@ def test_man_page_options_defaults_and_examples(man_page: str) -> None:
 def test_man_page_environment_exit_status_files(man_page: str) -> None:
     section = lambda name: man_page.split(f".SH {name}\n")[1].split("\n.SH ")[0]  # noqa: E731
     environment = re.findall(r"^\\fB(\w+)\\fR$", section("ENVIRONMENT"), flags=re.M)
-    assert environment == ["RUVLLM_CACHE_DIR", "RUVLLM_CONFIG_DIR", "RUVLLM_API_KEY", "HF_TOKEN",
-                           "HF_ENDPOINT", "NO_COLOR"]
+    assert environment == ["RUVLLM_CACHE_DIR", "RUVLLM_CONFIG_DIR", "RUVLLM_DATA_DIR", "RUVLLM_API_KEY",
+                           "HF_TOKEN", "HF_ENDPOINT", "NO_COLOR"]
     assert re.findall(r"^\\fB(\d+)\\fR$", section("EXIT STATUS"), flags=re.M) == ["0", "1", "2", "130"]
     assert "~/.cache/ruvllm" in section("FILES")
 
