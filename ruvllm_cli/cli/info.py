@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.filesize import decimal as format_size
 from rich.markup import escape
 
 from ruvllm_cli.cli.completion import complete_model
@@ -179,7 +180,7 @@ def _render_config(out: Output, data: dict[str, Any]) -> None:
 def _render_storage(out: Output, title: str, storage: dict[str, Any], extra: list[tuple[str, Any]]) -> None:
     weights = ", ".join(storage["weights"]) or "none found"
     rows = [*extra, ("Path", storage["path"]), ("Files", len(storage["files"])),
-            ("Size", format_bytes(storage["size_bytes"])), ("Weights", weights)]
+            ("Size", format_size(storage["size_bytes"])), ("Weights", weights)]
     _kv(out, title, rows)
 
 

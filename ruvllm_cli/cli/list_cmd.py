@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from rich.filesize import decimal as format_size
 from rich.markup import escape
 from rich.table import Table
 
@@ -119,7 +120,7 @@ def render_registry_long(out: Output, records: list[dict[str, Any]]) -> None:
 def _total_line(records: list[dict[str, Any]]) -> str:
     total = sum(r["total_bytes"] for r in records)
     noun = "model" if len(records) == 1 else "models"
-    return f"Total: {len(records)} {noun}, {format_bytes(total)}"
+    return f"Total: {len(records)} {noun}, {format_size(total)}"
 
 
 def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) -> None:
@@ -132,7 +133,7 @@ def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) ->
         revision = r["revision"] if r["revision"] == r["commit"] else f"{r['revision']} ({r['commit'][:7]})"
         path = r["path"] + ("\n" + "\n".join(f["name"] for f in r["files"]) if long else "")
         rows.append((escape(name), escape(revision), escape(r["stored_as"]),
-                     format_bytes(r["total_bytes"]), escape(path)))
+                     format_size(r["total_bytes"]), escape(path)))
     out.table(["Model", "Revision", "Stored as", "Size", "Path"], rows, title="Downloaded models",
               caption=_total_line(records))
 

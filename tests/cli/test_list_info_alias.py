@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.filesize import decimal as format_size
 
 from ruvllm_cli.registry.cache import FileRecord, ModelCache
 from ruvllm_cli.registry.memory import estimate_memory
@@ -122,7 +124,12 @@ def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str
     assert table.returncode == 0, table.stderr
     assert "Qwen/Qwen2.5-0.5B-Instruct (qwen-0.5b)" in table.stdout
     assert f"main ({COMMIT[:7]})" in table.stdout and str(snapshot) in table.stdout
-    assert "Total: 1 model, " in table.stdout
+    # Issue 23, item 8: file sizes in download's decimal units (MB), never MiB.
+    assert f"Total: 1 model, {format_size(size)}" in table.stdout and "iB" not in table.stdout
+    row = next(line for line in table.stdout.splitlines() if "Qwen/Qwen2.5-0.5B-Instruct" in line)
+    assert f" {format_size(size)} " in row
+    info = ruvllm("info", "qwen-0.5b", env=wide_env(cli_env)).stdout
+    assert re.search(rf"│ Size +│ {re.escape(format_size(size))} +│", info)
 
     registry = json.loads(ruvllm("list", "--json").stdout)["models"]
     status = {m["alias"]: m["downloaded"] for m in registry}
