@@ -35,7 +35,15 @@ def load_default(located: LocatedModel, device: str) -> tuple[Quantization, str 
 
     if select_device(device).type != "cpu" or cpu_has_bf16_kernels():
         return own, None
-    return Quantization.F32, NO_BF16_NOTE
+    # Float32 files stay what they are: nothing to explain.
+    return Quantization.F32, None if _stored_as_float32(located) else NO_BF16_NOTE
+
+
+def _stored_as_float32(located: LocatedModel) -> bool:
+    from ruvllm_cli.registry.weights import safetensors_dtype
+
+    directory = located.path
+    return directory.is_dir() and safetensors_dtype(sorted(directory.glob("*.safetensors"))) == "f32"
 
 
 @dataclass
