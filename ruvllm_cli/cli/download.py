@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 import click
 
@@ -38,6 +39,10 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     ("GGUF Q8_0", "safetensors bf16"). Private and gated repos need HF_TOKEN;
     HF_ENDPOINT points at another hub.
 
+    Stopped and run again, a download keeps every complete file, but the file it was
+    fetching starts over: huggingface_hub cannot continue a partial file from another
+    run (docs/design.md, section 8).
+
     \b
     Examples:
       ruvllm download qwen-0.5b
@@ -66,15 +71,30 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     if variant is not None:
         gguf_ref, file_name = variant
         try:
-            download_model(gguf_ref, quantization, cache, force=force, progress=progress, file_name=file_name)
+            with _interrupt_note(out):
+                download_model(gguf_ref, quantization, cache, force=force, progress=progress, file_name=file_name)
         except RepoUnavailableError as error:
             # The alias's own safetensors repo is another way to get the model.
             raise RepoUnavailableError(error.message, f"fetch the safetensors from {ref.repo_id} instead: "
                                        f"ruvllm download {model} --safetensors") from error
         return
-    downloaded = download_model(ref, quantization, cache, force=force, revision=revision, progress=progress)
+    with _interrupt_note(out):
+        downloaded = download_model(ref, quantization, cache, force=force, revision=revision, progress=progress)
     if chosen is not None and downloaded.stored_as.startswith("safetensors"):
         out.info(f"-q {chosen.value} applies when the model loads: ruvllm chat {model} -q {chosen.value}")
+
+
+@contextmanager
+def _interrupt_note(out: Any) -> Iterator[None]:
+    """On Ctrl-C, say what the next run keeps and what it fetches again."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from ruvllm_cli.registry.download import NO_RESUME
+
+        out.warn(f"interrupted: complete files stay in the cache, but {NO_RESUME}: the file in progress "
+                 "starts over next time")
+        raise
 
 
 def download_default(ref: ModelRef) -> Quantization:

@@ -4,6 +4,11 @@ The client does every transfer (and, within one run, resumes a dropped connectio
 with a Range request); this module only chooses the files, skips what is complete,
 clears what a killed run left behind, records the manifest and turns the client's
 exceptions into one-line errors.
+
+Across runs nothing resumes: huggingface_hub (1.18 and later, 2.4 here) writes each
+file to a process-unique `<etag>.<random>.incomplete`, deletes it when the transfer
+fails, and offers no API to continue one (docs/design.md, section 8). So a file cut
+short starts over, and the messages say so.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ TOKENIZER_FILES = (
 )
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+NO_RESUME = "huggingface_hub cannot continue a partial file from another run"
 GGUF_PATTERNS: dict[Quantization, tuple[str, ...]] = {
     Quantization.Q4_K_M: ("q4_k_m",),
     Quantization.Q8_0: ("q8_0",),
@@ -128,7 +134,8 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
             file_name is None or any(f.name == file_name for f in existing.files)):
         progress.already_downloaded(existing)
         return existing
-    progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id))
+    lost = sum(_size(path) for path in cache.orphaned_incomplete_files(repo_id))
+    progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id), lost)
     with hub_errors(repo_id, revision, cache):
         return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress,
                       file_name=file_name)
@@ -216,6 +223,13 @@ def _index_shards(index_path: Path) -> list[str]:
         return sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DownloadError(f"{SAFETENSORS_INDEX} in the repo is not a valid safetensors index") from None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _present(path: Path, size: int) -> bool:

@@ -434,9 +434,15 @@ def test_killed_download_is_not_downloaded_and_next_run_completes(
     assert cache.find(repo_id) is None
     assert cache.orphaned_incomplete_files(repo_id) == [orphan]
 
+    partial = orphan.stat().st_size
+    fake_hub.reset()
     result = ruvllm("download", repo_id)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0] == "Removed 1 partial file(s) a stopped download left behind."
+    # Issue 23, item 6: the client cannot continue the partial file, and the line says so.
+    assert result.stderr.splitlines()[0] == (
+        f"Removed 1 partial file(s) ({format_size(partial)}) a stopped download left behind: huggingface_hub "
+        "cannot continue a partial file from another run, so those files start over.")
+    assert [r for r in fake_hub.requests if r.range] == []  # the weights came again from byte 0
     assert "Fetched 3 file(s)" in result.stderr and "; 3 already in the cache." in result.stderr
     assert not orphan.exists() and list(blobs.glob("*.incomplete")) == []
     snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
@@ -490,7 +496,10 @@ def test_kill_9_in_every_file_in_turn_never_lists_the_model_and_the_next_run_com
 
     result = ruvllm("download", repo_id)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0] == "Removed 1 partial file(s) a stopped download left behind."
+    assert result.stderr.splitlines()[0].startswith("Removed 1 partial file(s) (")
+    assert result.stderr.splitlines()[0].endswith(") a stopped download left behind: huggingface_hub cannot "
+                                                  "continue a partial file from another run, so those files "
+                                                  "start over.")
     assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
     assert list(blobs.glob("*.incomplete")) == []
     assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
@@ -508,7 +517,9 @@ def test_ctrl_c_exits_130_and_leaves_the_cache_consistent(fake_hub: FakeHub, rep
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr
-    assert "Traceback" not in stderr and stderr.splitlines()[-1] == "Aborted."
+    assert "Traceback" not in stderr and [line for line in stderr.splitlines() if line][-2:] == [
+        "Warning: interrupted: complete files stay in the cache, but huggingface_hub cannot continue a partial "
+        "file from another run: the file in progress starts over next time", "Aborted."]
     assert list(blobs.glob("*.incomplete")) == []
     assert ModelCache(isolated_env.cache_dir).find(repo_id) is None
     assert not (isolated_env.cache_dir / "manifests" / repo_id.replace("/", "--")).exists()
