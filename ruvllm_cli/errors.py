@@ -41,6 +41,10 @@ class DownloadError(RuvllmError):
     """Network, auth, revision or disk trouble while fetching a model."""
 
 
+class RepoUnavailableError(DownloadError):
+    """The hub has no such repo, revision or file for us: missing, private or gated."""
+
+
 class ModelLoadError(RuvllmError):
     """A directory that is no model, an unsupported architecture, too little memory."""
 

@@ -1,4 +1,7 @@
-"""Where ruvllm keeps its files: one resolver for the cache and config directories."""
+"""Where ruvllm keeps its files: one resolver each for the cache, config and data directories.
+
+The cache holds what can be fetched again (models, the chat history); the data dir
+holds what cannot (saved chats), so clearing the cache never deletes them."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from pathlib import Path
 APP_NAME = "ruvllm"
 CACHE_ENV = "RUVLLM_CACHE_DIR"
 CONFIG_ENV = "RUVLLM_CONFIG_DIR"
+DATA_ENV = "RUVLLM_DATA_DIR"
 
 
 def resolve_cache_dir(option: str | os.PathLike | None = None) -> Path:
@@ -30,3 +34,18 @@ def resolve_config_dir() -> Path:
     from platformdirs import user_config_dir
 
     return Path(user_config_dir(APP_NAME))
+
+
+def resolve_data_dir() -> Path:
+    """`RUVLLM_DATA_DIR`, else the platform user data dir (saved chats live here)."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir(APP_NAME))
+
+
+def chats_dir() -> Path:
+    """Where `/save` without a file writes, and `/load` without one reads."""
+    return resolve_data_dir() / "chats"

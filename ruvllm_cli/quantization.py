@@ -31,6 +31,7 @@ _NAMES = {
     "none": Quantization.F32, "f32": Quantization.F32, "fp32": Quantization.F32,
 }
 CHOICES = "q4k|q8|f16|none"
+QUANTIZATION_NAMES = tuple(_NAMES)  # every accepted spelling, lowercase
 
 
 def parse_quantization(name: str | Quantization) -> Quantization:

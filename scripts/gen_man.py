@@ -40,6 +40,7 @@ ARGUMENT_HELP = {
 ENVIRONMENT = [
     ("RUVLLM_CACHE_DIR", "Model cache directory, as --cache-dir (which takes precedence)."),
     ("RUVLLM_CONFIG_DIR", "Configuration directory, where your own model aliases are kept."),
+    ("RUVLLM_DATA_DIR", "Data directory, where chat's /save keeps chats."),
     ("RUVLLM_API_KEY", "API key that serve requires as Authorization: Bearer KEY, as --api-key."),
     ("HF_TOKEN", "Hugging Face access token, needed for gated or private repositories."),
     ("HF_ENDPOINT", "Hugging Face hub address (default https://huggingface.co), for a mirror."),
@@ -61,6 +62,9 @@ FILES = [
      "Configuration. Default: the platform user config directory, "
      "~/.config/ruvllm on Linux, ~/Library/Application Support/ruvllm on macOS."),
     (f"$RUVLLM_CONFIG_DIR/{ALIASES_FILE}", "Your own model aliases (ruvllm alias)."),
+    ("$RUVLLM_DATA_DIR/chats", "Chats saved by /save without a file name (and found by /load). Default: in the "
+     "platform user data directory, ~/.local/share/ruvllm on Linux, ~/Library/Application Support/ruvllm on "
+     "macOS; clearing the cache leaves them alone."),
 ]
 
 
@@ -148,8 +152,10 @@ def default_text(param: click.Parameter, ctx: click.Context) -> str | None:
 
 
 def option_body(param: click.Option, ctx: click.Context) -> str:
-    parts = [param.help.strip().rstrip(".") + "." if param.help else ""]
-    default = default_text(param, ctx)
+    # A default that is a rule, not a value, is written into the help as "  [default: ...]".
+    text, _, written_default = (param.help or "").partition("  [default: ")
+    parts = [text.strip().rstrip(".") + "." if text.strip() else ""]
+    default = written_default.rstrip("]") or default_text(param, ctx)
     if default is not None:
         parts.append(f"Default: {default}.")
     if isinstance(param.type, (click.IntRange, click.FloatRange)):

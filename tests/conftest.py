@@ -6,8 +6,8 @@ Nothing reaches the real Hugging Face hub: before any test module can import
 the session's `FakeHub` and points `HF_ENDPOINT` at it, and points `HF_HOME` at a
 session scratch directory so in-process clients never touch the user's cache.
 
-Per test (autouse): `RUVLLM_CACHE_DIR`, `RUVLLM_CONFIG_DIR` and `HF_HOME` point at
-fresh temporary directories, and after the test the fake hub forgets injected
+Per test (autouse): `RUVLLM_CACHE_DIR`, `RUVLLM_CONFIG_DIR`, `RUVLLM_DATA_DIR` and
+`HF_HOME` point at fresh temporary directories, and after the test the fake hub forgets injected
 failures, tokens and its request log (repos added by tests stay for the session, so
 give them unique names).
 """
@@ -35,7 +35,7 @@ from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
 # A user's own token or offline switch must not leak into tests.
 for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
               "HF_HUB_DISABLE_PROGRESS_BARS", "HF_HUB_CACHE", "HF_XET_CACHE", "HF_TOKEN_PATH",
-              "RUVLLM_API_KEY"):
+              "RUVLLM_API_KEY", "RUVLLM_DATA_DIR"):
     os.environ.pop(_name, None)
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 _SESSION_HF_HOME = tempfile.mkdtemp(prefix="ruvllm-tests-hf-home-")
@@ -96,18 +96,21 @@ class IsolatedEnv:
     cache_dir: Path
     config_dir: Path
     hf_home: Path
+    data_dir: Path
 
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> IsolatedEnv:
-    """Fresh (not yet created) ruvllm cache and config dirs and HF_HOME for this test.
+    """Fresh (not yet created) ruvllm cache, config and data dirs and HF_HOME for this test.
 
     In-process `huggingface_hub` has read `HF_HOME` at import: pass `cache_dir`
     explicitly there; subprocesses see these variables.
     """
-    env = IsolatedEnv(tmp_path / "ruvllm-cache", tmp_path / "ruvllm-config", tmp_path / "hf-home")
+    env = IsolatedEnv(tmp_path / "ruvllm-cache", tmp_path / "ruvllm-config", tmp_path / "hf-home",
+                      tmp_path / "ruvllm-data")
     monkeypatch.setenv("RUVLLM_CACHE_DIR", str(env.cache_dir))
     monkeypatch.setenv("RUVLLM_CONFIG_DIR", str(env.config_dir))
+    monkeypatch.setenv("RUVLLM_DATA_DIR", str(env.data_dir))
     monkeypatch.setenv("HF_HOME", str(env.hf_home))
     # The session's tiny models are shared: q8/q4k loads must not write weight caches
     # into them (tests/engine/test_weight_cache.py turns the cache on for its copies).

@@ -2,7 +2,9 @@
 
 The gate (exit 1) watches two figures: decode tok/s (a drop of more than the
 threshold percent) and median TTFT, `ttft_ms_p50` (a rise of more than it); the
-median rather than the mean so that one slow outlier does not fail a CI job.
+median rather than the mean so that one slow outlier does not fail a CI job. A move
+within the runs' noise (from their per-iteration spread, bench/noise.py) is not a
+regression, whatever the threshold: it is shown, and warned about.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ruvllm_cli.bench.formatters import number
+from ruvllm_cli.bench.noise import gate_noise_pct
 from ruvllm_cli.errors import RuvllmError, UsageError
 
 GATED_HIGHER = ("decode_tokens_per_s",)
@@ -33,7 +36,9 @@ class MetricChange:
     new: float | None
     change_pct: float | None
     direction: int          # +1 higher is better, -1 lower is better, 0 neither
-    regression: bool        # a gated metric that moved the wrong way beyond the threshold
+    regression: bool        # a gated metric that moved the wrong way beyond the threshold and the noise
+    noise_pct: float | None = None   # how far noise alone may move it the wrong way (gated metrics)
+    within_noise: bool = False       # beyond the threshold the wrong way, but not beyond the noise
 
 
 @dataclass(frozen=True)
@@ -41,10 +46,15 @@ class Comparison:
     changes: tuple[MetricChange, ...]
     differences: tuple[str, ...]    # settings that differ between the runs
     threshold_pct: float
+    busy_runs: tuple[str, ...] = ()  # "the previous run" / "this run", where other processes used the CPU
 
     @property
     def regressions(self) -> tuple[MetricChange, ...]:
         return tuple(change for change in self.changes if change.regression)
+
+    @property
+    def within_noise(self) -> tuple[MetricChange, ...]:
+        return tuple(change for change in self.changes if change.within_noise)
 
 
 def direction(name: str) -> int:
@@ -100,16 +110,23 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, .
 
 
 def compare_reports(old: Mapping[str, Any], new: Mapping[str, Any], threshold_pct: float) -> Comparison:
-    """Every numeric metric of `new` beside the same one in `old`."""
+    """Every numeric metric of `new` beside the same one in `old`; a gated one that
+    moved beyond the threshold regressed only if it also moved beyond the noise."""
     changes = []
+    old_noise, new_noise = old.get("noise"), new.get("noise")
     for name, value in new["metrics"].items():
         before, after = _numeric(old["metrics"].get(name)), _numeric(value)
         if after is None and before is None:
             continue
         change = change_pct(before, after)
-        changes.append(MetricChange(name, before, after, change, direction(name),
-                                    is_regression(name, change, threshold_pct)))
-    return Comparison(tuple(changes), _differences(old, new), threshold_pct)
+        noise = gate_noise_pct(old_noise, new_noise, name)
+        beyond_threshold = is_regression(name, change, threshold_pct)
+        beyond_noise = change is not None and (noise is None or abs(change) > noise)
+        changes.append(MetricChange(name, before, after, change, direction(name), beyond_threshold and beyond_noise,
+                                    noise, beyond_threshold and not beyond_noise))
+    busy = tuple(label for label, noise in (("the previous run", old_noise), ("this run", new_noise))
+                 if isinstance(noise, Mapping) and noise.get("busy"))
+    return Comparison(tuple(changes), _differences(old, new), threshold_pct, busy)
 
 
 def _change_cell(change: MetricChange) -> str:
@@ -119,6 +136,8 @@ def _change_cell(change: MetricChange) -> str:
     better = change.direction * change.change_pct
     if change.regression:
         return f"[bold red]{text} regression[/bold red]"
+    if change.within_noise:
+        return f"[yellow]{text} within noise[/yellow]"
     if change.direction == 0 or abs(change.change_pct) < 0.05:
         return text
     return f"[green]{text}[/green]" if better > 0 else f"[yellow]{text}[/yellow]"
@@ -127,14 +146,37 @@ def _change_cell(change: MetricChange) -> str:
 def print_comparison(comparison: Comparison, console: Console, previous_name: str) -> None:
     table = Table(title=f"Compared with {escape(previous_name)} (gate: ±{comparison.threshold_pct:g}% on "
                         "decode_tokens_per_s and ttft_ms_p50)", title_justify="left", header_style="bold")
-    for column, justify in (("metric", "left"), ("previous", "right"), ("now", "right"), ("change", "right")):
+    for column, justify in (("metric", "left"), ("previous", "right"), ("now", "right"), ("change", "right"),
+                            ("noise", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for change in comparison.changes:
-        table.add_row(change.name, number(change.old, 2), number(change.new, 2), _change_cell(change))
+        noise = _noise_cell(change)
+        table.add_row(change.name, number(change.old, 2), number(change.new, 2), _change_cell(change), noise)
     console.print(table)
+    for warning in comparison_warnings(comparison):
+        console.print("[yellow]Warning:[/yellow] " + escape(warning))
+
+
+def _noise_cell(change: MetricChange) -> str:
+    """The noise bound, signed the way the metric gets worse."""
+    if change.noise_pct is None:
+        return ""
+    return f"{'-' if change.direction > 0 else '+'}{change.noise_pct:.0f}%"
+
+
+def comparison_warnings(comparison: Comparison) -> list[str]:
+    """What makes the comparison less than it seems: other settings, noise, a busy CPU."""
+    lines = []
     if comparison.differences:
-        console.print("[yellow]Warning:[/yellow] the runs differ in "
-                      + escape("; ".join(comparison.differences)))
+        lines.append("the runs differ in " + "; ".join(comparison.differences))
+    for c in comparison.within_noise:
+        lines.append(f"{c.name} moved {c.change_pct:+.1f}%, beyond the {comparison.threshold_pct:g}% threshold "
+                     f"but within the runs' noise ({_noise_cell(c)}): not counted as a regression; "
+                     "compare runs on a quiet machine")
+    if comparison.busy_runs:
+        lines.append(f"other processes used the CPU during {' and '.join(comparison.busy_runs)}: figures "
+                     "from a busy machine are likely low")
+    return lines
 
 
 def raise_on_regression(comparison: Comparison) -> None:

@@ -167,6 +167,16 @@ def summarize(iterations: Sequence[IterationSample]) -> dict[str, float | int | 
     return metrics
 
 
+def spread(name: str, values: Sequence[float | None]) -> dict[str, float | None]:
+    """`{name}_min/_max/_stdev/_cv_pct` over per-iteration values (the coefficient of
+    variation: stdev / mean in percent; stdev and cv need two values)."""
+    known = [v for v in values if v is not None]
+    deviation, average = stdev(known), mean(known)
+    cv = 100.0 * deviation / average if deviation is not None and average else None
+    return {f"{name}_min": min(known, default=None), f"{name}_max": max(known, default=None),
+            f"{name}_stdev": deviation, f"{name}_cv_pct": cv}
+
+
 def achieved_bandwidth_gb_s(weight_bytes: int, decode_tok_s: float | None) -> float | None:
     """Weight bytes read per second, in GB/s (10^9 bytes).
 

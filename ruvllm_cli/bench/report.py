@@ -1,5 +1,5 @@
-"""The benchmark report: one dict with `model`, `config`, `system`, `metrics`, `samples`
-(and `structured` for a `--json-schema` run).
+"""The benchmark report: one dict with `model`, `config`, `system`, `metrics`,
+(`structured` for a `--json-schema` run), `noise`, `samples`.
 
 Field names are a contract (CI scripts read them); docs/benchmark.md lists them and
 tests/bench pins them. Add fields freely, never rename one.
@@ -81,8 +81,9 @@ def structured_section(run: BenchRun, measured: Measurements, unconstrained_deco
 
 
 def build_report(model: dict[str, Any], config: dict[str, Any], system: dict[str, Any],
-                 run: BenchRun, measured: Measurements) -> dict[str, Any]:
-    """Assemble the report; `config["memory_bandwidth_gb_s"]` is the user's figure, if any."""
+                 run: BenchRun, measured: Measurements, noise: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Assemble the report; `config["memory_bandwidth_gb_s"]` is the user's figure, if
+    any; `noise` is bench.noise.noise_section's."""
     metrics = metrics_section(run, measured, config.get("memory_bandwidth_gb_s"))
     report: dict[str, Any] = {
         "schema_version": SCHEMA_VERSION,
@@ -94,6 +95,8 @@ def build_report(model: dict[str, Any], config: dict[str, Any], system: dict[str
     if run.constrained is not None:
         report["structured"] = structured_section(run, measured, metrics["decode_tokens_per_s"],
                                                   config.get("json_schema"))
+    if noise is not None:
+        report["noise"] = noise
     report["samples"] = [m.iteration_record(iteration) for iteration in run.iterations]
     return report
 

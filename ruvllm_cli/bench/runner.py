@@ -143,14 +143,17 @@ class BenchmarkRunner:
         self.pool = prompt_token_pool(engine.tokenizer, int(engine.loaded.model.config.vocab_size))
         self.rng = random.Random(settings.seed)
 
-    def run(self, on_phase: Callable[[str, int], None] | None = None) -> BenchRun:
+    def run(self, on_phase: Callable[[str, int], None] | None = None,
+            on_done: Callable[[str, int, IterationSample], None] | None = None) -> BenchRun:
         """Warm-up iterations (discarded), then the measured ones.
 
-        `on_phase("warmup"|"iteration", index)` is called as each one starts."""
+        `on_phase("warmup"|"iteration", index)` is called as each one starts, and
+        `on_done(phase, index, sample)` with its unconstrained sample as it ends."""
         announce = on_phase or (lambda phase, index: None)
+        done = on_done or (lambda phase, index, sample: None)
         for index in range(1, self.settings.warmup + 1):
             announce("warmup", index)
-            self.run_round(index)
+            done("warmup", index, self.run_round(index)[0])
         preemptions_before = self.engine.stats.preemptions
         mask = MaskTimer()
         measured: list[IterationSample] = []
@@ -158,6 +161,7 @@ class BenchmarkRunner:
         for index in range(1, self.settings.iterations + 1):
             announce("iteration", index)
             plain, shaped = self.run_round(index, mask)
+            done("iteration", index, plain)
             measured.append(plain)
             if shaped is not None:
                 constrained.append(shaped)

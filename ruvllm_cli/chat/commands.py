@@ -70,8 +70,19 @@ def cmd_system(conv: Conversation, arg: str) -> None:
 def _show_or_set(conv: Conversation, name: str, arg: str) -> None:
     session = conv.session
     if arg:
-        session.settings = session.settings.replace(**{name: parse_param(name, arg)})
+        value = parse_param(name, arg)
+        if name == "max_tokens":
+            _check_fits_context(session.context_limit, value)
+        session.settings = session.settings.replace(**{name: value})
     conv.renderer.info(f"{name} = {getattr(session.settings, name)}")
+
+
+def _check_fits_context(limit: int, max_tokens: object) -> None:
+    """A reply cannot outgrow the context window: /max beyond it would only mislead."""
+    if isinstance(max_tokens, int) and max_tokens > limit:
+        raise UsageError(f"max_tokens {max_tokens} is beyond the model's {limit}-token context",
+                         f"a reply ends where the context does: give at most {limit} (/tokens shows how much "
+                         "the conversation takes)")
 
 
 def cmd_temp(conv: Conversation, arg: str) -> None:
@@ -103,6 +114,8 @@ def cmd_save(conv: Conversation, arg: str) -> None:
 
 def cmd_load(conv: Conversation, arg: str) -> None:
     path = Path(arg).expanduser() if arg else newest_chat(conv.chats_dir)
+    if arg and not path.exists() and (conv.chats_dir / arg).is_file():
+        path = conv.chats_dir / arg  # a saved chat by its name, as Tab completes it
     session = conv.session
     model = session.load(path)
     conv.last_reply = None
@@ -160,8 +173,10 @@ COMMANDS: list[Command] = [
     Command("temp", "[value]", "Show or set the temperature (0 to 2; 0 is greedy).", cmd_temp),
     Command("max", "[n]", "Show or set the most tokens per reply.", cmd_max),
     Command("set", "[param value]", f"Show or set a sampling parameter: {', '.join(param_names())}.", cmd_set),
-    Command("save", "[file]", "Save the chat (model, system prompt, parameters, messages) as JSON.", cmd_save),
-    Command("load", "[file]", "Load a saved chat, its parameters too (default: the newest saved).", cmd_load),
+    Command("save", "[file]", "Save the chat (model, system prompt, parameters, messages) as JSON (default: a "
+            "new file in the data dir's chats/).", cmd_save),
+    Command("load", "[file]", "Load a saved chat, its parameters too: a file, or a saved chat's name (Tab "
+            "lists them; default: the newest saved).", cmd_load),
     Command("history", "", "Show the conversation.", cmd_history),
     Command("tokens", "", "Count the conversation's tokens against the context limit.", cmd_tokens),
     Command("retry", "", "Generate the last reply again.", cmd_retry),
@@ -200,14 +215,47 @@ def unknown_command(name: str) -> UsageError:
     return UsageError(f"unknown command /{name}", f"{hint}/help lists the commands")
 
 
-def completions(text: str) -> list[str]:
-    """Candidates for the word being typed: command names after `/`, parameter names
-    after `/set `. Each candidate replaces that whole word."""
+def completions(text: str, chats_dir: Path | None = None) -> list[str]:
+    """Candidates for the word being typed: command names after `/`, then each
+    command's values: parameter names after `/set `, `--clear` after `/system `, file
+    names after `/save ` and `/load ` (and the saved chats' names in `chats_dir` after
+    `/load `). Each candidate replaces that whole word."""
     if not is_command(text):
         return []
     words = text.lstrip().split(" ")
     if len(words) == 1:
         return ["/" + n for n in command_names() if ("/" + n).startswith(words[0].lower())]
-    if len(words) == 2 and words[0].lower() == "/set":
-        return [n for n in param_names() if n.startswith(words[1].lower())]
+    if len(words) != 2:
+        return []
+    command, word = lookup(words[0][1:]), words[1]
+    name = command.name if command is not None else ""
+    if name == "set":
+        return [n for n in param_names() if n.startswith(word.lower())]
+    if name == "system":
+        return ["--clear"] if "--clear".startswith(word) and word else []
+    if name in ("save", "load"):
+        saved = saved_chats(chats_dir) if name == "load" and "/" not in word else []
+        return [n for n in saved if n.startswith(word)] + file_names(word)
     return []
+
+
+def saved_chats(chats_dir: Path | None) -> list[str]:
+    """The names of the chats saved in `chats_dir`, newest first (`/load NAME` finds them)."""
+    if chats_dir is None or not chats_dir.is_dir():
+        return []
+    files = sorted(chats_dir.glob("chat-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return [f.name for f in files]
+
+
+def file_names(word: str) -> list[str]:
+    """Paths that complete `word` as typed (directories end in `/`; hidden files only
+    once a `.` is typed)."""
+    head, _, stem = word.rpartition("/")
+    directory = Path(head or ("/" if word.startswith("/") else ".")).expanduser()
+    prefix = f"{head}/" if head or word.startswith("/") else ""
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return []
+    return [prefix + entry.name + ("/" if entry.is_dir() else "") for entry in entries
+            if entry.name.startswith(stem) and (stem.startswith(".") or not entry.name.startswith("."))]

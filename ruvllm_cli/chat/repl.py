@@ -25,12 +25,15 @@ BLOCK = '"""'
 
 
 class SlashCompleter(Completer):
-    """Tab completes command names, and parameter names after /set."""
+    """Tab completes command names and their values (commands.completions)."""
+
+    def __init__(self, chats_dir: Path | None = None) -> None:
+        self.chats_dir = chats_dir
 
     def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterable[Completion]:
         text = document.text_before_cursor
         word = text.split(" ")[-1]
-        for candidate in completions(text):
+        for candidate in completions(text, self.chats_dir):
             yield Completion(candidate, start_position=-len(word))
 
 
@@ -56,7 +59,7 @@ class ChatRepl:
         self.history, problem = open_history(history_path)
         if problem:
             conversation.renderer.warn(problem)
-        self.prompt = PromptSession(history=self.history, completer=SlashCompleter(),
+        self.prompt = PromptSession(history=self.history, completer=SlashCompleter(conversation.chats_dir),
                                     complete_while_typing=False)
         # Lines inside a block stay out of the history; the whole block goes in once.
         self.continuation = PromptSession(history=InMemoryHistory())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
+from ruvllm_cli.cli.completion import complete_user_alias
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.options import quantization_option
 from ruvllm_cli.quantization import Quantization
@@ -17,12 +18,13 @@ from ruvllm_cli.registry.registry import (add_user_alias, aliases_path, builtin_
 def command() -> None:
     """Add, remove or list your own model aliases.
 
-    A user alias names a Hugging Face repo; it shows in `ruvllm list` and works
-    wherever a model name does. It may shadow a built-in alias.
+    A user alias names a Hugging Face repo or a local model; it shows in `ruvllm
+    list` and works wherever a model name does. It may shadow a built-in alias.
 
     \b
     Examples:
       ruvllm alias set tiny Qwen/Qwen2.5-0.5B-Instruct
+      ruvllm alias set mytiny ./models/tiny
       ruvllm alias list
       ruvllm alias rm tiny
     """
@@ -30,28 +32,32 @@ def command() -> None:
 
 @command.command("set")
 @click.argument("name")
-@click.argument("repo_id")
+@click.argument("target", metavar="REPO_ID|PATH")
 @click.option("--name", "display_name", default=None, help="Display name (default: the repo's name).")
-@quantization_option(help_extra=" Recommended for this alias.")
+@quantization_option("Recommended quantization for this alias (what `ruvllm download` fetches)",
+                     "the built-in entry's for that repo, else q4k")
 @click.option("--notes", default=None, help="Free-text notes shown by `list --long` and `info`.")
 @global_options
-def set_alias(name: str, repo_id: str, display_name: str | None, quantization: Quantization | None,
+def set_alias(name: str, target: str, display_name: str | None, quantization: Quantization | None,
               notes: str | None) -> None:
-    """Point alias NAME at the Hugging Face repo REPO_ID (org/name); replaces an existing one.
+    """Point alias NAME at the Hugging Face repo REPO_ID (org/name), or at a local model
+    PATH (a directory with config.json, or a .gguf file; kept as an absolute path);
+    replaces an existing alias of that name.
 
     \b
     Examples:
       ruvllm alias set tiny Qwen/Qwen2.5-0.5B-Instruct --name "Tiny Qwen"
       ruvllm alias set coder Qwen/Qwen2.5-Coder-1.5B-Instruct -q q8
+      ruvllm alias set mytiny ./models/tiny
     """
     out = app_context().output()
-    entry = add_user_alias(name, repo_id, name=display_name, recommended_quantization=quantization, notes=notes)
+    entry = add_user_alias(name, target, name=display_name, recommended_quantization=quantization, notes=notes)
     shadow = " (shadows the built-in alias)" if name in builtin_entries() else ""
-    out.success(f"Alias '{escape(entry.alias)}' -> {escape(entry.repo_id)}{shadow}")
+    out.success(f"Alias '{escape(entry.alias)}' -> {escape(entry.target)}{shadow}")
 
 
 @command.command("rm")
-@click.argument("name")
+@click.argument("name", shell_complete=complete_user_alias)
 @global_options
 def remove_alias(name: str) -> None:
     """Remove your alias NAME (built-in aliases cannot be removed).
@@ -62,7 +68,7 @@ def remove_alias(name: str) -> None:
     """
     out = app_context().output()
     removed = remove_user_alias(name)
-    out.success(f"Removed alias '{escape(removed.alias)}' ({escape(removed.repo_id)})")
+    out.success(f"Removed alias '{escape(removed.alias)}' ({escape(removed.target)})")
     if name in builtin_entries():
         out.info(f"'{escape(name)}' names the built-in model again.")
 
@@ -86,9 +92,9 @@ def list_aliases(as_json: bool) -> None:
         out.json({"aliases": records, "path": str(aliases_path())})
         return
     if not records:
-        out.info("No user aliases yet. Add one with: ruvllm alias set NAME ORG/REPO")
+        out.info("No user aliases yet. Add one with: ruvllm alias set NAME ORG/REPO (or a local directory)")
         return
-    rows = [(escape(r["alias"]), escape(r["repo_id"]), escape(r["name"]),
+    rows = [(escape(r["alias"]), escape(r["path"] or r["repo_id"]), escape(r["name"]),
              "yes" if r["shadows_builtin"] else "") for r in records]
-    out.table(["Alias", "Repo", "Name", "Shadows built-in"], rows, title="User aliases",
+    out.table(["Alias", "Repo or path", "Name", "Shadows built-in"], rows, title="User aliases",
               caption=escape(str(aliases_path())))

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import click
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+                                     prefix_caching)
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
 
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @click.command("benchmark")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
               help="Iterations run first and discarded.")
 @click.option("-i", "--iterations", type=click.IntRange(min=1), default=10, show_default=True,
@@ -30,8 +32,9 @@ if TYPE_CHECKING:
               help="Prompt length in tokens (exact).")
 @click.option("--gen-length", type=click.IntRange(min=1), default=64, show_default=True,
               help="Generated tokens per request (exact; EOS ignored).")
-@quantization_option()
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
+@load_quantization_option()
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
+              help="Tables for people; JSON or CSV, alone on stdout, for scripts (fields: docs/benchmark.md).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests submitted together in each iteration.")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
@@ -53,8 +56,12 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
 
     Each iteration submits --concurrency prompts of exactly --prompt-length random
     token ids together and generates exactly --gen-length tokens for each (greedy,
-    EOS ignored). JSON and CSV go alone to stdout; progress goes to stderr. Fields
-    are documented in docs/benchmark.md.
+    EOS ignored). JSON and CSV go alone to stdout; progress goes to stderr (one line
+    per iteration when it is no terminal). Fields are documented in docs/benchmark.md.
+
+    Each figure's spread over the iterations is reported too; a wide spread, or other
+    processes using the CPU during the run, gets a warning, and --compare does not
+    count a change within the runs' noise as a regression.
 
     With --json-schema FILE each iteration runs the workload twice, unconstrained and
     constrained to the schema (alternating which goes first; the schema may end a
@@ -69,12 +76,15 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
       ruvllm benchmark qwen --json-schema person.json
     """
     from ruvllm_cli.bench.compare import compare_reports, load_previous, print_comparison, raise_on_regression
+    from ruvllm_cli.bench.noise import noise_warnings
 
     app = app_context()
     previous = load_previous(compare_file) if compare_file else None
     _check_output_dir(options["output"])
     report = run_benchmark(app, model, fmt=fmt, compare_file=compare_file, **options)
     emit(app, report, fmt, options["output"])
+    for warning in noise_warnings(report["noise"]):
+        app.output().warn(warning)
     if previous is not None and compare_file is not None:
         comparison = compare_reports(previous, report, options["threshold"])
         out = app.output()
@@ -86,8 +96,11 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
                   gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
                   seed: int, no_prefix_cache: bool = False, json_schema: SchemaFile | None = None,
                   **rest: Any) -> dict[str, Any]:
-    """Load MODEL, run the iterations with a progress bar on stderr, build the report."""
+    """Load MODEL, run the iterations with progress on stderr, build the report."""
+    import torch
+
     from ruvllm_cli.bench.memory import cuda_max_allocated_mb, peak_rss_mb
+    from ruvllm_cli.bench.noise import LoadMonitor, noise_section
     from ruvllm_cli.bench.report import Measurements, build_report, model_section
     from ruvllm_cli.bench.runner import BenchmarkRunner, BenchSettings, check_fits
     from ruvllm_cli.bench.system import system_info
@@ -102,14 +115,31 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
     compile_s = _compile_grammar(engine, structured) if structured is not None else None
-    with _progress(app, settings) as (on_tokens, on_phase):
-        run = BenchmarkRunner(engine, settings, on_tokens).run(on_phase)
+    monitor = LoadMonitor(torch.get_num_threads())
+    with _progress(app, settings) as (on_tokens, on_phase, on_done):
+        run = BenchmarkRunner(engine, settings, on_tokens).run(*_watched(monitor, on_phase, on_done))
     measured = Measurements(loaded.load_seconds, loaded.weight_bytes, peak_rss_mb(),
                             cuda_max_allocated_mb(loaded.device), compile_s)
     config = _config_section(settings, engine, device=device,
                              json_schema=json_schema.path if json_schema is not None else None, **rest)
     return build_report(model_section(opened.located, loaded.config, model), config,
-                        system_info(loaded), run, measured)
+                        system_info(loaded), run, measured, noise_section(run.iterations, monitor.result()))
+
+
+def _watched(monitor: Any, on_phase: Any, on_done: Any) -> tuple[Any, Any]:
+    """The progress callbacks, also driving the load monitor over the measured iterations."""
+
+    def phase(name: str, index: int) -> None:
+        if name == "iteration" and index == 1:
+            monitor.start()
+        on_phase(name, index)
+
+    def done(name: str, index: int, sample: Any) -> None:
+        if name == "iteration":
+            monitor.sample()
+        on_done(name, index, sample)
+
+    return phase, done
 
 
 def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec") -> float:
@@ -147,8 +177,35 @@ def _check_output_dir(output: str | None) -> None:
 
 
 @contextmanager
-def _progress(app: AppContext, settings: Any) -> Iterator[tuple[Any, Any]]:
-    """A rich progress bar on stderr counting generated tokens; yields the callbacks.
+def _progress(app: AppContext, settings: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """Progress on stderr: a bar on a terminal, else one line per iteration; yields the
+    callbacks (on_tokens, on_phase, on_done)."""
+    console = app.output().err
+    if console.is_terminal:
+        with _progress_bar(console, settings) as (on_tokens, on_phase):
+            yield on_tokens, on_phase, lambda phase, index, sample: None
+        return
+    yield (lambda count: None), (lambda phase, index: None), _progress_line(console, settings)
+
+
+def _progress_line(console: Any, settings: Any) -> Any:
+    """on_done for a stderr that is no terminal (CI logs): one line per iteration."""
+    from ruvllm_cli.bench.metrics import summarize
+
+    def done(phase: str, index: int, sample: Any) -> None:
+        total = settings.warmup if phase == "warmup" else settings.iterations
+        figures = summarize([sample])
+        decode, ttft = figures["decode_tokens_per_s"], figures["ttft_ms_mean"]
+        rate = f"decode {decode:.2f} tok/s" if decode is not None else "decode n/a"
+        console.print(f"{'warm-up' if phase == 'warmup' else 'iteration'} {index}/{total}: {rate}, "
+                      f"TTFT {ttft:.1f} ms, {sample.wall_s:.1f} s", highlight=False)
+
+    return done
+
+
+@contextmanager
+def _progress_bar(console: Any, settings: Any) -> Iterator[tuple[Any, Any]]:
+    """A rich progress bar counting generated tokens; yields its callbacks.
 
     No refresh thread: the bar is redrawn on the engine's own thread between
     iterations and at most once a second within one, so drawing it never competes
@@ -158,7 +215,7 @@ def _progress(app: AppContext, settings: Any) -> Iterator[tuple[Any, Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("tokens"), TimeElapsedColumn(), console=app.output().err,
+                        TextColumn("tokens"), TimeElapsedColumn(), console=console,
                         transient=True, auto_refresh=False)
     task = progress.add_task("warm-up", total=settings.total_tokens)
     last_refresh = [time.monotonic()]

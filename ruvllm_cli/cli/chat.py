@@ -6,10 +6,11 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import click
-from click.core import ParameterSource
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+                                     prefix_caching)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import RuvllmError, UsageError
@@ -22,17 +23,19 @@ if TYPE_CHECKING:
 
 
 @click.command("chat")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("-s", "--system", help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")
-@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=0.7, show_default=True,
-              help="Sampling temperature (0 is greedy); a registry model's own recommendation when not given.")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None)
+@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=None,
+              help="Sampling temperature (0 is greedy).  [default: the registry model's recommendation, else 0.7]")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="Nucleus sampling: draw only from the most likely tokens whose probabilities add up to P "
+                   "(1 keeps them all).  [default: the registry model's recommendation, else 1]")
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
-@quantization_option()
+@load_quantization_option()
 @prefix_cache_option()
 @device_option()
 @global_options
@@ -54,8 +57,6 @@ def command(**options: Any) -> None:
       echo "Ada Lovelace, born 1815" | ruvllm chat qwen --json-schema person.json
     """
     app = app_context()
-    if click.get_current_context().get_parameter_source("temperature") is ParameterSource.DEFAULT:
-        options["temperature"] = None  # let a registry model's recommendation apply
     options["structured"] = structured_spec(options.pop("json_schema"), options.pop("json_object"))
     interactive = sys.stdin.isatty()
     message = None if interactive else read_stdin_message()
@@ -126,6 +127,7 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     from ruvllm_cli.chat.conversation import Conversation
     from ruvllm_cli.chat.render import PipeRenderer, TerminalRenderer
     from ruvllm_cli.chat.session import ChatSession, ChatTemplate
+    from ruvllm_cli.paths import chats_dir
 
     engine = opened.engine
     session = ChatSession(ChatTemplate(engine.tokenizer), engine.max_model_len,
@@ -134,7 +136,7 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
                           structured=options["structured"])
     out = app.output()
     renderer = TerminalRenderer(out.out) if interactive else PipeRenderer(out.err)
-    return Conversation(session, loop, renderer, chats_dir=app.cache_dir / "chats")
+    return Conversation(session, loop, renderer, chats_dir=chats_dir())
 
 
 def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conversation") -> None:

@@ -31,10 +31,13 @@ def completion_script(cli: click.Command, shell: str) -> str:
     return completer(cli, {}, PROG_NAME, COMPLETE_VAR).source()
 
 
-def complete_model(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
-    """Completes a MODEL argument with registry aliases (built-in and the user's own).
+def complete_model(ctx: click.Context | None, param: click.Parameter | None,
+                   incomplete: str) -> list[CompletionItem]:
+    """Completes a MODEL argument: registry aliases (built-in and the user's own), then
+    the downloaded models' repo ids. Reads only the registry and the cache's manifests
+    (no torch, no network).
 
-    Use as `@click.argument("model", shell_complete=complete_model)`. When no alias matches,
+    Use as `@click.argument("model", shell_complete=complete_model)`. When nothing matches,
     the shell completes file names instead, for local model directories and .gguf files.
     """
     from ruvllm_cli.errors import RuvllmError
@@ -46,7 +49,38 @@ def complete_model(ctx: click.Context, param: click.Parameter, incomplete: str) 
         registry = builtin_entries()
     items = [CompletionItem(alias, help=entry.name)
              for alias, entry in registry.items() if alias.startswith(incomplete)]
+    items += [CompletionItem(repo_id, help=f"downloaded, {stored_as}")
+              for repo_id, stored_as in _downloaded(ctx) if repo_id.lower().startswith(incomplete.lower())]
     return items or [CompletionItem(incomplete, type="file")]
+
+
+def _downloaded(ctx: click.Context | None) -> list[tuple[str, str]]:
+    """(repo id, what its files are) of each model in the cache, once per repo."""
+    from ruvllm_cli.cli.context import app_context
+    from ruvllm_cli.paths import resolve_cache_dir
+    from ruvllm_cli.registry.cache import ModelCache
+
+    try:
+        cache_dir = app_context(ctx).cache_dir if ctx is not None else resolve_cache_dir(None)
+        models = ModelCache(cache_dir).downloaded()
+    except Exception:  # noqa: BLE001 - an unreadable cache must not break the shell
+        return []
+    found = {model.repo_id: model.stored_as for model in models}
+    return sorted(found.items(), key=lambda item: item[0].lower())
+
+
+def complete_user_alias(ctx: click.Context | None, param: click.Parameter | None,
+                        incomplete: str) -> list[CompletionItem]:
+    """Completes the NAME of `alias rm`: the user's own aliases."""
+    from ruvllm_cli.errors import RuvllmError
+    from ruvllm_cli.registry.registry import user_entries
+
+    try:
+        entries = user_entries()
+    except RuvllmError:
+        return []
+    return [CompletionItem(alias, help=entry.target) for alias, entry in entries.items()
+            if alias.startswith(incomplete)]
 
 
 @click.command("completion")

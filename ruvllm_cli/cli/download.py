@@ -2,37 +2,51 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
 import click
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.options import quantization_option
-from ruvllm_cli.errors import UsageError
+from ruvllm_cli.errors import RepoUnavailableError, UsageError
 from ruvllm_cli.quantization import Quantization
+
+if TYPE_CHECKING:
+    from ruvllm_cli.registry.registry import ModelRef
 
 
 @click.command("download")
-@click.argument("model")
-@quantization_option(default="q4k", help_extra=" Picks the GGUF file of a GGUF repo; "
-                     "safetensors are quantized at load time.")
+@click.argument("model", shell_complete=complete_model)
+@quantization_option("Which GGUF file to fetch from a GGUF repo (or an alias's); safetensors are fetched "
+                     "as they are, and -q on chat, serve and benchmark quantizes them when they load",
+                     "the alias's recommended one (ruvllm list), else q4k")
 @click.option("-f", "--force", is_flag=True, help="Fetch every file again, even if complete.")
 @click.option("--revision", metavar="REV", help="Branch, tag or commit (also MODEL@REV).")
 @click.option("--safetensors", is_flag=True,
               help="Fetch the full-precision safetensors even where the registry names a GGUF file.")
 @global_options
-def command(model: str, quantization: Quantization, force: bool, revision: str | None,
+def command(model: str, quantization: Quantization | None, force: bool, revision: str | None,
             safetensors: bool) -> None:
     """Download MODEL (an alias, or a Hugging Face id org/name) into the cache.
 
     Fetches only the files the model needs, shows progress on stderr, skips a model
     that is already complete, and keeps revisions apart. For an alias whose registry
-    entry names a GGUF file of the chosen quantization, that one file is fetched
-    (smaller; quantized again at load); --safetensors fetches the full-precision
-    weights instead. Private and gated repos need HF_TOKEN; HF_ENDPOINT points at
-    another hub.
+    entry names a GGUF file of the chosen quantization (by default the one `ruvllm
+    list` recommends), that one file is fetched; --safetensors fetches the
+    full-precision weights instead. The label printed says what the files are
+    ("GGUF Q8_0", "safetensors bf16"). Private and gated repos need HF_TOKEN;
+    HF_ENDPOINT points at another hub.
+
+    Stopped and run again, a download keeps every complete file, but the file it was
+    fetching starts over: huggingface_hub cannot continue a partial file from another
+    run (docs/design.md, section 10).
 
     \b
     Examples:
       ruvllm download qwen-0.5b
+      ruvllm download qwen-0.5b -q q4k
       ruvllm download Qwen/Qwen2.5-0.5B-Instruct --revision main
       ruvllm dl qwen-0.5b@main --force
     """
@@ -48,17 +62,44 @@ def command(model: str, quantization: Quantization, force: bool, revision: str |
     if ref.kind == "local":
         out.info(f"{ref.local_path} is already local: nothing to download.")
         return
+    chosen, quantization = quantization, quantization or download_default(ref)
     revision = _merge_revision(ref.revision, revision)
     _quiet_hub_logs(app.verbose)
     progress = DownloadProgress(out.err, verbose=app.verbose)
     variant = None if safetensors or revision else gguf_variant(ref, quantization)
+    cache = ModelCache(app.cache_dir)
     if variant is not None:
-        ref, file_name = variant
-        download_model(ref, quantization, ModelCache(app.cache_dir), force=force, progress=progress,
-                       file_name=file_name)
+        gguf_ref, file_name = variant
+        try:
+            with _interrupt_note(out):
+                download_model(gguf_ref, quantization, cache, force=force, progress=progress, file_name=file_name)
+        except RepoUnavailableError as error:
+            # The alias's own safetensors repo is another way to get the model.
+            raise RepoUnavailableError(error.message, f"fetch the safetensors from {ref.repo_id} instead: "
+                                       f"ruvllm download {model} --safetensors") from error
         return
-    download_model(ref, quantization, ModelCache(app.cache_dir), force=force, revision=revision,
-                   progress=progress)
+    with _interrupt_note(out):
+        downloaded = download_model(ref, quantization, cache, force=force, revision=revision, progress=progress)
+    if chosen is not None and downloaded.stored_as.startswith("safetensors"):
+        out.info(f"-q {chosen.value} applies when the model loads: ruvllm chat {model} -q {chosen.value}")
+
+
+@contextmanager
+def _interrupt_note(out: Any) -> Iterator[None]:
+    """On Ctrl-C, say what the next run keeps and what it fetches again."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from ruvllm_cli.registry.download import NO_RESUME
+
+        out.warn(f"interrupted: complete files stay in the cache, but {NO_RESUME}: the file in progress "
+                 "starts over next time")
+        raise
+
+
+def download_default(ref: ModelRef) -> Quantization:
+    """The registry's recommended quantization for the model, else q4k (a GGUF repo's usual pick)."""
+    return ref.entry.recommended_quantization if ref.entry is not None else Quantization.Q4_K_M
 
 
 def _quiet_hub_logs(verbose: bool) -> None:

@@ -12,6 +12,8 @@ from ruvllm_cli.registry.locate import LocatedModel, locate_model
 # 16-bit unless asked: q4k prefill runs 2x slower here and q8 costs some accuracy
 # (docs/design.md section 4); a GGUF file keeps its own type instead.
 DEFAULT_QUANTIZATION = Quantization.F16
+NO_BF16_NOTE = ("Loading float32 (-q none): this CPU has no bfloat16 kernels (oneDNN needs AVX-512), so 16-bit "
+                "weights would run unpacked and slower; -q f16 loads them 16-bit anyway")
 
 
 def default_quantization(located: LocatedModel) -> Quantization:
@@ -20,6 +22,28 @@ def default_quantization(located: LocatedModel) -> Quantization:
     if located.path.suffix == ".gguf":
         return quantization_of_gguf(located.path.name) or DEFAULT_QUANTIZATION
     return DEFAULT_QUANTIZATION
+
+
+def load_default(located: LocatedModel, device: str) -> tuple[Quantization, str | None]:
+    """What to load with when -q was not given, and a note when that is not the
+    files' own type: float32 instead of 16-bit on a CPU without bfloat16 kernels."""
+    own = default_quantization(located)
+    if own is not Quantization.F16:
+        return own, None
+    from ruvllm_cli.engine.loader import select_device
+    from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
+
+    if select_device(device).type != "cpu" or cpu_has_bf16_kernels():
+        return own, None
+    # Float32 files stay what they are: nothing to explain.
+    return Quantization.F32, None if _stored_as_float32(located) else NO_BF16_NOTE
+
+
+def _stored_as_float32(located: LocatedModel) -> bool:
+    from ruvllm_cli.registry.weights import safetensors_dtype
+
+    directory = located.path
+    return directory.is_dir() and safetensors_dtype(sorted(directory.glob("*.safetensors"))) == "f32"
 
 
 @dataclass
@@ -51,7 +75,11 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
         from ruvllm_cli.engine.engine import LLMEngine
         from ruvllm_cli.engine.loader import load_model
 
-        config = EngineConfig(device=device, quantization=quantization or default_quantization(located),
+        if quantization is None:
+            quantization, note = load_default(located, device)
+            if note:
+                out.info(f"[dim]{note}[/dim]")
+        config = EngineConfig(device=device, quantization=quantization,
                               **{k: v for k, v in engine_options.items() if v is not None})
         loaded = load_model(located.path, config.device, config.quantization)
         engine = LLMEngine(loaded, config)

@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.filesize import decimal as format_size
 from rich.markup import escape
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.output import Output
 from ruvllm_cli.errors import ModelLoadError
@@ -51,7 +53,7 @@ def local_storage(path: Path) -> dict[str, Any]:
 def download_record(model: DownloadedModel) -> dict[str, Any]:
     files = [{"name": f.name, "size": f.size} for f in model.files]
     return {**_storage(model.path, files), "repo_id": model.repo_id, "revision": model.revision,
-            "commit": model.commit, "quantization": model.quantization,
+            "commit": model.commit, "stored_as": model.stored_as,
             "downloaded_at": model.downloaded_at}
 
 
@@ -178,7 +180,7 @@ def _render_config(out: Output, data: dict[str, Any]) -> None:
 def _render_storage(out: Output, title: str, storage: dict[str, Any], extra: list[tuple[str, Any]]) -> None:
     weights = ", ".join(storage["weights"]) or "none found"
     rows = [*extra, ("Path", storage["path"]), ("Files", len(storage["files"])),
-            ("Size", format_bytes(storage["size_bytes"])), ("Weights", weights)]
+            ("Size", format_size(storage["size_bytes"])), ("Weights", weights)]
     _kv(out, title, rows)
 
 
@@ -188,7 +190,7 @@ def _render_cache(out: Output, data: dict[str, Any]) -> None:
         return
     for download in data["downloads"]:
         extra = [("Repo", download["repo_id"]), ("Revision", download["revision"]),
-                 ("Commit", download["commit"]), ("Quantization", download["quantization"] or None),
+                 ("Commit", download["commit"]), ("Stored as", download["stored_as"]),
                  ("Downloaded", download["downloaded_at"])]
         _render_storage(out, "Cache", download, extra)
     if not data["downloads"]:
@@ -218,7 +220,7 @@ def render(out: Output, data: dict[str, Any]) -> None:
 
 
 @click.command("info")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--json", "as_json", is_flag=True, help="Print the same data as JSON on stdout.")
 @global_options
 def command(model: str, as_json: bool) -> None:

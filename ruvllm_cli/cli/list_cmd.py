@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from rich.filesize import decimal as format_size
 from rich.markup import escape
 from rich.table import Table
 
@@ -44,7 +45,7 @@ def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel]) -> dic
         "memory_estimate": entry_memory(entry),
         "downloaded": bool(mine),
         "downloads": [{"repo_id": m.repo_id, "revision": m.revision, "commit": m.commit,
-                       "quantization": m.quantization, "path": str(m.path)} for m in mine],
+                       "stored_as": m.stored_as, "path": str(m.path)} for m in mine],
     }
 
 
@@ -73,9 +74,15 @@ def _alias_cell(record: dict[str, Any]) -> str:
     return f"{record['alias']} (user)" if record["user"] else record["alias"]
 
 
+def _status_cell(record: dict[str, Any]) -> str:
+    if record["path"]:
+        return "local"
+    return "downloaded" if record["downloaded"] else "-"
+
+
 def render_registry(out: Output, records: list[dict[str, Any]]) -> None:
     rows = [(escape(_alias_cell(r)), escape(r["name"]), format_params(r["params_b"]), _memory_cell(r),
-             "downloaded" if r["downloaded"] else "-") for r in records]
+             _status_cell(r)) for r in records]
     out.table(["Alias", "Name", "Params", "Memory", "Status"], rows, title="Models",
               caption=MEMORY_CAPTION)
 
@@ -85,7 +92,8 @@ def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
     gguf = "\n".join(f"{q}: {name}" for q, name in record["gguf_files"].items()) or "-"
     context = record["context_length"]
     return [
-        ("Alias", _alias_cell(record)), ("Name", record["name"]), ("Repo", record["repo_id"]),
+        ("Alias", _alias_cell(record)), ("Name", record["name"]),
+        ("Path" if record["path"] else "Repo", record["path"] or record["repo_id"]),
         ("Architecture", record["architecture"] or "-"),
         ("Parameters", f"{record['params']:,}" if record["params"] else "-"),
         ("Context length", f"{context:,}" if context else "-"),
@@ -94,7 +102,7 @@ def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
         ("Memory estimate", _memory_cell(record)), ("Sampling", sampling),
         ("GGUF repo", record["gguf_repo"] or "-"), ("GGUF files", gguf),
         ("Notes", record["notes"] or "-"), ("Source", "user alias" if record["user"] else "built-in"),
-        ("Status", "downloaded" if record["downloaded"] else "not downloaded"),
+        ("Status", "local" if record["path"] else "downloaded" if record["downloaded"] else "not downloaded"),
     ]
 
 
@@ -112,7 +120,7 @@ def render_registry_long(out: Output, records: list[dict[str, Any]]) -> None:
 def _total_line(records: list[dict[str, Any]]) -> str:
     total = sum(r["total_bytes"] for r in records)
     noun = "model" if len(records) == 1 else "models"
-    return f"Total: {len(records)} {noun}, {format_bytes(total)}"
+    return f"Total: {len(records)} {noun}, {format_size(total)}"
 
 
 def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) -> None:
@@ -124,9 +132,9 @@ def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) ->
         name = r["repo_id"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
         revision = r["revision"] if r["revision"] == r["commit"] else f"{r['revision']} ({r['commit'][:7]})"
         path = r["path"] + ("\n" + "\n".join(f["name"] for f in r["files"]) if long else "")
-        rows.append((escape(name), escape(revision), r["quantization"] or "-",
-                     format_bytes(r["total_bytes"]), escape(path)))
-    out.table(["Model", "Revision", "Quantization", "Size", "Path"], rows, title="Downloaded models",
+        rows.append((escape(name), escape(revision), escape(r["stored_as"]),
+                     format_size(r["total_bytes"]), escape(path)))
+    out.table(["Model", "Revision", "Stored as", "Size", "Path"], rows, title="Downloaded models",
               caption=_total_line(records))
 
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 import click
+from click.shell_completion import CompletionItem
 
 from ruvllm_cli.errors import UsageError
-from ruvllm_cli.quantization import CHOICES, Quantization, parse_quantization
+from ruvllm_cli.quantization import CHOICES, QUANTIZATION_NAMES, Quantization, parse_quantization
 
 
 class QuantizationType(click.ParamType):
-    name = CHOICES
+    """q4k|q8|f16|none and their other names (quantization.py), any case."""
+
+    name = "quantization"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return f"[{CHOICES}]"  # as typed: Click would show the type's name in capitals
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Quantization:
         try:
@@ -19,14 +25,33 @@ class QuantizationType(click.ParamType):
         except UsageError as error:
             self.fail(f"{error.message} ({error.hint})", param, ctx)
 
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list[CompletionItem]:
+        """The four names; another spelling (q4_k_m, fp16, ...) once it is being typed."""
+        typed = incomplete.lower()
+        names = [q.value for q in Quantization if q.value.startswith(typed)]
+        names = names or [name for name in QUANTIZATION_NAMES if name.startswith(typed)]
+        return [CompletionItem(name, help=parse_quantization(name).label) for name in names]
+
 
 QUANTIZATION = QuantizationType()
 DEVICE = click.Choice(["auto", "cpu", "cuda", "mps"], case_sensitive=False)
 
 
-def quantization_option(default: str | None = None, help_extra: str = "") -> Any:
-    return click.option("-q", "--quantization", type=QUANTIZATION, default=default,
-                        help=f"Weight quantization ({CHOICES}).{help_extra}")
+# What chat, serve and benchmark load when -q is not given (cli/engine_setup.py decides).
+LOAD_DEFAULT = ("what the files are: a GGUF file keeps its type; safetensors load as f16, or none on a CPU "
+                "without bfloat16 kernels (AVX-512)")
+
+
+def quantization_option(help_text: str, default_text: str) -> Any:
+    """-q/--quantization, None when not given; --help shows `default_text` as its default
+    (Click would wrap a text default in parentheses)."""
+    return click.option("-q", "--quantization", type=QUANTIZATION, default=None,
+                        help=f"{help_text}.  [default: {default_text}]")
+
+
+def load_quantization_option() -> Any:
+    """chat, serve and benchmark's -q: the quantization applied when the model loads."""
+    return quantization_option("Quantization applied when the model loads", LOAD_DEFAULT)
 
 
 def device_option() -> Any:

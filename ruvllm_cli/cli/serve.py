@@ -12,10 +12,14 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
+from click.core import ParameterSource
 
+from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import device_option, prefix_cache_option, prefix_caching, quantization_option
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+                                     prefix_caching)
 from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.registry.locate import locate_model
 
 if TYPE_CHECKING:
     from ruvllm_cli.server.state import ServerConfig
@@ -53,7 +57,7 @@ BYTE_SIZE = ByteSize()
 
 
 @click.command("serve")
-@click.argument("model")
+@click.argument("model", shell_complete=complete_model)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("-p", "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Port to listen on (0: any free port).")
@@ -74,7 +78,7 @@ BYTE_SIZE = ByteSize()
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
               help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
 @prefix_cache_option()
-@quantization_option()
+@load_quantization_option()
 @click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
               default="auto", show_default=True,
               help="How the model writes tool calls; auto reads it from the chat template or architecture.")
@@ -106,6 +110,10 @@ def command(**options: Any) -> None:
     """
     app = app_context()
     configure_logging(app.verbose)
+    # A missing or undownloaded model fails here, before the port is bound or announced.
+    locate_model(options["model"], app.cache_dir, options["quantization"])
+    source = click.get_current_context().get_parameter_source("api_key")
+    options["api_key_from_flag"] = source is ParameterSource.COMMANDLINE
     asyncio.run(serve(app, options))
     exit_now()
 
@@ -287,14 +295,20 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     out = app.output()
     host = options["host"]
     curl_url = url.replace(f"//{host}:", "//127.0.0.1:") if host in WILDCARD else url
+    # The key itself never goes to the log: the example reads it from the environment.
     auth = ' -H "Authorization: Bearer $RUVLLM_API_KEY"' if options["api_key"] else ""
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % names[0]
     out.info(f"[bold]ruvllm serve[/bold] · {escape(described)}")
     out.info(escape(f"  OpenAI API  {url}/v1   (model: {', '.join(names)})"))
     out.info(escape(f"  Health      {url}/health"))
     out.info(escape(f"  Metrics     {url}/metrics"))
-    out.info(escape(f"  Try:        curl {curl_url}/v1/chat/completions -H \"Content-Type: application/json\"{auth} "
-                    f"-d '{body}'"))
+    curl = f"curl {curl_url}/v1/chat/completions -H \"Content-Type: application/json\"{auth} -d '{body}'"
+    if options["api_key"] and options.get("api_key_from_flag"):
+        # $RUVLLM_API_KEY is unset in the user's shell when the key came as a flag.
+        out.info(escape("  Try:        export RUVLLM_API_KEY=<your --api-key>"))
+        out.info(escape(f"              {curl}"))
+    else:
+        out.info(escape(f"  Try:        {curl}"))
     if host not in LOOPBACK and not options["api_key"]:
         out.warn(f"listening on {host} without an API key: anyone who can reach this port can use the model "
                  "(set --api-key or RUVLLM_API_KEY)")

@@ -94,13 +94,22 @@ class PackedLinear(nn.Module):
         return out[:count].reshape(*x.shape[:-1], self.out_features)
 
 
+def cpu_has_bf16_kernels() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 or AMX). Without them a
+    bfloat16 model cannot be packed, and its matmuls take a slow generic path."""
+    try:
+        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (RuntimeError, AttributeError):  # a private op another torch build may lack
+        return False
+
+
 def packing_works(dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU run PackedLinear for `dtype` (checked on a
     small layer against nn.Linear), unless RUVLLM_PACK_WEIGHTS=0 turns it off."""
     if os.environ.get(PACK_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     try:  # private oneDNN ops: another torch build may lack or reject them
-        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if dtype == torch.bfloat16 and not cpu_has_bf16_kernels():
             return False
         with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
             linear = nn.Linear(64, 32, dtype=dtype)

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from ruvllm_cli import __version__
 from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import CacheError, NotDownloadedError
+from ruvllm_cli.registry.weights import weights_label
 
 DEFAULT_REVISION = "main"
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -41,7 +42,7 @@ class DownloadedModel:
     repo_id: str
     revision: str
     commit: str
-    quantization: str
+    stored_as: str  # what the weight files are: "safetensors bf16", "GGUF Q4_K_M" (registry/weights.py)
     files: tuple[FileRecord, ...]
     path: Path  # the snapshot dir
     total_bytes: int
@@ -50,7 +51,7 @@ class DownloadedModel:
     def to_json(self) -> dict[str, Any]:
         return {
             "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit,
-            "quantization": self.quantization, "path": str(self.path),
+            "stored_as": self.stored_as, "path": str(self.path),
             "files": [{"name": f.name, "size": f.size} for f in self.files],
             "total_bytes": self.total_bytes, "downloaded_at": self.downloaded_at,
         }
@@ -164,9 +165,10 @@ class ModelCache:
         return model if files_complete(model.path, model.files) else None
 
     # -- writes ------------------------------------------------------------------------
-    def write_manifest(self, *, repo_id: str, revision: str | None, commit: str, quantization: str,
+    def write_manifest(self, *, repo_id: str, revision: str | None, commit: str,
                        files: Iterable[FileRecord]) -> DownloadedModel:
-        """Records a finished download; refuses while any listed file is missing or short."""
+        """Records a finished download, with what its weight files are; refuses while any
+        listed file is missing or short."""
         records = tuple(files)
         snapshot = self.snapshot_dir(repo_id, commit)
         if not files_complete(snapshot, records):
@@ -174,7 +176,7 @@ class ModelCache:
                              "run the download again")
         data = {
             "repo_id": repo_id, "revision": revision or DEFAULT_REVISION, "commit": commit,
-            "quantization": quantization,
+            "stored_as": weights_label(snapshot, (r.name for r in records)),
             "files": [{"name": r.name, "size": r.size} for r in records],
             "total_bytes": sum(r.size for r in records),
             "downloaded_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -287,7 +289,9 @@ def _model_from_manifest(data: dict[str, Any], snapshot: Path) -> DownloadedMode
     files = tuple(FileRecord(str(f["name"]), int(f["size"])) for f in data["files"])
     return DownloadedModel(
         repo_id=str(data["repo_id"]), revision=str(data.get("revision") or DEFAULT_REVISION),
-        commit=str(data["commit"]), quantization=str(data.get("quantization", "")), files=files,
+        commit=str(data["commit"]), files=files,
+        # Older manifests recorded the download's -q, not what the files are: read the files.
+        stored_as=str(data.get("stored_as") or weights_label(snapshot, (f.name for f in files))),
         path=snapshot, total_bytes=int(data.get("total_bytes", sum(f.size for f in files))),
         downloaded_at=str(data.get("downloaded_at", "")),
     )

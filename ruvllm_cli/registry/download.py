@@ -4,6 +4,11 @@ The client does every transfer (and, within one run, resumes a dropped connectio
 with a Range request); this module only chooses the files, skips what is complete,
 clears what a killed run left behind, records the manifest and turns the client's
 exceptions into one-line errors.
+
+Across runs nothing resumes: huggingface_hub (1.18 and later, 2.4 here) writes each
+file to a process-unique `<etag>.<random>.incomplete`, deletes it when the transfer
+fails, and offers no API to continue one (docs/design.md, section 10). So a file cut
+short starts over, and the messages say so.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from rich.filesize import decimal as format_size
 
-from ruvllm_cli.errors import CacheError, DownloadError, RuvllmError, UsageError
+from ruvllm_cli.errors import CacheError, DownloadError, RepoUnavailableError, RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization, parse_quantization
 from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache
 from ruvllm_cli.registry.progress import DownloadObserver
@@ -33,6 +38,7 @@ TOKENIZER_FILES = (
 )
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+NO_RESUME = "huggingface_hub cannot continue a partial file from another run"
 GGUF_PATTERNS: dict[Quantization, tuple[str, ...]] = {
     Quantization.Q4_K_M: ("q4_k_m",),
     Quantization.Q8_0: ("q8_0",),
@@ -128,7 +134,8 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
             file_name is None or any(f.name == file_name for f in existing.files)):
         progress.already_downloaded(existing)
         return existing
-    progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id))
+    lost = sum(_size(path) for path in cache.orphaned_incomplete_files(repo_id))
+    progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id), lost)
     with hub_errors(repo_id, revision, cache):
         return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress,
                       file_name=file_name)
@@ -159,30 +166,24 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
                              tqdm_class=DownloadObserver().tqdm_class)
         shards, done = _index_shards(Path(index)), {SAFETENSORS_INDEX}
     if file_name is not None and file_name not in sizes:
-        raise DownloadError(f"{repo_id} has no file {file_name}", "try --safetensors")
+        raise RepoUnavailableError(f"{repo_id} has no file {file_name}", "try --safetensors")
     names = [file_name] if file_name else plan_files(sizes, quantization, shards)
     records = [FileRecord(name, sizes[name]) for name in names]
     _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
-    label = quantization.value
     earlier = cache.find(repo_id, commit)
     if earlier is not None and _gguf_names(f.name for f in earlier.files) and _gguf_names(names):
         # Another quantization of the same GGUF repo commit: one manifest lists both.
-        records, label = _merge_gguf_downloads(earlier, records, quantization)
-    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit,
-                                 quantization=label, files=records)
+        records = _merge_gguf_downloads(earlier, records)
+    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit, files=records)
     cache.write_ref(repo_id, revision or DEFAULT_REVISION, commit)
     progress.finished(model)
     return model
 
 
-def _merge_gguf_downloads(earlier: DownloadedModel, records: list[FileRecord],
-                          quantization: Quantization) -> tuple[list[FileRecord], str]:
-    """The files of an earlier complete GGUF download of this commit plus the new
-    ones, and their quantizations in registry order ("q4k,q8")."""
+def _merge_gguf_downloads(earlier: DownloadedModel, records: list[FileRecord]) -> list[FileRecord]:
+    """The files of an earlier complete GGUF download of this commit plus the new ones."""
     names = {r.name for r in records}
-    merged = sorted([*(f for f in earlier.files if f.name not in names), *records], key=lambda r: r.name)
-    held = {q for q in Quantization if q is quantization or q.value in earlier.quantization.split(",")}
-    return merged, ",".join(q.value for q in Quantization if q in held)
+    return sorted([*(f for f in earlier.files if f.name not in names), *records], key=lambda r: r.name)
 
 
 def _fetch_files(repo_id: str, commit: str, records: list[FileRecord], cache: ModelCache, *,
@@ -222,6 +223,13 @@ def _index_shards(index_path: Path) -> list[str]:
         return sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DownloadError(f"{SAFETENSORS_INDEX} in the repo is not a valid safetensors index") from None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _present(path: Path, size: int) -> bool:
@@ -268,10 +276,11 @@ def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
     if isinstance(error, hf.GatedRepoError):
         status = error.response.status_code if error.response is not None else None
         refused = "the hub refused this token" if status == 403 else "it needs a token"
-        return DownloadError(f"{repo_id} is a gated repo and {refused} (HTTP {status})",
-                             "accept its terms on the hub and set HF_TOKEN to a token of that account")
+        return RepoUnavailableError(f"{repo_id} is a gated repo and {refused} (HTTP {status})",
+                                    "accept its terms on the hub and set HF_TOKEN to a token of that account")
     if isinstance(error, hf.RevisionNotFoundError):
-        return DownloadError(f"revision '{rev}' not found in {repo_id}", "check the branch, tag or commit name")
+        return RepoUnavailableError(f"revision '{rev}' not found in {repo_id}",
+                                    "check the branch, tag or commit name")
     if isinstance(error, hf.HfHubHTTPError):
         return _http_error(error, repo_id, rev)
     if isinstance(error, hf.OfflineModeIsEnabled):
@@ -300,14 +309,14 @@ def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:
         return DownloadError("the hub rejected the token in HF_TOKEN (HTTP 401: invalid credentials)",
                              "set HF_TOKEN to a valid token, or unset it for public repos")
     if status == 401:
-        return DownloadError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does not exist",
-                             "set HF_TOKEN to a token that can read it")
+        return RepoUnavailableError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does "
+                                    "not exist", "set HF_TOKEN to a token that can read it")
     if status == 403:
-        return DownloadError(f"access to {repo_id} is forbidden with this token (HTTP 403)",
-                             "set HF_TOKEN to a token with read access to the repo")
+        return RepoUnavailableError(f"access to {repo_id} is forbidden with this token (HTTP 403)",
+                                    "set HF_TOKEN to a token with read access to the repo")
     if isinstance(error, hf.RepositoryNotFoundError) or status == 404:
-        return DownloadError(f"model repo {repo_id} not found on the hub",
-                             "check the id (org/name); private repos need HF_TOKEN")
+        return RepoUnavailableError(f"model repo {repo_id} not found on the hub",
+                                    "check the id (org/name); private repos need HF_TOKEN")
     return DownloadError(f"the hub answered HTTP {status} for {repo_id}@{rev}", "try again later")
 
 

@@ -35,7 +35,8 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     ref = resolve_model(name)
     if ref.kind == "local":
         assert ref.local_path is not None
-        return LocatedModel(ref, ref.local_path, ref.local_path.name)
+        # A user alias of a local model is served under the alias.
+        return LocatedModel(ref, ref.local_path, ref.entry.alias if ref.entry else ref.local_path.name)
     assert ref.repo_id is not None
     cache = ModelCache(cache_dir)
     served = ref.entry.alias if ref.kind == "registry" and ref.entry else ref.repo_id
@@ -53,7 +54,9 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
 
 
 def _downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantization | None) -> Path | None:
-    wanted = [quantization] if quantization else list(Quantization)
+    recommended = ref.entry.recommended_quantization if ref.entry is not None else Quantization.Q4_K_M
+    # Without -q: the registry's recommendation (what `download` fetches by default) first.
+    wanted = [quantization] if quantization else [recommended, *(q for q in Quantization if q is not recommended)]
     for quant in wanted:
         variant = gguf_variant(ref, quant)
         if variant is None:

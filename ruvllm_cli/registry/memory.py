@@ -65,7 +65,9 @@ def estimate_memory(params: int | float, quantization: Quantization | str, shape
 
 
 def format_bytes(count: int | float | None) -> str:
-    """Human-readable binary size: 512 B, 1.5 KiB, 4.7 GiB; '-' for None."""
+    """Human-readable binary size for memory: 512 B, 1.5 KiB, 4.7 GiB; '-' for None.
+    (Sizes of files on disk are decimal, as the hub and download's progress give them:
+    rich.filesize.decimal.)"""
     if count is None:
         return "-"
     value = float(count)

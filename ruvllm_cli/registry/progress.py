@@ -27,7 +27,7 @@ class DownloadObserver:
     """Receives a download's events. This base shows nothing (library use, tests)."""
 
     def already_downloaded(self, model: DownloadedModel) -> None: ...
-    def removed_orphans(self, paths: Sequence[Path]) -> None: ...
+    def removed_orphans(self, paths: Sequence[Path], size: int = 0) -> None: ...
     def started(self, repo_id: str, commit: str, files: Sequence[FileRecord],
                 pending: Sequence[FileRecord]) -> None: ...
     def file_started(self, record: FileRecord) -> None: ...
@@ -123,9 +123,12 @@ class DownloadProgress(DownloadObserver):
                            f"({format_size(model.total_bytes)}, {len(model.files)} files)")
         self.console.print("[dim]Nothing fetched; use --force to fetch it again.[/dim]")
 
-    def removed_orphans(self, paths: Sequence[Path]) -> None:
+    def removed_orphans(self, paths: Sequence[Path], size: int = 0) -> None:
         if paths:
-            self.console.print(f"Removed {len(paths)} partial file(s) a stopped download left behind.")
+            from ruvllm_cli.registry.download import NO_RESUME
+
+            self.console.print(f"Removed {len(paths)} partial file(s) ({format_size(size)}) a stopped download "
+                               f"left behind: {NO_RESUME}, so those files start over.")
             for path in paths if self.verbose else ():
                 self.console.print(f"[dim]  removed {escape(str(path))}[/dim]")
 
@@ -212,4 +215,4 @@ def _make_progress(console: Console) -> Progress:
 
 
 def _label(model: DownloadedModel) -> str:
-    return f"{model.repo_id}@{model.revision} (commit {model.commit[:7]}, {model.quantization})"
+    return f"{model.repo_id}@{model.revision} (commit {model.commit[:7]}, {model.stored_as})"

@@ -64,6 +64,12 @@ class ModelEntry:
     head_dim: int | None = None
     exact_params: int | None = None
     user: bool = False
+    path: Path | None = None  # a user alias of a local model (directory or .gguf file) instead of a repo
+
+    @property
+    def target(self) -> str:
+        """What the alias names: its repo id, or its local path."""
+        return str(self.path) if self.path is not None else self.repo_id
 
     @property
     def params(self) -> int | None:
@@ -87,7 +93,7 @@ class ModelEntry:
             "recommended_quantization": self.recommended_quantization.value, "notes": self.notes,
             "sampling": self.sampling.to_dict(), "gguf_repo": self.gguf_repo,
             "gguf_files": {q.value: name for q, name in self.gguf_files.items()},
-            "user": self.user,
+            "user": self.user, "path": str(self.path) if self.path is not None else None,
         }
 
 
@@ -120,9 +126,11 @@ def _entry_from_data(data: dict[str, Any], *, user: bool, where: str) -> ModelEn
         sampling = Sampling(**data.get("sampling", {}))
         quant = parse_quantization(data.get("recommended_quantization", "q4k"))
         gguf = {parse_quantization(q): str(f) for q, f in (data.get("gguf_files") or {}).items()}
+        path = Path(data["path"]) if data.get("path") else None
+        repo_id = str(data["repo_id"]) if path is None else ""
         return ModelEntry(
-            alias=str(data["alias"]), repo_id=str(data["repo_id"]),
-            name=str(data.get("name") or data["repo_id"].split("/")[-1]),
+            alias=str(data["alias"]), repo_id=repo_id, path=path,
+            name=str(data.get("name") or (path.name if path is not None else repo_id.split("/")[-1])),
             architecture=data.get("architecture"), params_b=data.get("params_b"),
             context_length=data.get("context_length"), use_case=data.get("use_case", ""),
             recommended_quantization=quant, notes=data.get("notes", ""), sampling=sampling,
@@ -212,16 +220,23 @@ def _write_user_file(path: Path, aliases: dict[str, dict[str, Any]]) -> None:
     write_text_atomic(path, json.dumps({"version": 1, "aliases": aliases}, indent=2, sort_keys=True) + "\n")
 
 
-def add_user_alias(alias: str, repo_id: str, *, name: str | None = None,
+def add_user_alias(alias: str, target: str, *, name: str | None = None,
                    config_dir: Path | None = None, **fields: Any) -> ModelEntry:
-    """Adds or replaces a user alias; returns the stored entry."""
+    """Adds or replaces a user alias of `target`, a Hugging Face id or a local model
+    (a directory with config.json, or a .gguf file; stored as an absolute path);
+    returns the stored entry."""
     validate_alias(alias)
-    validate_repo_id(repo_id)
+    local = _local_ref(target)
+    if local is None and Path(target).expanduser().exists():
+        raise _not_a_model(target, Path(target).expanduser())
+    if local is None:
+        validate_repo_id(target)
     unknown = sorted(set(fields) - USER_FIELDS)
     if unknown:
         raise UsageError(f"unknown alias field(s): {', '.join(unknown)}",
                          f"known fields: {', '.join(sorted(USER_FIELDS))}")
-    record: dict[str, Any] = {"repo_id": repo_id, **{k: v for k, v in fields.items() if v is not None}}
+    named = {"path": str(local.local_path)} if local is not None else {"repo_id": target}
+    record: dict[str, Any] = {**named, **{k: v for k, v in fields.items() if v is not None}}
     if name:
         record["name"] = name
     if isinstance(record.get("recommended_quantization"), Quantization):
@@ -278,20 +293,37 @@ def _local_ref(name: str) -> ModelRef | None:
 
 
 def nearest_alias(name: str, aliases: list[str]) -> str | None:
-    """The closest alias by difflib ratio (always one, when there are aliases)."""
-    close = difflib.get_close_matches(name.lower(), aliases, n=1, cutoff=0.5)
-    if close:
-        return close[0]
-    scored = [(difflib.SequenceMatcher(None, name.lower(), a).ratio(), a) for a in aliases]
-    return max(scored)[1] if scored else None
+    """The closest alias by difflib ratio, where one is close enough to be a likely typo."""
+    close = difflib.get_close_matches(name.lower(), aliases, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _unknown(name: str, registry: dict[str, ModelEntry]) -> ModelNotFoundError:
     aliases = sorted(registry)
     guess = nearest_alias(name, aliases)
-    hint = f"did you mean '{guess}'? " if guess else ""
-    hint += f"Aliases: {', '.join(aliases)}; or give a Hugging Face id (org/name) or a local path"
+    if guess:
+        hint = (f"did you mean '{guess}'? Aliases: {', '.join(aliases)}; or give a Hugging Face id (org/name) "
+                "or a local path")
+    else:
+        own = name.lower() if ALIAS_RE.match(name.lower()) else "NAME"
+        hint = (f"aliases: {', '.join(aliases)}; or give a Hugging Face id (org/name) or a local path; "
+                f"to name your own model: ruvllm alias set {own} ORG/NAME (or a local directory)")
     return ModelNotFoundError(f"unknown model '{name}'", hint)
+
+
+def _aliased_path(entry: ModelEntry, revision: str | None) -> ModelRef:
+    """A user alias of a local model: that model, while it is still there."""
+    if revision:
+        raise UsageError(f"'{entry.alias}' is a local model ({entry.path}): it has no revisions")
+    try:
+        local = _local_ref(str(entry.path))
+    except ModelNotFoundError:  # moved, deleted, or no model any more
+        local = None
+    if local is None:
+        raise ModelNotFoundError(f"alias '{entry.alias}' points at {entry.path}, which is not a model now",
+                                 f"point it elsewhere (ruvllm alias set {entry.alias} PATH) or remove it "
+                                 f"(ruvllm alias rm {entry.alias})")
+    return ModelRef(kind="local", repo_id=None, entry=entry, local_path=local.local_path)
 
 
 def _split_revision(name: str) -> tuple[str, str | None]:
@@ -315,6 +347,8 @@ def resolve_model(name: str, config_dir: Path | None = None) -> ModelRef:
     registry = load_registry(config_dir)
     base, revision = _split_revision(name)
     entry = registry.get(base.lower())
+    if entry and entry.path is not None:
+        return _aliased_path(entry, revision)
     if entry:
         return ModelRef(kind="registry", repo_id=entry.repo_id, revision=revision, entry=entry)
     if is_repo_id(base):

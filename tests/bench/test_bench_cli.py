@@ -23,7 +23,7 @@ PROMPT, GEN = 16, 8
 SMALL = ["-q", "none", "--prompt-length", str(PROMPT), "--gen-length", str(GEN), "--warmup", "1", "-i", "3"]
 
 # The documented schema (docs/benchmark.md): renaming any field must fail here.
-TOP_LEVEL = ["schema_version", "model", "config", "system", "metrics", "samples"]
+TOP_LEVEL = ["schema_version", "model", "config", "system", "metrics", "noise", "samples"]
 MODEL_FIELDS = ["name", "argument", "repo_id", "revision", "path", "architecture"]
 CONFIG_FIELDS = [
     "warmup", "iterations", "prompt_length", "gen_length", "concurrency", "quantization", "device", "seed",
@@ -43,10 +43,15 @@ METRIC_FIELDS = [
     "measured_requests", "preemptions", "peak_rss_mb", "cuda_max_allocated_mb", "weight_bytes",
     "achieved_bandwidth_gb_s", "bandwidth_utilization_pct",
 ]
+NOISE_FIELDS = ["iterations"] + [f"{figure}_{stat}" for figure in ("decode_tokens_per_s", "prefill_tokens_per_s",
+                                                                   "ttft_ms", "output_tokens_per_s")
+                                  for stat in ("min", "max", "stdev", "cv_pct")] + [
+    "cpu_cores", "torch_threads", "load_average_max", "other_cpu_cores", "high_spread", "busy"]
 ITERATION_FIELDS = ["iteration", "wall_ms", "output_tokens_per_s", "requests"]
 REQUEST_FIELDS = ["prompt_tokens", "cached_prompt_tokens", "generated_tokens", "finish_reason", "ttft_ms",
                   "prefill_ms", "decode_ms", "e2e_ms", "decode_tokens_per_s", "itl_ms"]
-SECTIONS = {"model": MODEL_FIELDS, "config": CONFIG_FIELDS, "system": SYSTEM_FIELDS, "metrics": METRIC_FIELDS}
+SECTIONS = {"model": MODEL_FIELDS, "config": CONFIG_FIELDS, "system": SYSTEM_FIELDS, "metrics": METRIC_FIELDS,
+            "noise": NOISE_FIELDS}
 
 
 def bench(model: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
@@ -113,6 +118,29 @@ def test_json_values_are_measured_and_exact(json_run, tiny_model_dir):
     assert system["dtype"] == "float32" and system["quantization"] == "F32" and system["device"] == "cpu"
     assert system["cpu_cores_logical"] >= 1 and system["torch_threads"] >= 1
     assert report["model"]["path"] == str(tiny_model_dir)
+
+
+def test_noise_is_each_iterations_own_figures_and_progress_a_line_each(json_run):
+    """Issue 23, item 5: the spread beside every figure, and without a terminal one
+    progress line per iteration on stderr (not 28 s of nothing)."""
+    done, report = json_run
+    noise = report["noise"]
+    assert list(noise) == NOISE_FIELDS and noise["iterations"] == 3
+    decode = [it["requests"][0]["decode_tokens_per_s"] for it in report["samples"]]
+    assert (noise["decode_tokens_per_s_min"], noise["decode_tokens_per_s_max"]) == pytest.approx(
+        (min(decode), max(decode)))
+    ttft = [it["requests"][0]["ttft_ms"] for it in report["samples"]]
+    assert (noise["ttft_ms_min"], noise["ttft_ms_max"]) == pytest.approx((min(ttft), max(ttft)))
+    assert noise["decode_tokens_per_s_stdev"] >= 0 and noise["cpu_cores"] >= 1
+    assert noise["load_average_max"] >= 0 and noise["other_cpu_cores"] >= 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith(("warm-up ", "iteration "))]
+    assert [line.split(":")[0] for line in lines] == ["warm-up 1/1", "iteration 1/3", "iteration 2/3",
+                                                      "iteration 3/3"]
+    for line, rate in zip(lines[1:], decode):
+        assert line.startswith(f"iteration ") and f": decode {rate:.2f} tok/s, TTFT " in line
+    warned = [line for line in done.stderr.splitlines() if line.startswith("Warning:")]
+    assert any("varied widely" in line for line in warned) == noise["high_spread"]
+    assert any("other processes used the CPU" in line for line in warned) == noise["busy"]
 
 
 def test_stdout_holds_only_the_data_and_output_file_the_same(json_run, home):

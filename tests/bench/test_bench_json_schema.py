@@ -56,7 +56,8 @@ def report(tiny_model_dir: Path, home: Path) -> dict[str, Any]:
 
 
 def test_json_has_the_structured_section(report: dict[str, Any]) -> None:
-    assert list(report) == ["schema_version", "model", "config", "system", "metrics", "structured", "samples"]
+    assert list(report) == ["schema_version", "model", "config", "system", "metrics", "structured", "noise",
+                            "samples"]
     structured = report["structured"]
     assert list(structured) == STRUCTURED_FIELDS
     assert structured["schema_file"] == report["config"]["json_schema"] == "person.json"

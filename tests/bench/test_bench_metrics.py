@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import random
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ import pytest
 
 from ruvllm_cli.bench import compare as cmp
 from ruvllm_cli.bench import metrics as m
+from ruvllm_cli.bench import noise as nz
 from ruvllm_cli.bench.formatters import to_csv, verdict
 from ruvllm_cli.bench.report import flatten
 from ruvllm_cli.bench.runner import BenchSettings, check_fits, prompt_token_pool, random_prompts
@@ -208,3 +210,109 @@ def test_load_previous_rejects_what_is_no_report(tmp_path):
     path.write_text("{broken")
     with pytest.raises(UsageError, match="cannot read"):
         cmp.load_previous(path)
+
+
+# ---- noise: spread over iterations, a busy CPU, and --compare within the noise -------------
+
+
+def iteration(index: int, step_s: float, ttft_s: float = 0.1, tokens: int = 5) -> m.IterationSample:
+    """One request of `tokens` tokens `step_s` apart, its first after `ttft_s`."""
+    stamps = [ttft_s + i * step_s for i in range(tokens)]
+    return m.IterationSample(index, (request(0.0, 0.0, stamps),))
+
+
+QUIET = nz.CpuContention(cores=2, threads=2, load_average_max=1.9, other_cpu_cores=0.1)
+
+
+def test_spread_of_per_iteration_values():
+    spread = m.spread("decode", [10.0, 20.0, None, 30.0])
+    assert spread == {"decode_min": 10.0, "decode_max": 30.0, "decode_stdev": pytest.approx(10.0),
+                      "decode_cv_pct": pytest.approx(50.0)}
+    assert m.spread("x", [7.0]) == {"x_min": 7.0, "x_max": 7.0, "x_stdev": None, "x_cv_pct": None}
+
+
+def test_noise_section_takes_each_iterations_own_figures():
+    """Issue 23, item 5: decode at 100 and 25 tok/s in two iterations is a wide spread."""
+    noise = nz.noise_section([iteration(1, 0.01), iteration(2, 0.04)], QUIET)
+    assert noise["iterations"] == 2
+    assert (noise["decode_tokens_per_s_min"], noise["decode_tokens_per_s_max"]) == pytest.approx((25.0, 100.0))
+    assert noise["decode_tokens_per_s_cv_pct"] == pytest.approx(100 * 53.033 / 62.5, rel=1e-4)
+    assert (noise["ttft_ms_min"], noise["ttft_ms_max"], noise["ttft_ms_cv_pct"]) == pytest.approx((100, 100, 0))
+    assert noise["high_spread"] is True and noise["busy"] is False
+    assert (noise["cpu_cores"], noise["torch_threads"], noise["load_average_max"]) == (2, 2, 1.9)
+    assert nz.noise_warnings(noise) == [
+        "the figures varied widely over the 2 iterations: decode 25-100 tok/s (±85%), "
+        "output 19.23-35.71 tok/s (±42%); compare runs only beyond that spread"]
+
+
+def test_a_steady_run_on_a_quiet_machine_gets_no_warning():
+    noise = nz.noise_section([iteration(1, 0.0100), iteration(2, 0.0101), iteration(3, 0.0099)], QUIET)
+    assert noise["high_spread"] is False and noise["busy"] is False
+    assert nz.noise_warnings(noise) == []
+
+
+@pytest.mark.parametrize(("load", "other", "busy"), [
+    (1.9, 0.1, False), (2.6, 0.1, True),      # load average beyond the 2 cores
+    (None, 0.5, True), (None, 0.2, False),    # other processes' use plus our 2 threads beyond them
+    (None, None, False),
+])
+def test_a_busy_cpu(load, other, busy):
+    contention = nz.CpuContention(cores=2, threads=2, load_average_max=load, other_cpu_cores=other)
+    assert contention.busy is busy
+
+
+def test_busy_warning_names_what_was_seen():
+    noise = nz.noise_section([iteration(1, 0.01), iteration(2, 0.01)],
+                             nz.CpuContention(cores=2, threads=2, load_average_max=4.96, other_cpu_cores=1.36))
+    assert nz.noise_warnings(noise) == [
+        "other processes used the CPU during the run (load average up to 4.96 on 2 cores; other processes kept "
+        "1.36 cores busy): the figures are likely low and noisy"]
+
+
+def test_load_monitor_measures_this_machine():
+    monitor = nz.LoadMonitor(threads=1)
+    monitor.start()
+    sum(range(200_000))
+    monitor.sample()
+    seen = monitor.result()
+    assert seen.cores >= 1 and seen.threads == 1
+    assert seen.load_average_max is not None and seen.load_average_max >= 0
+    assert seen.other_cpu_cores is not None and seen.other_cpu_cores >= 0
+
+
+def report(decode: float, ttft: float, decode_cv: float | None, ttft_cv: float | None = 1.0,
+           busy: bool = False) -> dict:
+    noise = {"decode_tokens_per_s_cv_pct": decode_cv, "ttft_ms_cv_pct": ttft_cv, "busy": busy}
+    return {"model": {"name": "a"}, "config": {}, "system": {},
+            "metrics": {"decode_tokens_per_s": decode, "ttft_ms_p50": ttft}, "noise": noise}
+
+
+def test_compare_does_not_count_a_change_within_the_noise():
+    """Issue 23, item 5: 119 then 23 tok/s from two identical runs on a busy machine."""
+    comparison = cmp.compare_reports(report(119.0, 10.0, 55.0), report(23.0, 10.0, 65.0, busy=True), 10.0)
+    decode = comparison.changes[0]
+    assert decode.change_pct == pytest.approx(-80.67, abs=0.01)
+    two_sigma = 2 * math.hypot(0.55, 0.65)
+    assert decode.noise_pct == pytest.approx(100 * (1 - math.exp(-two_sigma)))   # a fall of 81.8%
+    assert decode.within_noise and not decode.regression and comparison.regressions == ()
+    cmp.raise_on_regression(comparison)                       # no error
+    assert cmp.comparison_warnings(comparison) == [
+        "decode_tokens_per_s moved -80.7%, beyond the 10% threshold but within the runs' noise (-82%): not "
+        "counted as a regression; compare runs on a quiet machine",
+        "other processes used the CPU during this run: figures from a busy machine are likely low"]
+
+
+def test_compare_still_gates_a_change_beyond_the_noise():
+    comparison = cmp.compare_reports(report(100.0, 10.0, 2.0), report(80.0, 10.0, 3.0), 10.0)
+    assert [c.name for c in comparison.regressions] == ["decode_tokens_per_s"]
+    assert comparison.changes[0].noise_pct == pytest.approx(100 * (1 - math.exp(-2 * math.hypot(0.02, 0.03))))
+    # A 1000-fold slowdown is beyond any spread (percent bounds would cap a fall at 100%).
+    noisy = cmp.compare_reports(report(1000.0, 10.0, 80.0), report(1.0, 10_000.0, 80.0, ttft_cv=80.0), 10.0)
+    assert [c.name for c in noisy.regressions] == ["decode_tokens_per_s", "ttft_ms_p50"]
+    # A report written before the noise section: the new run's spread alone.
+    old = report(100.0, 10.0, None)
+    del old["noise"]
+    alone = cmp.compare_reports(old, report(80.0, 10.0, 15.0), 10.0)
+    assert alone.changes[0].noise_pct == pytest.approx(100 * (1 - math.exp(-0.3))) and alone.regressions == ()
+    # TTFT's bound is a rise: e^(2σ) − 1.
+    assert alone.changes[1].noise_pct == pytest.approx(100 * (math.exp(0.02) - 1))

@@ -4,6 +4,7 @@ scripted engine loop stand in for the screen and the model."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,6 +178,20 @@ def test_max_and_set(conv: Conversation) -> None:
     assert "top_p: 0.9" in lines(conv) and "seed: 42" in lines(conv)
 
 
+def test_max_beyond_the_context_is_refused(conv: Conversation) -> None:
+    """Issue 23, item 8: /max 100000 was accepted with a 4,096-token context."""
+    run_command(conv, "/max 64")
+    for bad in ("/max 100000", "/set max_tokens 4097"):
+        with pytest.raises(UsageError) as caught:
+            run_command(conv, bad)
+        assert caught.value.message.endswith("is beyond the model's 4096-token context")
+        assert caught.value.hint == ("a reply ends where the context does: give at most 4096 (/tokens shows how "
+                                     "much the conversation takes)")
+    assert conv.session.settings.max_tokens == 64
+    run_command(conv, "/max 4096")
+    assert conv.session.settings.max_tokens == 4096
+
+
 def test_system_shows_sets_and_clears(conv: Conversation) -> None:
     run_command(conv, "/system")
     assert lines(conv)[-1].startswith("No system prompt.")
@@ -270,6 +285,41 @@ def test_completion_of_commands_and_parameters() -> None:
     assert completions("hello /he") == [] and completions("/temp 0") == []
     found = list(SlashCompleter().get_completions(Document("/set rep"), CompleteEvent(completion_requested=True)))
     assert [(c.text, c.start_position) for c in found] == [("repetition_penalty", -3)]
+
+
+def test_completion_of_slash_command_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23, item 2: /system's flag, /save and /load's files, the saved chats' names."""
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    for age, name in enumerate(["chat-20260101-090000.json", "chat-20260102-090000.json"]):
+        (chats / name).write_text("{}")
+        os.utime(chats / name, (1000 - age, 1000 - age))     # the second is the older
+    work = tmp_path / "work"
+    (work / "notes").mkdir(parents=True)
+    (work / "my-chat.json").write_text("{}")
+    (work / ".hidden").write_text("")
+    monkeypatch.chdir(work)
+    assert completions("/system --c") == ["--clear"] and completions("/system ") == []
+    assert completions("/save ") == ["my-chat.json", "notes/"]
+    assert completions("/save no") == ["notes/"] and completions("/save .h") == [".hidden"]
+    assert completions("/load ", chats) == ["chat-20260101-090000.json", "chat-20260102-090000.json",
+                                             "my-chat.json", "notes/"]
+    assert completions("/load chat-202601", chats) == ["chat-20260101-090000.json", "chat-20260102-090000.json"]
+    assert completions(f"/load {chats}/chat-20260102", chats) == [f"{chats}/chat-20260102-090000.json"]
+    assert completions("/load ", None) == ["my-chat.json", "notes/"]
+    found = list(SlashCompleter(chats).get_completions(Document("/load chat-20260102"),
+                                                       CompleteEvent(completion_requested=True)))
+    assert [(c.text, c.start_position) for c in found] == [("chat-20260102-090000.json", -13)]
+
+
+def test_load_finds_a_saved_chat_by_its_name(conv: Conversation) -> None:
+    run_command(conv, "/system terse")
+    run_command(conv, "/save")
+    saved = next(conv.chats_dir.glob("chat-*.json"))
+    run_command(conv, "/system --clear")
+    run_command(conv, f"/load {saved.name}")
+    assert conv.session.system_prompt == "terse"
+    assert lines(conv)[-1] == f"Loaded 0 messages from {saved}"
 
 
 def test_block_text_drops_markers_and_outer_blank_lines() -> None:

@@ -96,7 +96,7 @@ def test_a_conversation_with_commands(spawn_chat: Callable[..., Any], tmp_path: 
         assert line in history.splitlines()
 
 
-def test_ctrl_c_stops_a_reply_and_clears_the_prompt(spawn_chat: Callable[..., Any]) -> None:
+def test_ctrl_c_stops_a_reply_and_clears_the_prompt(spawn_chat: Callable[..., Any], isolated_env: Any) -> None:
     child = spawn_chat("-t", "0", "--max-tokens", "3000")
     child.expect(PROMPT)
     child.send("a draft I do not want")
@@ -119,6 +119,9 @@ def test_ctrl_c_stops_a_reply_and_clears_the_prompt(spawn_chat: Callable[..., An
     run(child, "/max 8", "max_tokens = 8")
     run(child, "Go on.", STATS)
     run(child, "/history", "You: Count to one thousand.", r"\[interrupted\]", "You: Go on.")
+    # Issue 23, item 8: saved in the data dir, which clearing the cache leaves alone.
+    run(child, "/save", "Saved 4 messages to " + re.escape(str(isolated_env.data_dir / "chats" / "chat-")))
+    assert len(list((isolated_env.data_dir / "chats").glob("chat-*.json"))) == 1
     child.sendline("/quit")
     child.expect("Goodbye.")
     child.expect(pexpect.EOF)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -117,7 +118,8 @@ def test_man_page_options_defaults_and_examples(man_page: str) -> None:
     # The option's help line ends with its default and range.
     help_line = benchmark.split(iterations)[1].split("\n")[0]
     assert help_line.endswith("Default: 10. Range: x>=1.")
-    assert "\\fB\\-\\-format\\fR \\fI[table|json|csv]\\fR\nDefault: table.\n" in benchmark
+    assert ("\\fB\\-\\-format\\fR \\fI[table|json|csv]\\fR\nTables for people; JSON or CSV, alone on stdout, "
+            "for scripts (fields: docs/benchmark.md). Default: table.\n") in benchmark
     assert "\\fB\\-\\-no\\-color\\fR" not in benchmark  # global options are described once
     assert "Examples:\n.RS 4\n.nf\nruvllm benchmark qwen\n" in benchmark
     globals_ = man_page.split(".SH GLOBAL OPTIONS")[1].split(".SH ")[0]
@@ -130,8 +132,8 @@ def test_man_page_options_defaults_and_examples(man_page: str) -> None:
 def test_man_page_environment_exit_status_files(man_page: str) -> None:
     section = lambda name: man_page.split(f".SH {name}\n")[1].split("\n.SH ")[0]  # noqa: E731
     environment = re.findall(r"^\\fB(\w+)\\fR$", section("ENVIRONMENT"), flags=re.M)
-    assert environment == ["RUVLLM_CACHE_DIR", "RUVLLM_CONFIG_DIR", "RUVLLM_API_KEY", "HF_TOKEN",
-                           "HF_ENDPOINT", "NO_COLOR"]
+    assert environment == ["RUVLLM_CACHE_DIR", "RUVLLM_CONFIG_DIR", "RUVLLM_DATA_DIR", "RUVLLM_API_KEY",
+                           "HF_TOKEN", "HF_ENDPOINT", "NO_COLOR"]
     assert re.findall(r"^\\fB(\d+)\\fR$", section("EXIT STATUS"), flags=re.M) == ["0", "1", "2", "130"]
     assert "~/.cache/ruvllm" in section("FILES")
 
@@ -239,6 +241,77 @@ def test_complete_model_offers_registry_and_user_aliases() -> None:
     assert [(item.value, item.type) for item in fallback] == [("./mod", "file")]
     aliases_path().write_text("not json")
     assert "qwen" in [item.value for item in complete_model(None, None, "qw")]  # type: ignore[arg-type]
+
+
+def test_complete_quantization_values_as_typed(env: dict[str, str]) -> None:
+    """Issue 23, item 2: -q's values complete, in lowercase, and --help shows them so."""
+    names = ["plain,q4k", "plain,q8", "plain,f16", "plain,none"]
+    for command in ("chat qwen", "serve qwen", "bench qwen", "download qwen", "alias set x org/y"):
+        assert complete(env, f"ruvllm {command} -q ") == names
+    assert complete(env, "ruvllm chat qwen --quantization Q") == ["plain,q4k", "plain,q8"]
+    assert complete(env, "ruvllm chat qwen -q fp") == ["plain,fp16", "plain,fp32"]
+    help_text = run(["chat", "--help"], env).stdout
+    assert "-q, --quantization [q4k|q8|f16|none]" in help_text and "Q4K" not in help_text
+
+
+def fake_download(cache_dir: Path, repo_id: str) -> None:
+    """A complete download of `repo_id` in the cache (one safetensors file)."""
+    from ruvllm_cli.registry.cache import FileRecord, ModelCache
+
+    cache, commit = ModelCache(cache_dir), "a" * 40
+    snapshot = cache.snapshot_dir(repo_id, commit)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    cache.write_ref(repo_id, "main", commit)
+    cache.write_manifest(repo_id=repo_id, revision="main", commit=commit, files=[FileRecord("config.json", 2)])
+
+
+def test_complete_model_arguments_with_aliases_and_downloads(env: dict[str, str], isolated_env,
+                                                             tmp_path: Path) -> None:
+    """Issue 23, item 2: every MODEL argument completes aliases, then downloaded repo ids."""
+    from ruvllm_cli.registry.registry import add_user_alias
+
+    add_user_alias("qwen-mine", "Qwen/Qwen2.5-0.5B-Instruct")
+    fake_download(isolated_env.cache_dir, "Acme/Tiny-Chat")
+    for command in ("download", "dl", "info", "rm", "chat", "serve", "benchmark"):
+        assert complete(env, f"ruvllm {command} qwen-") == [
+            "plain,qwen-coder", "plain,qwen-large", "plain,qwen-0.5b", "plain,qwen-1.5b", "plain,qwen-mine"]
+        assert complete(env, f"ruvllm {command} acme") == ["plain,Acme/Tiny-Chat"]
+    other = tmp_path / "other-cache"
+    fake_download(other, "Acme/Elsewhere")
+    assert complete(env, f"ruvllm --cache-dir {other} rm Acme") == ["plain,Acme/Elsewhere"]
+    assert complete(env, "ruvllm chat ./mod") == ["file,./mod"]  # the shell completes file names
+    assert complete(env, "ruvllm alias rm q") == ["plain,qwen-mine"]
+
+
+COMPLETION_TIMING = """
+import json, os, sys, time
+from ruvllm_cli.cli.main import main
+started = time.perf_counter()
+try:
+    main()
+except SystemExit:
+    pass
+print(json.dumps({"seconds": time.perf_counter() - started,
+                  "heavy": sorted(m for m in ("torch", "transformers", "huggingface_hub") if m in sys.modules)}),
+      file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("line", ["ruvllm chat qw", "ruvllm serve qwen -q ", "ruvllm bench qwen --format ",
+                                  "ruvllm rm ", "ruvllm download qwen --revision m"])
+def test_completion_is_fast_and_never_imports_torch(env: dict[str, str], line: str) -> None:
+    """Click's completion protocol, in-process after Python starts: no torch, no
+    transformers, no hub client; well under a second even on a busy 2-core machine."""
+    words = line.split()
+    cword = len(words) if line.endswith(" ") else len(words) - 1
+    done = subprocess.run([sys.executable, "-c", COMPLETION_TIMING], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**env, "_RUVLLM_COMPLETE": "bash_complete", "COMP_WORDS": line,
+                               "COMP_CWORD": str(cword)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    measured = json.loads(done.stderr.splitlines()[-1])
+    assert measured["heavy"] == []
+    assert measured["seconds"] < 1.0, measured
 
 
 # --- the scripts in real shells ----------------------------------------------------------------

@@ -78,13 +78,15 @@ def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hu
     size = format_size(total_size(tiny_model_dir))
     fetched, done = result.stderr.splitlines()
     assert fetched.startswith(f"Fetched 6 file(s) ({size}) in ") and fetched.endswith("; 0 already in the cache.")
-    assert done == f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, q4k) to {snapshot} ({size}, 6 files)"
+    # The label says what the files are (the tiny model is a float32 checkpoint), not a -q.
+    assert done == (f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, safetensors f32) to {snapshot} "
+                    f"({size}, 6 files)")
     assert_same_files(snapshot, tiny_model_dir, TINY_FILES)
     assert sorted(resolve_gets(fake_hub)) == TINY_FILES  # no README.md, no .gitattributes
     manifest = json.loads((isolated_env.cache_dir / "manifests" / "Qwen--Qwen2.5-0.5B-Instruct"
                            / f"{commit}.json").read_text())
     assert manifest["repo_id"] == ALIAS_REPO and manifest["revision"] == "main" and manifest["commit"] == commit
-    assert manifest["quantization"] == "q4k"
+    assert manifest["stored_as"] == "safetensors f32" and "quantization" not in manifest
     assert manifest["files"] == [{"name": n, "size": (tiny_model_dir / n).stat().st_size} for n in TINY_FILES]
     assert manifest["total_bytes"] == sum(f["size"] for f in manifest["files"])
 
@@ -96,11 +98,12 @@ def test_alias_downloads_the_registry_gguf_variant_and_chat_loads_it(
     from ruvllm_cli.testing.tiny_gguf import write_gguf
 
     entry = builtin_entries()["qwen-0.5b"]
-    wanted = entry.gguf_files[Quantization.Q4_K_M]
+    assert entry.recommended_quantization is Quantization.Q8_0
+    wanted = entry.gguf_files[Quantization.Q8_0]
     tiny = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf").read_bytes()
-    other = entry.gguf_files[Quantization.Q8_0]
+    other = entry.gguf_files[Quantization.Q4_K_M]
     commit = fake_hub.add_repo(entry.gguf_repo, {wanted: tiny, other: tiny, "README.md": b"# GGUF"})
-    result = ruvllm("download", "qwen-0.5b")                     # -q q4k by default
+    result = ruvllm("download", "qwen-0.5b")                     # the registry's recommended q8 by default
     assert result.returncode == 0, result.stderr
     snapshot = snapshot_of(isolated_env.cache_dir, entry.gguf_repo, commit)
     assert [p.name for p in snapshot.iterdir()] == [wanted]          # exactly the named file
@@ -109,15 +112,49 @@ def test_alias_downloads_the_registry_gguf_variant_and_chat_loads_it(
     assert next(m for m in listed["models"] if m["alias"] == "qwen-0.5b")["downloaded"] is True
     chat = ruvllm("chat", "qwen-0.5b", "--max-tokens", "3", input="hello\n")
     assert chat.returncode == 0, chat.stderr
-    assert wanted in chat.stderr and "Q4_K_M" in chat.stderr      # the file's own quantization
-    missing = ruvllm("chat", "qwen-0.5b", "-q", "q8", input="hello\n")
-    assert_one_error(missing, "qwen-0.5b is not downloaded", "run: ruvllm download qwen-0.5b -q q8")
-    # The second variant joins the first: both stay usable.
-    assert ruvllm("download", "qwen-0.5b", "-q", "q8").returncode == 0
+    assert wanted in chat.stderr and "Q8_0" in chat.stderr        # the file's own quantization
+    missing = ruvllm("chat", "qwen-0.5b", "-q", "q4k", input="hello\n")
+    assert_one_error(missing, "qwen-0.5b is not downloaded", "run: ruvllm download qwen-0.5b -q q4k")
+    # The second variant joins the first: both stay usable, the recommended one by default.
+    assert ruvllm("download", "qwen-0.5b", "-q", "q4k").returncode == 0
     assert sorted(p.name for p in snapshot.iterdir()) == sorted([wanted, other])
-    for args, name in ((["-q", "q8"], other), ([], wanted)):
+    for args, name in ((["-q", "q4k"], other), ([], wanted)):
         chat = ruvllm("chat", "qwen-0.5b", *args, "--max-tokens", "3", input="hello\n")
         assert chat.returncode == 0 and name in chat.stderr, chat.stderr
+
+
+def test_labels_say_what_the_files_are_and_q_applies_at_load(ruvllm: Run, fake_hub: FakeHub, repo,
+                                                              tiny_model_dir: Path, isolated_env,
+                                                              cli_env: dict[str, str]) -> None:
+    """Issue 23, item 1: a safetensors download is labelled by its dtype, never by a -q;
+    another -q finds the same files downloaded and says that -q applies when loading."""
+    repo_id, commit = repo
+    first = ruvllm("download", repo_id)
+    assert first.returncode == 0, first.stderr
+    assert "(commit %s, safetensors f32)" % commit[:7] in first.stderr
+    assert "q4k" not in first.stderr and "applies when the model loads" not in first.stderr
+    again = ruvllm("download", repo_id, "-q", "none")
+    assert again.returncode == 0, again.stderr
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    assert again.stderr.splitlines() == [
+        f"{repo_id}@main (commit {commit[:7]}, safetensors f32) is already downloaded: {snapshot} "
+        f"({format_size(total_size(tiny_model_dir))}, 6 files)",
+        "Nothing fetched; use --force to fetch it again.",
+        f"-q none applies when the model loads: ruvllm chat {repo_id} -q none",
+    ]
+    listed = ruvllm("list", "--downloaded", env={**cli_env, "COLUMNS": "300"})
+    row = next(line for line in listed.stdout.splitlines() if repo_id in line)
+    assert "safetensors f32" in row and "q4k" not in row and "Stored as" in listed.stdout
+    data = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    assert next(m for m in data["models"] if m["repo_id"] == repo_id)["stored_as"] == "safetensors f32"
+
+
+def test_each_command_help_shows_its_quantization_default(ruvllm: Run, cli_env: dict[str, str]) -> None:
+    for command, default in (("download", "[default: the alias's recommended one (ruvllm list), else q4k]"),
+                             ("chat", "[default: what the files are: a GGUF file keeps its type;"),
+                             ("serve", "[default: what the files are"), ("benchmark", "[default: what the files are")):
+        text = " ".join(ruvllm(command, "--help", env={**cli_env, "COLUMNS": "2000"}).stdout.split())
+        assert default in text, (command, text)
 
 
 def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
@@ -129,7 +166,7 @@ def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHu
     assert again.returncode == 0, again.stderr
     snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
     assert again.stderr.splitlines() == [
-        f"{repo_id}@main (commit {commit[:7]}, q8) is already downloaded: {snapshot} "
+        f"{repo_id}@main (commit {commit[:7]}, safetensors f32) is already downloaded: {snapshot} "
         f"({format_size(total_size(tiny_model_dir))}, 6 files)",
         "Nothing fetched; use --force to fetch it again.",
     ]
@@ -162,7 +199,7 @@ def test_revisions_are_kept_apart(ruvllm: Run, fake_hub: FakeHub, repo, tiny_mod
     fake_hub.reset()
     result = ruvllm("download", repo_id, "--revision", "v2")
     assert result.returncode == 0, result.stderr
-    assert f"Downloaded {repo_id}@v2 (commit {v2[:7]}, q4k)" in result.stderr
+    assert f"Downloaded {repo_id}@v2 (commit {v2[:7]}, safetensors f32)" in result.stderr
     # A new snapshot; the blobs both revisions share are linked, not fetched again.
     assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
     assert resolve_gets(fake_hub) == ["config.json"]
@@ -231,14 +268,14 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
     assert result.returncode == 0, result.stderr
     snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
     assert [p.name for p in snapshot.iterdir()] == ["tiny-Q8_0.gguf"]
-    assert ModelCache(isolated_env.cache_dir).find(repo_id).quantization == "q8"
+    assert ModelCache(isolated_env.cache_dir).find(repo_id).stored_as == "GGUF Q8_0"
     # another quantization of the same commit is another file, so not "already downloaded"
     result = ruvllm("download", repo_id, "-q", "q4k")
     assert result.returncode == 0 and "Fetched 1 file(s)" in result.stderr
     # ... and the commit's one manifest now lists both files, so neither is forgotten
     both = ModelCache(isolated_env.cache_dir).find(repo_id)
     assert [f.name for f in both.files] == ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
-    assert both.quantization == "q4k,q8"
+    assert both.stored_as == "GGUF Q4_K_M, Q8_0"
     assert sorted(p.name for p in snapshot.iterdir()) == ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
     listed = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
     assert [f["name"] for f in next(m for m in listed["models"] if m["repo_id"] == repo_id)["files"]] == [
@@ -308,6 +345,17 @@ def test_unknown_repo_is_404(ruvllm: Run, fake_hub: FakeHub, cli_env: dict[str, 
     result = ruvllm("download", "ruvllm-tests/no-such-model", env={**cli_env, "HF_TOKEN": "valid"})
     assert_one_error(result, "model repo ruvllm-tests/no-such-model not found on the hub",
                      "check the id (org/name); private repos need HF_TOKEN")
+
+
+def test_a_missing_gguf_repo_points_at_the_aliass_safetensors(ruvllm: Run) -> None:
+    """Issue 23, item 7: the hint said to set HF_TOKEN, which leads nowhere; the alias's
+    safetensors repo is another way to the model. (The fake hub answers an unknown repo
+    with 401, as the real one does without a token.)"""
+    result = ruvllm("download", "smollm")
+    assert_one_error(result, "bartowski/SmolLM2-360M-Instruct-GGUF needs authentication (HTTP 401): it is "
+                             "private or gated, or does not exist",
+                     "fetch the safetensors from HuggingFaceTB/SmolLM2-360M-Instruct instead: "
+                     "ruvllm download smollm --safetensors")
 
 
 def test_unknown_revision(ruvllm: Run, repo) -> None:
@@ -386,9 +434,15 @@ def test_killed_download_is_not_downloaded_and_next_run_completes(
     assert cache.find(repo_id) is None
     assert cache.orphaned_incomplete_files(repo_id) == [orphan]
 
+    partial = orphan.stat().st_size
+    fake_hub.reset()
     result = ruvllm("download", repo_id)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0] == "Removed 1 partial file(s) a stopped download left behind."
+    # Issue 23, item 6: the client cannot continue the partial file, and the line says so.
+    assert result.stderr.splitlines()[0] == (
+        f"Removed 1 partial file(s) ({format_size(partial)}) a stopped download left behind: huggingface_hub "
+        "cannot continue a partial file from another run, so those files start over.")
+    assert [r for r in fake_hub.requests if r.range] == []  # the weights came again from byte 0
     assert "Fetched 3 file(s)" in result.stderr and "; 3 already in the cache." in result.stderr
     assert not orphan.exists() and list(blobs.glob("*.incomplete")) == []
     snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
@@ -442,7 +496,10 @@ def test_kill_9_in_every_file_in_turn_never_lists_the_model_and_the_next_run_com
 
     result = ruvllm("download", repo_id)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0] == "Removed 1 partial file(s) a stopped download left behind."
+    assert result.stderr.splitlines()[0].startswith("Removed 1 partial file(s) (")
+    assert result.stderr.splitlines()[0].endswith(") a stopped download left behind: huggingface_hub cannot "
+                                                  "continue a partial file from another run, so those files "
+                                                  "start over.")
     assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
     assert list(blobs.glob("*.incomplete")) == []
     assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
@@ -460,7 +517,9 @@ def test_ctrl_c_exits_130_and_leaves_the_cache_consistent(fake_hub: FakeHub, rep
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=30)
     assert process.returncode == 130, stderr
-    assert "Traceback" not in stderr and stderr.splitlines()[-1] == "Aborted."
+    assert "Traceback" not in stderr and [line for line in stderr.splitlines() if line][-2:] == [
+        "Warning: interrupted: complete files stay in the cache, but huggingface_hub cannot continue a partial "
+        "file from another run: the file in progress starts over next time", "Aborted."]
     assert list(blobs.glob("*.incomplete")) == []
     assert ModelCache(isolated_env.cache_dir).find(repo_id) is None
     assert not (isolated_env.cache_dir / "manifests" / repo_id.replace("/", "--")).exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.filesize import decimal as format_size
 
 from ruvllm_cli.registry.cache import FileRecord, ModelCache
 from ruvllm_cli.registry.memory import estimate_memory
@@ -29,14 +31,14 @@ def wide_env(cli_env: dict[str, str]) -> dict[str, str]:
 
 
 def fake_download(cache_dir: Path, model_dir: Path, repo_id: str = "Qwen/Qwen2.5-0.5B-Instruct",
-                  commit: str = COMMIT, quantization: str = "none") -> Path:
+                  commit: str = COMMIT) -> Path:
     """Puts `model_dir`'s files into the cache as a complete download of `repo_id` at `main`."""
     cache = ModelCache(cache_dir)
     snapshot = cache.snapshot_dir(repo_id, commit)
     shutil.copytree(model_dir, snapshot)
     files = [FileRecord(p.name, p.stat().st_size) for p in sorted(snapshot.iterdir())]
     cache.write_ref(repo_id, "main", commit)
-    cache.write_manifest(repo_id=repo_id, revision="main", commit=commit, quantization=quantization, files=files)
+    cache.write_manifest(repo_id=repo_id, revision="main", commit=commit, files=files)
     return snapshot
 
 
@@ -71,7 +73,7 @@ def test_list_json_fields(ruvllm: Run) -> None:
     assert [m["alias"] for m in data["models"]] == ALIASES
     expected_keys = {"alias", "repo_id", "name", "architecture", "params_b", "params", "context_length",
                      "use_case", "recommended_quantization", "notes", "sampling", "gguf_repo", "gguf_files",
-                     "user", "memory_estimate", "downloaded", "downloads"}
+                     "user", "path", "memory_estimate", "downloaded", "downloads"}
     for model in data["models"]:
         assert set(model) == expected_keys
         assert model["downloaded"] is False and model["downloads"] == [] and model["user"] is False
@@ -122,7 +124,12 @@ def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str
     assert table.returncode == 0, table.stderr
     assert "Qwen/Qwen2.5-0.5B-Instruct (qwen-0.5b)" in table.stdout
     assert f"main ({COMMIT[:7]})" in table.stdout and str(snapshot) in table.stdout
-    assert "Total: 1 model, " in table.stdout
+    # Issue 23, item 8: file sizes in download's decimal units (MB), never MiB.
+    assert f"Total: 1 model, {format_size(size)}" in table.stdout and "iB" not in table.stdout
+    row = next(line for line in table.stdout.splitlines() if "Qwen/Qwen2.5-0.5B-Instruct" in line)
+    assert f" {format_size(size)} " in row
+    info = ruvllm("info", "qwen-0.5b", env=wide_env(cli_env)).stdout
+    assert re.search(rf"│ Size +│ {re.escape(format_size(size))} +│", info)
 
     registry = json.loads(ruvllm("list", "--json").stdout)["models"]
     status = {m["alias"]: m["downloaded"] for m in registry}
@@ -239,7 +246,8 @@ def test_info_unknown_name_is_one_error_with_a_suggestion(ruvllm: Run) -> None:
     assert result.returncode == 1
     assert result.stdout == ""
     assert error_lines(result.stderr) == ["Error: unknown model 'nosuchmodel'"]
-    assert "Hint: did you mean '" in result.stderr
+    assert "did you mean" not in result.stderr  # no alias is close: no guess that leads nowhere
+    assert "ruvllm alias set nosuchmodel ORG/NAME (or a local directory)" in result.stderr
     assert "Traceback" not in result.stderr
     typo = ruvllm("info", "qwne")
     assert typo.returncode == 1 and "Hint: did you mean 'qwen'?" in typo.stderr
@@ -293,6 +301,23 @@ def test_alias_set_list_rm(ruvllm: Run, cli_env: dict[str, str], isolated_env: A
     assert json.loads(ruvllm("alias", "list", "--json").stdout)["aliases"] == []
     assert "No user aliases yet" in ruvllm("alias", "list").stderr
     assert ruvllm("info", "mine").returncode == 1
+
+
+def test_alias_of_a_local_directory_chats_by_its_name(ruvllm: Run, cli_env: dict[str, str], tiny_model_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """Issue 23, item 7: `ruvllm alias set mytiny ./models/tiny` was refused."""
+    work = tmp_path / "work"
+    shutil.copytree(tiny_model_dir, work / "models" / "tiny")
+    result = ruvllm("alias", "set", "mytiny", "./models/tiny", cwd=work)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == f"Alias 'mytiny' -> {work / 'models' / 'tiny'}"
+    chat = ruvllm("chat", "mytiny", "-q", "none", "--max-tokens", "2", input="hello\n")  # from another directory
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stderr.startswith("Loaded mytiny · cpu · float32")
+    row = next(line for line in ruvllm("list", env=wide_env(cli_env)).stdout.splitlines() if "mytiny" in line)
+    assert "mytiny (user)" in row and row.rstrip(" │").endswith("local")
+    listed = json.loads(ruvllm("alias", "list", "--json").stdout)["aliases"]
+    assert [(a["alias"], a["path"], a["repo_id"]) for a in listed] == [("mytiny", str(work / "models" / "tiny"), "")]
 
 
 def test_alias_shadowing_a_builtin(ruvllm: Run) -> None:

@@ -228,3 +228,31 @@ def test_help_is_fast(env: dict[str, str]) -> None:
     print(f"ruvllm --help wall time: best {best:.3f} s of {', '.join(f'{t:.3f}' for t in timings)}")
     # The target is 0.5 s; the margin absorbs a loaded CI machine.
     assert best < 1.5
+
+
+def every_option() -> list[tuple[str, "click.Option"]]:
+    """(command path, option) for every option of every command and subcommand."""
+    import importlib
+
+    import click
+
+    found = []
+
+    def walk(path: str, command: click.Command) -> None:
+        found.extend((path, p) for p in command.params if isinstance(p, click.Option))
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(f"{path} {name}", sub)
+
+    for name, (module, _) in COMMANDS.items():
+        walk(name, importlib.import_module(module).command)
+    return found
+
+
+def test_every_option_says_what_it_does_and_states_one_default() -> None:
+    """Issue 23, item 8: --top-p had no help; -t showed [default: 0.7] beside "a registry
+    model's own recommendation when not given"."""
+    for path, option in every_option():
+        assert option.help, f"{path} {option.opts[0]} has no help text"
+        written = "[default:" in option.help
+        shown = bool(option.show_default) and option.default is not None and not option.is_flag
+        assert not (written and shown), f"{path} {option.opts[0]} states two defaults"

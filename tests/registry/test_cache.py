@@ -49,8 +49,7 @@ def cache(tmp_path: Path) -> ModelCache:
 def record(cache: ModelCache, commit: str = C1, revision: str | None = None, ref: str | None = "main",
            files: dict[str, bytes] = FILES) -> DownloadedModel:
     records = put_snapshot(cache, REPO, commit, files, ref=ref)
-    return cache.write_manifest(repo_id=REPO, revision=revision, commit=commit, quantization="q4k",
-                                files=records)
+    return cache.write_manifest(repo_id=REPO, revision=revision, commit=commit, files=records)
 
 
 # -- manifests and completeness -------------------------------------------------------------
@@ -59,7 +58,8 @@ def test_manifest_layout_and_fields(cache: ModelCache) -> None:
     manifest = cache.root / "manifests" / "acme--tiny-chat" / f"{C1}.json"
     data = json.loads(manifest.read_text())
     assert data["repo_id"] == REPO and data["revision"] == "main" and data["commit"] == C1
-    assert data["quantization"] == "q4k"
+    assert data["stored_as"] == "safetensors"  # FILES' model.safetensors has no readable header
+    assert "quantization" not in data
     assert data["files"] == [{"name": "config.json", "size": 8}, {"name": "model.safetensors", "size": 1000},
                              {"name": "tokenizer.json", "size": 2}]
     assert data["total_bytes"] == 1010
@@ -105,10 +105,49 @@ def test_corrupt_manifest_is_ignored(cache: ModelCache) -> None:
     assert cache.downloaded() == []
 
 
+def safetensors_bytes(dtypes: list[str]) -> bytes:
+    """A safetensors file of one-element tensors in `dtypes` (header plus data)."""
+    sizes = {"BF16": 2, "F16": 2, "F32": 4}
+    header, offset = {}, 0
+    for i, dtype in enumerate(dtypes):
+        header[f"t{i}"] = {"dtype": dtype, "shape": [1], "data_offsets": [offset, offset + sizes[dtype]]}
+        offset += sizes[dtype]
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + b"\0" * offset
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"config.json": b"{}", "model.safetensors": safetensors_bytes(["BF16", "BF16", "F32"])}, "safetensors bf16"),
+    ({"config.json": b"{}", "model-00001-of-00002.safetensors": safetensors_bytes(["F32"]),
+      "model-00002-of-00002.safetensors": safetensors_bytes(["F32", "BF16"])}, "safetensors f32"),
+    ({"qwen2.5-0.5b-instruct-q4_k_m.gguf": b"g" * 8, "qwen2.5-0.5b-instruct-fp16.gguf": b"g" * 9},
+     "GGUF F16, Q4_K_M"),
+    ({"tiny-Q8_0.gguf": b"g"}, "GGUF Q8_0"),
+    ({"config.json": b"{}"}, "-"),
+])
+def test_manifest_says_what_the_files_are(cache: ModelCache, files: dict[str, bytes], expected: str) -> None:
+    """The label is read from the files (GGUF names, safetensors headers), whatever -q was."""
+    model = record(cache, files=files)
+    assert model.stored_as == expected
+    assert json.loads(cache.manifest_path(REPO, C1).read_text())["stored_as"] == expected
+    assert cache.find(REPO).stored_as == expected
+
+
+def test_old_manifest_label_is_read_from_the_files(cache: ModelCache) -> None:
+    """Manifests written before the label recorded the download's -q ("q4k" on bf16 safetensors)."""
+    record(cache, files={"config.json": b"{}", "model.safetensors": safetensors_bytes(["BF16"])})
+    path = cache.manifest_path(REPO, C1)
+    data = json.loads(path.read_text())
+    del data["stored_as"]
+    path.write_text(json.dumps({**data, "quantization": "q4k"}))
+    assert cache.find(REPO).stored_as == "safetensors bf16"
+    assert "q4k" not in json.dumps(cache.find(REPO).to_json())
+
+
 def test_write_manifest_refuses_incomplete_files(cache: ModelCache) -> None:
     records = put_snapshot(cache, REPO, C1, FILES)
     with pytest.raises(CacheError):
-        cache.write_manifest(repo_id=REPO, revision=None, commit=C1, quantization="q4k",
+        cache.write_manifest(repo_id=REPO, revision=None, commit=C1,
                              files=[*records, FileRecord("model-2.safetensors", 10)])
     assert not cache.manifest_path(REPO, C1).exists()
 

@@ -152,11 +152,14 @@ def test_typo_suggests_the_nearest_alias(config_dir: Path) -> None:
         assert alias in caught.value.hint
 
 
-def test_unknown_name_always_gets_a_suggestion(config_dir: Path) -> None:
+def test_a_name_far_from_every_alias_gets_no_guess_but_a_way_to_name_it(config_dir: Path) -> None:
+    """Issue 23, item 7: `chat mytiny` suggested 'mistral'."""
     with pytest.raises(ModelNotFoundError) as caught:
-        resolve_model("nosuchmodel")
-    assert caught.value.hint.startswith("did you mean '")
+        resolve_model("mytiny")
     assert caught.value.exit_code == 1
+    assert caught.value.hint == (
+        f"aliases: {', '.join(sorted(BUILTIN_ALIASES))}; or give a Hugging Face id (org/name) or a local path; "
+        "to name your own model: ruvllm alias set mytiny ORG/NAME (or a local directory)")
 
 
 @pytest.mark.parametrize("name,message", [
@@ -189,6 +192,52 @@ def test_add_and_resolve_user_alias(config_dir: Path) -> None:
     stored = json.loads(aliases_path().read_text())
     assert stored == {"version": 1, "aliases": {"mine": {"repo_id": "someone/their-model", "name": "Their model"}}}
     assert sorted(p.name for p in config_dir.iterdir()) == ["aliases.json"]  # no temp file left
+
+
+def make_model_dir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_user_alias_of_a_local_directory(config_dir: Path) -> None:
+    """Issue 23, item 7: MODEL is a directory everywhere, so an alias may name one."""
+    model = make_model_dir(Path("models/tiny")).resolve()
+    entry = add_user_alias("mytiny", "./models/tiny")
+    assert (entry.alias, entry.path, entry.repo_id, entry.name, entry.target) == (
+        "mytiny", model, "", "tiny", str(model))
+    stored = json.loads(aliases_path().read_text())
+    assert stored["aliases"] == {"mytiny": {"path": str(model)}}  # absolute: works from any directory
+    ref = resolve_model("mytiny")
+    assert (ref.kind, ref.local_path, ref.repo_id, ref.entry.alias) == ("local", model, None, "mytiny")
+    gguf = Path("tiny.gguf")
+    gguf.write_bytes(b"GGUF")
+    assert add_user_alias("g", "tiny.gguf").path == gguf.resolve()
+    assert load_registry()["mytiny"].to_dict()["path"] == str(model)
+
+
+def test_user_alias_of_a_local_model_that_went_away(config_dir: Path) -> None:
+    make_model_dir(Path("tiny"))
+    add_user_alias("mytiny", "./tiny")
+    with pytest.raises(UsageError, match="'mytiny' is a local model .*: it has no revisions"):
+        resolve_model("mytiny@main")
+    Path("tiny").rename("moved")
+    with pytest.raises(ModelNotFoundError) as caught:
+        resolve_model("mytiny")
+    assert caught.value.message == f"alias 'mytiny' points at {Path('tiny').resolve()}, which is not a model now"
+    assert caught.value.hint == "point it elsewhere (ruvllm alias set mytiny PATH) or remove it (ruvllm alias rm mytiny)"
+
+
+@pytest.mark.parametrize("target, message", [
+    ("./missing", "no such file or directory: './missing'"),
+    ("not-a-model", "'not-a-model' is not a model directory (it has no config.json)"),
+])
+def test_user_alias_of_a_path_that_is_no_model(config_dir: Path, target: str, message: str) -> None:
+    Path("not-a-model").mkdir()
+    with pytest.raises(ModelNotFoundError) as caught:
+        add_user_alias("x", target)
+    assert caught.value.message == message
+    assert not aliases_path().exists()
 
 
 def test_user_alias_defaults_name_to_the_repo_name(config_dir: Path) -> None:

@@ -1,0 +1,62 @@
+"""What chat, serve and benchmark load when -q is not given (cli/engine_setup.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ruvllm_cli.cli.context import AppContext
+from ruvllm_cli.cli.engine_setup import NO_BF16_NOTE, open_engine
+from ruvllm_cli.quantization import Quantization
+
+
+def opened_dtype(model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *,
+                 bf16_kernels: bool, quantization: Quantization | None = None) -> tuple[torch.dtype, list[str]]:
+    """Open the engine on CPU as if the CPU had (or lacked) oneDNN's bfloat16 kernels:
+    (the loaded dtype, the stderr lines)."""
+    import ruvllm_cli.engine.quantize as quantize
+
+    monkeypatch.setattr(quantize, "cpu_has_bf16_kernels", lambda: bf16_kernels)
+    monkeypatch.setenv("COLUMNS", "400")
+    opened = open_engine(AppContext(no_color=True), str(model), quantization=quantization, device="cpu",
+                         max_num_seqs=1, max_model_len=64)
+    return opened.loaded.dtype, capsys.readouterr().err.splitlines()
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(make_tiny_model) -> Path:
+    return make_tiny_model(dtype="bfloat16")
+
+
+def test_no_bf16_kernels_default_is_float32_with_one_line(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23, item 1: on an AVX2-only CPU bfloat16 runs unpacked; unasked, load float32."""
+    dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False)
+    assert dtype == torch.float32
+    assert lines[0] == NO_BF16_NOTE
+    assert len(lines) == 2 and lines[1].startswith("Loaded ") and "float32 (F32)" in lines[1]
+
+
+def test_float32_files_load_as_float32_without_a_note(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny model's checkpoint is float32: keeping it so needs no explanation."""
+    dtype, lines = opened_dtype(tiny_model_dir, monkeypatch, capsys, bf16_kernels=False)
+    assert dtype == torch.float32
+    assert len(lines) == 1 and lines[0].startswith("Loaded ") and "float32 (F32)" in lines[0]
+
+
+def test_bf16_kernels_keep_the_16_bit_default(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=True)
+    assert dtype == torch.bfloat16
+    assert len(lines) == 1 and "bfloat16 (F16)" in lines[0]
+
+
+def test_explicit_f16_is_honoured_without_bf16_kernels(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False,
+                                quantization=Quantization.F16)
+    assert dtype == torch.bfloat16
+    assert len(lines) == 1 and NO_BF16_NOTE not in lines[0]

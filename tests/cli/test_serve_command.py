@@ -1,0 +1,114 @@
+"""`ruvllm serve`'s command line: checks before it listens, and the start-up banner."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ruvllm_cli.cli.context import AppContext
+from ruvllm_cli.cli.serve import print_banner
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+Run = Callable[..., subprocess.CompletedProcess]
+KEY = "s3cret-key-from-the-flag"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize("model, lines", [
+    ("/nonexistent", ["Error: no such file or directory: '/nonexistent'"]),
+    ("qwen-0.5b", ["Error: qwen-0.5b is not downloaded", "Hint: run: ruvllm download qwen-0.5b"]),
+])
+def test_a_missing_model_fails_before_listening(ruvllm: Run, free_port: int, model: str,
+                                                lines: list[str]) -> None:
+    """Issue 23, item 3: no "Listening on ..." (nor a bound port) for a model that is not there."""
+    result = ruvllm("serve", model, "--port", str(free_port), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == lines
+
+
+def banner(options: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    monkeypatch.setenv("COLUMNS", "400")
+    print_banner(AppContext(no_color=True), "http://127.0.0.1:8080", "tiny · cpu", ["tiny"],
+                 {"host": "127.0.0.1", **options})
+    return capsys.readouterr().err.splitlines()
+
+
+def test_banner_with_a_key_from_the_flag_says_to_export_it(capsys, monkeypatch) -> None:
+    """Issue 23, item 4: the example's $RUVLLM_API_KEY is unset when the key came as a flag."""
+    lines = banner({"api_key": KEY, "api_key_from_flag": True}, capsys, monkeypatch)
+    assert "  Try:        export RUVLLM_API_KEY=<your --api-key>" in lines
+    curl = lines[lines.index("  Try:        export RUVLLM_API_KEY=<your --api-key>") + 1]
+    assert curl.startswith("              curl http://127.0.0.1:8080/v1/chat/completions")
+    assert '-H "Authorization: Bearer $RUVLLM_API_KEY"' in curl
+    assert KEY not in "\n".join(lines)
+
+
+def test_banner_with_a_key_from_the_environment_uses_it(capsys, monkeypatch) -> None:
+    lines = banner({"api_key": KEY, "api_key_from_flag": False}, capsys, monkeypatch)
+    curl = next(line for line in lines if line.startswith("  Try:"))
+    assert curl.startswith("  Try:        curl ") and '-H "Authorization: Bearer $RUVLLM_API_KEY"' in curl
+    assert not any("export" in line for line in lines) and KEY not in "\n".join(lines)
+
+
+def test_banner_without_a_key_has_no_authorization(capsys, monkeypatch) -> None:
+    lines = banner({"api_key": None}, capsys, monkeypatch)
+    curl = next(line for line in lines if line.startswith("  Try:"))
+    assert "Authorization" not in curl and not any("export" in line for line in lines)
+
+
+def read_lines(stream, into: "queue.Queue[str]") -> None:
+    for line in stream:
+        into.put(line.rstrip("\n"))
+
+
+def test_the_banner_example_works_as_printed(tiny_model_dir: Path, cli_env: dict[str, str], free_port: int,
+                                             tmp_path: Path) -> None:
+    """Start `serve --api-key KEY`, run the banner's export and curl lines in a shell
+    (with the key typed where the banner says), and get a reply."""
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(tiny_model_dir), "--port", str(free_port),
+               "-q", "none", "--device", "cpu", "--max-context", "128", "--kv-cache-memory", "4MiB",
+               "--max-tokens-default", "4", "--served-model-name", "tiny", "--api-key", KEY]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env={**cli_env, "COLUMNS": "400"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=read_lines, args=(process.stderr, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("Press Ctrl+C" in line for line in seen):
+            assert process.poll() is None and time.monotonic() < deadline, seen
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                continue
+        start = next(i for i, line in enumerate(seen) if line.startswith("  Try:"))
+        example = [re.sub(r"^  (Try:)?\s+", "", line) for line in seen[start:start + 2]]
+        assert example[0] == "export RUVLLM_API_KEY=<your --api-key>"
+        script = "\n".join([example[0].replace("<your --api-key>", KEY),
+                            example[1] + " -s -w '\\n%{http_code}'"])
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin"})
+        assert done.stdout.splitlines()[-1] == "200", done
+        assert '"chat.completion"' in done.stdout
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    assert KEY not in "\n".join(seen)
