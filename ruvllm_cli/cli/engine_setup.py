@@ -55,6 +55,24 @@ class OpenedEngine:
     def loaded(self) -> Any:
         return self.engine.loaded
 
+    def kv_summary(self) -> str:
+        """The KV pool: its memory, the tokens it holds, and what sized it."""
+        from ruvllm_cli.engine.model_runner import kv_bytes_per_block
+
+        engine, loaded = self.engine, self.loaded
+        blocks = engine.block_manager.num_blocks
+        size = blocks * kv_bytes_per_block(loaded.model.config, loaded.dtype, engine.config.block_size)
+        tokens = blocks * engine.config.block_size
+        if engine.config.kv_cache_memory is not None:
+            source = "--kv-cache-memory"
+        elif tokens >= engine.config.max_num_seqs * engine.max_model_len:
+            source = f"room for {engine.config.max_num_seqs} x {engine.max_model_len} tokens"
+        else:
+            source = (f"{engine.config.kv_cache_fraction:.0%} of free memory; "
+                      "--kv-cache-memory sets it")
+        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+        return f"{size_text}, {tokens:,} tokens of context ({source})"
+
     def describe(self) -> str:
         """One line: model, device, dtype/quantization, context."""
         loaded = self.loaded

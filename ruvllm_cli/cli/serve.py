@@ -171,7 +171,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     try:
         names = served_names(opened.located, options["model"], options["served_model_name"])
         attach_engine(web_app, engine_loop, names)
-        print_banner(app, server.url, opened.describe(), names, options)
+        print_banner(app, server.url, opened.describe(), names, options, opened.kv_summary())
         await stop.wait()
         out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s "
                  "(Ctrl+C again: end them now) ...")
@@ -289,7 +289,8 @@ def run_in_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":
     return future
 
 
-def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any]) -> None:
+def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any],
+                 kv_cache: str | None = None) -> None:
     from rich.markup import escape
 
     out = app.output()
@@ -302,6 +303,8 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     out.info(escape(f"  OpenAI API  {url}/v1   (model: {', '.join(names)})"))
     out.info(escape(f"  Health      {url}/health"))
     out.info(escape(f"  Metrics     {url}/metrics"))
+    if kv_cache:
+        out.info(escape(f"  KV cache    {kv_cache}"))
     curl = f"curl {curl_url}/v1/chat/completions -H \"Content-Type: application/json\"{auth} -d '{body}'"
     if options["api_key"] and options.get("api_key_from_flag"):
         # $RUVLLM_API_KEY is unset in the user's shell when the key came as a flag.

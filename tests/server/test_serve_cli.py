@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import namedtuple
 from pathlib import Path
 
 import click
@@ -115,6 +117,7 @@ def test_serve_starts_answers_and_stops_cleanly_on_sigterm(tiny_model_dir, cli_e
     assert process.returncode == 0, stderr
     assert stdout == ""
     assert f"OpenAI API  {url}/v1" in stderr
+    assert re.search(r"KV cache    [34] MiB, [\d,]+ tokens of context \(--kv-cache-memory\)", stderr), stderr
     assert f"curl {url}/v1/chat/completions" in stderr and '"model": "tiny"' in stderr
     assert "Shutting down" in stderr and "Stopped." in stderr
     assert "Traceback" not in stderr
@@ -316,3 +319,25 @@ def test_a_second_ctrl_c_ends_the_drain_at_once(tiny_model_dir, cli_env, free_po
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "shutting_down"
     assert "Ctrl+C again" in stderr and "Stopping now" in stderr and "Traceback" not in stderr
+
+
+def test_the_kv_summary_says_what_sized_the_pool(tiny_model_dir, tmp_path, monkeypatch):
+    import psutil
+
+    from ruvllm_cli.cli.engine_setup import OpenedEngine
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.quantization import Quantization
+
+    located = locate_model(str(tiny_model_dir), tmp_path)
+    loaded = load_model(tiny_model_dir, "cpu", Quantization.F32)
+    roomy = OpenedEngine(LLMEngine(loaded, EngineConfig(device="cpu", max_num_seqs=2, max_model_len=256)), located)
+    assert roomy.kv_summary().endswith("512 tokens of context (room for 2 x 256 tokens)")
+    # Little free memory: the share is what limits the pool, and the line says so.
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("Memory", "available")(4 * 2**20))
+    tight = OpenedEngine(LLMEngine(loaded, EngineConfig(device="cpu", max_num_seqs=64, max_model_len=4096)),
+                         located)
+    summary = tight.kv_summary()
+    assert re.fullmatch(r"1 MiB, [\d,]+ tokens of context \(25% of free memory; --kv-cache-memory sets it\)",
+                        summary), summary
