@@ -10,7 +10,7 @@ import click
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
-                                     prefix_caching)
+                                    prefix_caching, weight_cache_option)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import RuvllmError, UsageError
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
 @load_quantization_option()
 @prefix_cache_option()
+@weight_cache_option()
 @device_option()
 @global_options
 def command(**options: Any) -> None:
@@ -67,7 +68,8 @@ def command(**options: Any) -> None:
     # keeps between turns.
     opened = open_engine(app, options["model"], quantization=options["quantization"],
                          device=options["device"], max_num_seqs=1,
-                         enable_prefix_caching=prefix_caching(options["no_prefix_cache"]))
+                         enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
+                         weight_cache=not options["no_weight_cache"])
     if options["structured"] is not None:
         validate_structured(opened.engine, options["structured"])
     loop = EngineLoop(opened.engine)

@@ -82,7 +82,7 @@ class OpenedEngine:
 
 
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
-                device: str = "auto", **engine_options: Any) -> OpenedEngine:
+                device: str = "auto", weight_cache: bool = True, **engine_options: Any) -> OpenedEngine:
     """Locate MODEL, load it with a spinner on stderr, and build the engine.
 
     `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, ...)."""
@@ -99,7 +99,7 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
                 out.info(f"[dim]{note}[/dim]")
         config = EngineConfig(device=device, quantization=quantization,
                               **{k: v for k, v in engine_options.items() if v is not None})
-        loaded = load_model(located.path, config.device, config.quantization)
+        loaded = load_model(located.path, config.device, config.quantization, use_cache=weight_cache)
         engine = LLMEngine(loaded, config)
     opened = OpenedEngine(engine, located)
     out.info(f"[dim]Loaded {opened.describe()} in {loaded.load_seconds:.1f} s; "

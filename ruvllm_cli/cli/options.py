@@ -65,6 +65,13 @@ def prefix_cache_option() -> Any:
                         help="Turn automatic prefix caching off (it is on by default).")
 
 
+def weight_cache_option() -> Any:
+    """--no-weight-cache, exposed as `no_weight_cache`."""
+    return click.option("--no-weight-cache", is_flag=True,
+                        help="q8/q4k: neither read nor write the quantized-weight cache kept next to "
+                             "the model (docs/design.md, section 9); quantize at every load.")
+
+
 def prefix_caching(no_prefix_cache: bool) -> bool | None:
     """The EngineConfig value for the flag (None keeps the engine's default: on)."""
     return False if no_prefix_cache else None

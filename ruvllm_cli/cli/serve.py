@@ -17,7 +17,7 @@ from click.core import ParameterSource
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
-                                     prefix_caching)
+                                    prefix_caching, weight_cache_option)
 from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.registry.locate import locate_model
 
@@ -78,6 +78,7 @@ BYTE_SIZE = ByteSize()
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
               help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
 @prefix_cache_option()
+@weight_cache_option()
 @load_quantization_option()
 @click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
               default="auto", show_default=True,
@@ -218,7 +219,8 @@ def load(app: AppContext, options: dict[str, Any]) -> Any:
         app, options["model"], quantization=options["quantization"], device=options["device"],
         max_num_seqs=options["max_concurrent"], max_model_len=options["max_context"],
         max_num_batched_tokens=options["max_num_batched_tokens"], kv_cache_memory=options["kv_cache_memory"],
-        enable_prefix_caching=prefix_caching(options["no_prefix_cache"]))
+        enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
+        weight_cache=not options["no_weight_cache"])
 
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:

@@ -196,8 +196,9 @@ def _eos_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
 
 
 def load_model(path: str | Path, device: str = "auto",
-               quantization: Quantization = Quantization.F16) -> LoadedModel:
-    """Load model + tokenizer from a local directory, with the paged attention."""
+               quantization: Quantization = Quantization.F16, use_cache: bool = True) -> LoadedModel:
+    """Load model + tokenizer from a local directory, with the paged attention; q8/q4k
+    read and write the quantized-weight cache unless `use_cache` is False."""
     from transformers.utils import logging as hf_logging
 
     from ruvllm_cli.engine.quantize import quantize_model
@@ -212,7 +213,7 @@ def load_model(path: str | Path, device: str = "auto",
     started = time.perf_counter()
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
-        config is not None and weight_cache.enabled(quantization, target)) else None
+        use_cache and config is not None and weight_cache.enabled(quantization, target)) else None
     cached = weight_cache.load(cache, path, dtype, attention.register()) if cache is not None else None
     streamed = cached or _stream(path, config, target, dtype, quantization)
     if streamed is not None:

@@ -60,3 +60,29 @@ def test_explicit_f16_is_honoured_without_bf16_kernels(bf16_model_dir: Path, mon
                                 quantization=Quantization.F16)
     assert dtype == torch.bfloat16
     assert len(lines) == 1 and NO_BF16_NOTE not in lines[0]
+
+
+def test_no_weight_cache_neither_reads_nor_writes_it(make_tiny_model, tmp_path, monkeypatch) -> None:
+    """--no-weight-cache (chat, serve, benchmark) reaches the loader: no cache is written;
+    without it a q8 load writes one and the next load reads it."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from ruvllm_cli.cli.main import cli
+    from ruvllm_cli.engine import weight_cache
+
+    monkeypatch.setenv(weight_cache.ENV, "1")
+    model = tmp_path / "model"
+    shutil.copytree(make_tiny_model(), model)
+    off = open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
+                      weight_cache=False, max_num_seqs=1, max_model_len=64)
+    assert not off.loaded.from_weight_cache and not (model / weight_cache.CACHE_DIR).exists()
+    open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
+                max_num_seqs=1, max_model_len=64)
+    assert (model / weight_cache.CACHE_DIR).is_dir()
+    on = open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
+                     max_num_seqs=1, max_model_len=64)
+    assert on.loaded.from_weight_cache
+    for command in ("chat", "serve", "benchmark"):
+        assert "--no-weight-cache" in CliRunner().invoke(cli, [command, "--help"]).output
