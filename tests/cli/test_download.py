@@ -50,6 +50,13 @@ def snapshot_of(cache_dir: Path, repo_id: str, commit: str) -> Path:
     return cache_dir / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit
 
 
+def already_downloaded(repo_id: str, commit: str, cache_dir: Path, source: Path) -> list[str]:
+    """The lines `download` prints for a model whose files are all there."""
+    return [f"{repo_id}@main (commit {commit[:7]}, safetensors f32) is already downloaded: "
+            f"{snapshot_of(cache_dir, repo_id, commit)} ({format_size(total_size(source))}, 6 files)",
+            "Nothing fetched; use --force to fetch it again."]
+
+
 def assert_same_files(snapshot: Path, source: Path, names: list[str]) -> None:
     assert sorted(p.name for p in snapshot.iterdir()) == names
     for name in names:
@@ -135,11 +142,8 @@ def test_labels_say_what_the_files_are_and_q_applies_at_load(ruvllm: Run, fake_h
     assert "q4k" not in first.stderr and "applies when the model loads" not in first.stderr
     again = ruvllm("download", repo_id, "-q", "none")
     assert again.returncode == 0, again.stderr
-    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
     assert again.stderr.splitlines() == [
-        f"{repo_id}@main (commit {commit[:7]}, safetensors f32) is already downloaded: {snapshot} "
-        f"({format_size(total_size(tiny_model_dir))}, 6 files)",
-        "Nothing fetched; use --force to fetch it again.",
+        *already_downloaded(repo_id, commit, isolated_env.cache_dir, tiny_model_dir),
         f"-q none applies when the model loads: ruvllm chat {repo_id} -q none",
     ]
     listed = ruvllm("list", "--downloaded", env={**cli_env, "COLUMNS": "300"})
@@ -164,12 +168,7 @@ def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHu
     fake_hub.reset()
     again = ruvllm("download", repo_id)
     assert again.returncode == 0, again.stderr
-    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
-    assert again.stderr.splitlines() == [
-        f"{repo_id}@main (commit {commit[:7]}, safetensors f32) is already downloaded: {snapshot} "
-        f"({format_size(total_size(tiny_model_dir))}, 6 files)",
-        "Nothing fetched; use --force to fetch it again.",
-    ]
+    assert again.stderr.splitlines() == already_downloaded(repo_id, commit, isolated_env.cache_dir, tiny_model_dir)
     assert fake_hub.requests == []  # not a single request, so no resolve GET either
 
 
