@@ -21,6 +21,8 @@ import hashlib
 import json
 import logging
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -154,17 +156,35 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: 
         # The vocabulary matrices first: their transient copies (fbgemm packs a copy of
         # the codes) then come on top of an almost empty model, not of a loaded one.
         order = sorted(kinds, key=lambda name: name not in (embeddings_name, head_name))
-        for name in order:
-            kind, settings = kinds[name]
-            prefix = f"{name}."
-            # fbgemm packs int8 codes into a copy of its own: they need no copy of ours.
-            tensors = _read(path, [n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]],
-                            copy=kind != DynamicInt8Linear.__name__)
-            module = _rebuild(kind, {n[len(prefix):]: t for n, t in tensors.items()}, settings)
+
+        def place(name: str, module: nn.Module) -> None:
             if name == embeddings_name:
                 model.set_input_embeddings(module)
             else:
                 _set_module(model, name, module)
+
+        # fbgemm's packing is most of a q8 load and runs 1.7x faster on two threads
+        # here: the layers after the vocabulary ones are rebuilt by a small pool, with
+        # a bounded number in flight (their codes are mapped file pages until packed).
+        workers = max(1, torch.get_num_threads())
+        with ThreadPoolExecutor(workers, thread_name_prefix="ruvllm-unpack") as pool:
+            pending: deque[tuple[str, Future[nn.Module]]] = deque()
+            for name in order:
+                kind, settings = kinds[name]
+                prefix = f"{name}."
+                # fbgemm packs int8 codes into a copy of its own: they need no copy of ours.
+                tensors = _read(path, [n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]],
+                                copy=kind != DynamicInt8Linear.__name__)
+                own = {n[len(prefix):]: t for n, t in tensors.items()}
+                if name in (embeddings_name, head_name):
+                    place(name, _rebuild(kind, own, settings))
+                    continue
+                pending.append((name, pool.submit(_rebuild, kind, own, settings)))
+                while len(pending) > 2 * workers:
+                    done_name, future = pending.popleft()
+                    place(done_name, future.result())
+            for done_name, future in pending:
+                place(done_name, future.result())
         for name, module in dict(model.named_modules()).items():
             if type(module).__name__ in KINDS:
                 continue
