@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -9,9 +10,11 @@ from pathlib import Path
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never half of one: write a temp file
-    in the same directory, fsync it, then os.replace."""
+    in the same directory, fsync it, then os.replace. The temp file's name carries
+    the writer's pid, so the next write removes those of writers killed midway."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_dead_writers_files(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -21,3 +24,29 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_dead_writers_files(path: Path) -> None:
+    """Delete `.NAME.PID.*.tmp` files beside `path` whose writer process is gone."""
+    prefix = f".{path.name}."
+    for leftover in path.parent.glob(f"{glob_escape(prefix)}*.tmp"):
+        pid_text = leftover.name[len(prefix):].split(".", 1)[0]
+        if pid_text.isdigit() and not _alive(int(pid_text)):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True   # someone else's process (or no such pid on this platform): leave it
+    return True

@@ -111,3 +111,19 @@ def test_kill_9_at_every_file_system_call_of_save_leaves_the_old_or_the_new_chat
     # what a killed save leaves beside the chat is at most its own hidden temp file
     assert all(len(p["others"]) <= 1 and all(n.startswith(".chat.json.") and n.endswith(".tmp")
                                                for n in p["others"]) for p in killed)
+
+
+def test_the_next_save_removes_what_a_killed_save_left(tmp_path):
+    from ruvllm_cli.fsutil import write_text_atomic
+
+    chat = tmp_path / "chat.json"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()   # a pid whose process has ended
+    leftover = tmp_path / f".chat.json.{dead}.k3j2.tmp"
+    live = tmp_path / f".chat.json.{os.getppid()}.x9a1.tmp"      # a writer still running: kept
+    other = tmp_path / f".other.json.{dead}.q1.tmp"               # another file's: not ours to remove
+    for path in (leftover, live, other):
+        path.write_text("partial")
+    write_text_atomic(chat, "{}")
+    assert chat.read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["chat.json", live.name, other.name])
