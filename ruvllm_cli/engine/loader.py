@@ -111,27 +111,22 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     if device.type != "cpu" or not on_disk:
         # The file's dtype to ours: a bf16 checkpoint doubles in float32, and so on.
         return weights * dtype.itemsize
-    embedding, tied, rows, norms = _shape_counts(config)
+    from ruvllm_cli.engine.quantize import WeightPlan
+
+    embedding, tied, rows, norms, hidden = _shape_counts(config)
+    # The loaders' own rule for whether a tied head gets a copy of its own.
+    head_copy = embedding if tied and WeightPlan(quantization, dtype, hidden).unties_head else 0
     if quantization in QUANT_BYTES:
         linear, table = QUANT_BYTES[quantization]
         # Streamed (stream_load): the quantized model, plus the one tensor being
         # converted; a tied head gets its own quantized copy. Norms stay 16-bit; q8
         # counts fbgemm's scale and zero point per output row.
         quantized = weights - embedding - norms
-        needed = quantized * linear + embedding * table + (embedding * linear if tied else 0) + norms * 2
+        needed = quantized * linear + embedding * table + head_copy * linear + norms * 2
         if quantization is Quantization.Q8_0:
             needed += rows * 16
         return int(needed)
-    needed = weights * dtype.itemsize
-    if tied and packing_possible(dtype):
-        needed += embedding * dtype.itemsize  # the tied head's packed copy
-    return needed
-
-
-def packing_possible(dtype: torch.dtype) -> bool:
-    from ruvllm_cli.engine.quantize import packing_works
-
-    return packing_works(dtype)
+    return (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
 
 
 def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device,
@@ -162,19 +157,20 @@ def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.devic
                          f"{free / 2**30:.1f} GiB is free on {device.type}", hint)
 
 
-def _shape_counts(config: dict[str, Any]) -> tuple[int, bool, int, int]:
+def _shape_counts(config: dict[str, Any]) -> tuple[int, bool, int, int, int]:
     """(weights in the embedding table, whether the LM head is tied to it, output rows
-    of all linear layers, norm weights), from config.json."""
+    of all linear layers, norm weights, hidden size), from config.json."""
     from ruvllm_cli.registry.model_config import shape_from_dict
 
     try:
         shape = shape_from_dict(config)
     except ModelLoadError:
-        return 0, False, 0, 0  # from_pretrained will say what is wrong with the config
+        return 0, False, 0, 0, 1  # from_pretrained will say what is wrong with the config
     attention_rows = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim + shape.hidden_size
     rows = shape.num_layers * (attention_rows + 2 * shape.intermediate_size + shape.hidden_size)
     norms = (2 * shape.num_layers + 1) * shape.hidden_size
-    return shape.vocab_size * shape.hidden_size, shape.tie_word_embeddings, rows + shape.vocab_size, norms
+    return (shape.vocab_size * shape.hidden_size, shape.tie_word_embeddings, rows + shape.vocab_size, norms,
+            shape.hidden_size)
 
 
 def _config_dtype(config: dict[str, Any]) -> torch.dtype:

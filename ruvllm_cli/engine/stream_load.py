@@ -197,8 +197,7 @@ def _load_embedding(model: Any, name: str, embedding: nn.Module, files: dict[str
     weight = _weight(files, f"{name}.weight", dtype, plan)
     if tied_head is not None and plan.unties_head:
         head_name = next(n for n, m in model.named_modules() if m is tied_head)
-        head_bias = None if tied_head.bias is None else tied_head.bias
-        if head_bias is not None:
+        if tied_head.bias is not None:
             raise NotStreamable("a tied LM head with a bias")
         _set_module(model, head_name, plan.linear(weight, None))
     replacement = plan.embedding(weight, getattr(embedding, "padding_idx", None))
