@@ -2,8 +2,8 @@
 
 A fixed pool of `num_blocks` blocks of `block_size` token slots. A request holds a
 block table (its blocks in order). Full blocks are identified by a hash chained over
-the parent block's hash, the block's token ids and the request's cache salt, so a
-later request with the same prefix (and salt) can reuse them; a hit counts only when
+the parent block's hash, the block's token ids and the request's cache salt and
+LoRA adapter, so a later request with the same prefix (salt and adapter) can reuse them; a hit counts only when
 the stored token ids match too (collision check).
 
 Freed blocks keep their contents and hash and sit in an LRU free queue: a prefix
@@ -40,7 +40,7 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: str | None) -> int:
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], salt: object) -> int:
     return hash((parent_hash, tuple(token_ids), salt))
 
 
@@ -80,7 +80,7 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
-    def match_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int], salt: object = None) -> list[int]:
         """Block ids of the longest cached prefix of `token_ids` (full blocks only).
 
         Capped one token short of the whole sequence, so the last token is always
@@ -164,7 +164,7 @@ class BlockManager:
         parent = request.block_hashes[-1] if request.block_hashes else None
         for index in range(len(request.block_hashes), num_full):
             chunk = tuple(tokens[index * size:(index + 1) * size])
-            parent = hash_block(parent, chunk, request.cache_salt)
+            parent = hash_block(parent, chunk, request.prefix_salt)
             request.block_hashes.append(parent)
             block = self.blocks[request.block_table[index]]
             if parent not in self.cached:

@@ -18,6 +18,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None       # bytes for the KV pool (--kv-cache-memory)
     kv_cache_fraction: float = 0.25          # else this share of free memory, capped by need
     enable_prefix_caching: bool = True
+    max_loras: int = 4                       # LoRA adapter slots: adapters decoded at once (--max-loras)
+    max_lora_rank: int = 16                  # the largest adapter rank a slot holds (--max-lora-rank)
 
     def token_budget(self, device_type: str) -> int:
         if self.max_num_batched_tokens:

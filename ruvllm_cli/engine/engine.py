@@ -18,6 +18,7 @@ from ruvllm_cli.engine.block_manager import BlockManager
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
 from ruvllm_cli.engine.loader import LoadedModel, load_model
+from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRAAdapter, LoRAManager, read_adapter
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ruvllm_cli.engine.output_processor import OutputProcessor
 from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
@@ -41,9 +42,11 @@ class LLMEngine:
         num_blocks = plan_num_blocks(loaded, config, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type)),
+            SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type), config.max_loras),
             self.block_manager)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype)
+        self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype,
+                                  self.lora)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,
@@ -61,10 +64,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    adapter: str | None = None) -> Request:
+        """Queue a request; `adapter` names a loaded LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
         prompt_ids = self.prepare_prompt(prompt)
-        request = Request(prompt_ids=prompt_ids, params=params, cache_salt=cache_salt)
+        request = Request(prompt_ids=prompt_ids, params=params, cache_salt=cache_salt,
+                          adapter_uid=self.adapter(adapter).uid if adapter else 0)
         if request_id is not None:
             request.request_id = request_id
         if request.request_id in self.requests:
@@ -76,6 +82,29 @@ class LLMEngine:
         else:
             self.scheduler.add(request)
         return request
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    def adapter(self, name: str) -> LoRAAdapter:
+        found = self.lora.get(name)
+        if found is None:
+            loaded = ", ".join(self.lora.names()) or "none"
+            raise AdapterNotFoundError(f"no LoRA adapter named {name} is loaded (loaded: {loaded})")
+        return found
+
+    def add_lora(self, name: str, path: str | LoRAAdapter) -> LoRAAdapter:
+        """Serve a PEFT LoRA adapter directory (or one already read) under `name`."""
+        adapter = path if isinstance(path, LoRAAdapter) else read_adapter(name, path)
+        self.lora.install(adapter)
+        return adapter
+
+    def remove_lora(self, name: str) -> LoRAAdapter:
+        """Stop serving an adapter; refused (AdapterInUseError) while a request uses it."""
+        adapter = self.adapter(name)
+        users = [r for r in self.requests.values() if r.adapter_uid == adapter.uid and not r.is_finished]
+        if users:
+            raise AdapterInUseError(f"adapter {name} is in use by {len(users)} request(s); "
+                                    "unload it once they finish")
+        return self.lora.remove(name)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -174,12 +203,16 @@ class LLMEngine:
 
     # ---- conveniences -------------------------------------------------------------
     def generate(self, prompts: Iterable[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list["Completion"]:
-        """Run prompts to completion together; results in prompt order."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapters: str | Sequence[str | None] | None = None) -> list["Completion"]:
+        """Run prompts to completion together; results in prompt order. `adapters`:
+        one LoRA adapter name for all, or one per prompt (None: the base model)."""
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        if adapters is None or isinstance(adapters, str):
+            adapters = [adapters] * len(prompts)
+        requests = [self.add_request(p, sp, adapter=a) for p, sp, a in zip(prompts, params, adapters)]
         results = {r.request_id: Completion(r.request_id) for r in requests}
         while self.has_unfinished:
             for output in self.step():

@@ -87,8 +87,8 @@ class EngineLoop:
 
     # ---- submission (any thread) -------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               cache_salt: str | None = None, loop: asyncio.AbstractEventLoop | None = None
-               ) -> RequestStream:
+               cache_salt: str | None = None, loop: asyncio.AbstractEventLoop | None = None,
+               adapter: str | None = None) -> RequestStream:
         """Queue a request and return its stream at once, without waiting for the
         engine thread (a step can take a while). A bad prompt raises UsageError here.
 
@@ -99,15 +99,15 @@ class EngineLoop:
         prompt_ids = self.engine.prepare_prompt(prompt)
         params = params or SamplingParams()
         stream = RequestStream(self, f"req-{next(self._ids)}", loop)
-        self._commands.put(_Add(self, stream, prompt_ids, params, cache_salt))
+        self._commands.put(_Add(self, stream, prompt_ids, params, cache_salt, adapter))
         if self._error is not None:  # died while we queued: the thread may never see it
             stream._deliver(_failed(stream.request_id, self._error))
         return stream
 
     def submit_async(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None, adapter: str | None = None) -> RequestStream:
         """`submit` for the running event loop's own thread."""
-        return self.submit(prompt, params, cache_salt, asyncio.get_running_loop())
+        return self.submit(prompt, params, cache_salt, asyncio.get_running_loop(), adapter)
 
     @property
     def healthy(self) -> bool:
@@ -203,15 +203,15 @@ class _Add:
     """The engine-thread half of `EngineLoop.submit`."""
 
     def __init__(self, loop: EngineLoop, stream: RequestStream, prompt_ids: list[int],
-                 params: SamplingParams, cache_salt: str | None) -> None:
+                 params: SamplingParams, cache_salt: str | None, adapter: str | None) -> None:
         self.loop, self.stream = loop, stream
-        self.prompt_ids, self.params, self.cache_salt = prompt_ids, params, cache_salt
+        self.prompt_ids, self.params, self.cache_salt, self.adapter = prompt_ids, params, cache_salt, adapter
 
     def __call__(self) -> None:
         stream = self.stream
         try:
             self.loop.engine.add_request(self.prompt_ids, self.params, request_id=stream.request_id,
-                                         cache_salt=self.cache_salt)
+                                         cache_salt=self.cache_salt, adapter=self.adapter)
         except Exception as error:  # noqa: BLE001 - the stream ends with it instead
             stream._deliver(_failed(stream.request_id, error, prefix=""))
             return

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from ruvllm_cli.engine.attention import PagedKVCache, PrefillSegment, StepMetadata
+from ruvllm_cli.engine.lora import LoRAManager
 from ruvllm_cli.engine.request import Request
 from ruvllm_cli.engine.scheduler import ScheduledChunk
 
@@ -23,12 +24,29 @@ def kv_bytes_per_block(config: Any, dtype: torch.dtype, block_size: int) -> int:
     return block_size * PagedKVCache.bytes_per_slot(*kv_layout(config), dtype)
 
 
+def adapter_segments(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, int]]:
+    """(first token, end, adapter uid) of the packed step's tokens that use an adapter,
+    adjacent chunks of one adapter merged."""
+    segments: list[tuple[int, int, int]] = []
+    offset = 0
+    for chunk in chunks:
+        end, uid = offset + chunk.num_new_tokens, chunk.request.adapter_uid
+        if uid:
+            if segments and segments[-1][1] == offset and segments[-1][2] == uid:
+                segments[-1] = (segments[-1][0], end, uid)
+            else:
+                segments.append((offset, end, uid))
+        offset = end
+    return segments
+
+
 class ModelRunner:
     """Owns the model and the KV pools; `execute` returns next-token logits."""
 
     def __init__(self, model: Any, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, lora: LoRAManager | None = None) -> None:
         self.model = model
+        self.lora = lora
         self.block_size = block_size
         self.device = device
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model.config)
@@ -40,7 +58,8 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor | None, list[Request]]:
         """Run the step; returns logits [S, V] for the requests whose prompt (or
         decode) completes this step, in that order."""
-        decodes = [c for c in chunks if c.num_new_tokens == 1]
+        # Decodes grouped by adapter: each adapter's tokens form few contiguous segments.
+        decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.request.adapter_uid)
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -63,9 +82,17 @@ class ModelRunner:
             # Prompt chunks that complete nothing still fill the cache: run them with
             # one kept row to keep the LM head cheap, and drop the logits.
             sample_rows = [len(input_ids) - 1]
-        out = self.model(input_ids=self._tensor(input_ids).unsqueeze(0),
-                         position_ids=self._tensor(positions).unsqueeze(0),
-                         logits_to_keep=self._tensor(sample_rows), use_cache=False, ruvllm_step=step)
+        segments = adapter_segments(ordered)
+        if segments:
+            assert self.lora is not None
+            self.lora.begin_step(segments)
+        try:
+            out = self.model(input_ids=self._tensor(input_ids).unsqueeze(0),
+                             position_ids=self._tensor(positions).unsqueeze(0),
+                             logits_to_keep=self._tensor(sample_rows), use_cache=False, ruvllm_step=step)
+        finally:
+            if segments:
+                self.lora.end_step()
         return (out.logits[0] if sampled else None), sampled
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:

@@ -74,11 +74,17 @@ class Request:
     detokenizer: "IncrementalDetokenizer | None" = None  # token ids -> text deltas
     stop_matcher: "StopMatcher | None" = None            # stop strings on that text
     grammar: "GrammarMatcher | None" = None              # constrained decoding, when asked for
-    adapter_id: int = 0                                  # LoRA adapter slot; 0 is the base model
+    adapter_uid: int = 0                                 # LoRA adapter (LoRAAdapter.uid); 0 is the base model
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_ids)
+
+    @property
+    def prefix_salt(self) -> object:
+        """What keeps its prefix-cache blocks apart: the cache salt and the adapter
+        (the same prompt under two adapters has different keys and values)."""
+        return (self.cache_salt, self.adapter_uid) if self.adapter_uid else self.cache_salt
 
     @property
     def num_tokens(self) -> int:

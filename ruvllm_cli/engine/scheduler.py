@@ -6,7 +6,9 @@ rest of chunked prompts); then waiting requests are admitted in arrival order wh
 budget, blocks and `max_num_seqs` allow. When a running request needs a block and
 none is free, the most recently admitted request is preempted: its blocks are freed
 (they stay in the prefix cache) and it goes back to the front of the queue, to be
-recomputed later.
+recomputed later. With LoRA adapters, a waiting request whose adapter would make
+more distinct adapters run than there are slots (`max_loras`) waits, and the ones
+behind it may go first.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ruvllm_cli.engine.request import FinishReason, Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 1024
+    max_loras: int = 0          # distinct LoRA adapters running at once (the slots)
 
 
 @dataclass
@@ -105,9 +108,15 @@ class Scheduler:
         out.preempted.append(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        held: list[Request] = []   # waiting for an adapter slot: keep their place in the queue
+        adapters = {r.adapter_uid for r in self.running if r.adapter_uid}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits = self.blocks.match_prefix(request.all_token_ids, request.cache_salt)
+            uid = request.adapter_uid
+            if uid and uid not in adapters and len(adapters) >= self.config.max_loras:
+                held.append(self.waiting.popleft())
+                continue
+            hits = self.blocks.match_prefix(request.all_token_ids, request.prefix_salt)
             num_cached = len(hits) * self.blocks.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             needed = self.blocks.blocks_needed(num_cached + num_new) - len(hits)
@@ -121,6 +130,9 @@ class Scheduler:
             assert self.blocks.grow(request, num_cached + num_new)
             out.chunks.append(ScheduledChunk(request, num_new))
             budget -= num_new
+            if uid:
+                adapters.add(uid)
+        self.waiting.extendleft(reversed(held))
 
     def _reclaimable(self, hits: list[int]) -> int:
         """Hit blocks that sit in the free queue: taking them shrinks it."""

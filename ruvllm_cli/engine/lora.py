@@ -1,0 +1,369 @@
+"""LoRA adapters served beside their base model, chosen per token.
+
+The engine packs every scheduled request of a step into one token row, so the
+adapter is a property of each token, not of the step. `LoRALinear` wraps whatever
+linear module the loader produced (packed bf16/float32, fbgemm int8, int4,
+`nn.Linear`, bitsandbytes on CUDA: all of them have `in_features`,
+`out_features` and a forward) and adds `scaling * B_a(A_a x)` to the rows of each
+adapter `a`. The model runner orders a step's tokens so that each adapter's tokens
+form a few contiguous segments, and publishes them in a `LoRAStep` every wrapper
+holds by reference (docs/design.md section 8), so the grouped add is two matmuls
+per segment on slices, with no gather and no scatter (vLLM's SGMV idea in torch
+ops). Tokens of the base model (adapter 0) take no extra work.
+
+Adapters' weights live in host memory; a fixed number of slots (`max_loras`, each of
+rank up to `max_lora_rank`) hold the stacked A/B weights the forward reads, on the
+model's device. An adapter a step needs is copied into a free slot, or into the
+least recently used one no request of the step needs. The scheduler keeps the
+adapters of running requests within the slots.
+
+peft reads the files (its config class and weight loader); the serving path is ours.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ruvllm_cli.errors import RuvllmError, UsageError
+
+DEFAULT_MAX_LORAS = 4
+DEFAULT_MAX_LORA_RANK = 16
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+
+
+class AdapterError(UsageError):
+    """An adapter that cannot be read or does not fit the base model."""
+
+
+class AdapterNotFoundError(RuvllmError):
+    http_status = 404
+
+
+class AdapterInUseError(RuvllmError):
+    http_status = 409
+
+
+@dataclass
+class LoRAModule:
+    """One targeted linear layer: A [r, in], B [out, r], and alpha / r (or / sqrt r)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+_uids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class LoRAAdapter:
+    """A loaded adapter. `uid` is unique per load (0 is the base model): it keys the
+    adapter's slot and its prefix-cache blocks, so reloading a name never reuses
+    blocks computed with the old weights."""
+
+    name: str
+    source: str
+    modules: dict[str, LoRAModule]
+    uid: int = field(default_factory=lambda: next(_uids))
+
+    @property
+    def rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+
+    def describe(self) -> str:
+        targets = sorted({name.rsplit(".", 1)[-1] for name in self.modules})
+        return f"{self.name} (rank {self.rank}, {len(self.modules)} layers: {', '.join(targets)})"
+
+
+def adapter_dir(path: str | Path) -> Path | None:
+    """`path` if it is a PEFT adapter directory, else None."""
+    path = Path(path).expanduser()
+    return path if (path / ADAPTER_CONFIG).is_file() else None
+
+
+def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter directory into host memory (float32), refusing what
+    the serving path does not do, with the reason."""
+    from peft import PeftConfig
+    from peft.utils import load_peft_weights
+
+    path = Path(path).expanduser()
+    if adapter_dir(path) is None:
+        raise AdapterError(f"adapter {name}: {path} is not a PEFT adapter directory (no {ADAPTER_CONFIG})")
+    try:
+        config = PeftConfig.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
+        raise AdapterError(f"adapter {name}: cannot read {path / ADAPTER_CONFIG}: {error}") from None
+    kind = str(getattr(config, "peft_type", ""))
+    if kind.split(".")[-1].upper() != "LORA":
+        raise AdapterError(f"adapter {name}: a {kind.split('.')[-1]} adapter; ruvllm serves LoRA adapters")
+    _refuse_unsupported(name, config)
+    if not any((path / f).is_file() for f in ADAPTER_WEIGHTS):
+        raise AdapterError(f"adapter {name}: {path} has no {' or '.join(ADAPTER_WEIGHTS)}")
+    try:
+        weights = load_peft_weights(str(path), device="cpu")
+    except Exception as error:  # noqa: BLE001 - safetensors/pickle errors of every kind
+        raise AdapterError(f"adapter {name}: cannot read its weights: {error}") from None
+    return LoRAAdapter(name, str(path), _modules(name, config, weights))
+
+
+def _refuse_unsupported(name: str, config: Any) -> None:
+    checks = [
+        (getattr(config, "use_dora", False), "uses DoRA"),
+        (getattr(config, "modules_to_save", None), "trains whole modules (modules_to_save)"),
+        (getattr(config, "lora_bias", False), "trains a LoRA bias (lora_bias)"),
+        (getattr(config, "fan_in_fan_out", False), "targets Conv1D layers (fan_in_fan_out)"),
+        (getattr(config, "trainable_token_indices", None), "trains embedding rows (trainable_token_indices)"),
+    ]
+    for present, what in checks:
+        if present:
+            raise AdapterError(f"adapter {name} {what}, which ruvllm does not serve; merge it into "
+                               "the model with peft's merge_and_unload() instead")
+
+
+def _modules(name: str, config: Any, weights: dict[str, torch.Tensor]) -> dict[str, LoRAModule]:
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in weights.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise AdapterError(f"adapter {name}: unexpected tensor {key} (only lora_A/lora_B weights are served)")
+        parts.setdefault(match["module"], {})[match["part"]] = tensor
+    if not parts:
+        raise AdapterError(f"adapter {name}: its weights file holds no LoRA tensors")
+    modules = {}
+    for module, pair in sorted(parts.items()):
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"adapter {name}: {module} has lora_{''.join(pair)} without its pair")
+        a, b = pair["A"].float(), pair["B"].float()
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"adapter {name}: {module} is not a linear LoRA pair "
+                               f"(A {tuple(a.shape)}, B {tuple(b.shape)})")
+        modules[module] = LoRAModule(a.contiguous(), b.contiguous(), _scaling(config, module, a.shape[0]))
+    return modules
+
+
+def _scaling(config: Any, module: str, rank: int) -> float:
+    """peft's rule: alpha / r, or alpha / sqrt(r) with rsLoRA; alpha per module from
+    alpha_pattern (peft's own pattern match)."""
+    from peft.utils.other import get_pattern_key
+
+    pattern = getattr(config, "alpha_pattern", None) or {}
+    alpha = pattern.get(get_pattern_key(pattern.keys(), module), config.lora_alpha)
+    return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
+
+
+# ---- the forward -----------------------------------------------------------------------------
+@dataclass
+class LoRAStep:
+    """What the wrappers read during one forward: (first token, end, slot) segments
+    of the step's packed tokens that use an adapter. Empty: the base model alone."""
+
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer plus the adapters' low-rank updates for the rows that ask
+    for them. The slots' weights are stacked: A [slots, R, in], B [slots, out, R]."""
+
+    def __init__(self, base: nn.Module, step: LoRAStep, num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.in_features, self.out_features = int(base.in_features), int(base.out_features)
+        self.step = step
+        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, self.in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, self.out_features, max_rank, dtype=dtype, device=device),
+                             persistent=False)
+        self.ranks = [0] * num_slots          # 0: the slot's adapter leaves this layer alone
+        self.scalings = [0.0] * num_slots
+
+    def set_slot(self, slot: int, module: LoRAModule | None) -> None:
+        if module is None:
+            self.ranks[slot] = 0
+            return
+        rank = module.rank
+        self.lora_a[slot, :rank].copy_(module.a)
+        self.lora_b[slot, :, :rank].copy_(module.b)
+        self.ranks[slot], self.scalings[slot] = rank, module.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        segments = self.step.segments
+        if not segments:
+            return out
+        rows = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
+        flat = out.view(-1, self.out_features)
+        for start, end, slot in segments:
+            rank = self.ranks[slot]
+            if rank:
+                shrunk = rows[start:end] @ self.lora_a[slot, :rank].T
+                expanded = shrunk @ self.lora_b[slot, :, :rank].T
+                flat[start:end] += (expanded * self.scalings[slot]).to(flat.dtype)
+        return out
+
+
+# ---- the registry and its slots ------------------------------------------------------------
+class LoRAManager:
+    """The adapters one engine serves by name, and the slots the forward reads.
+
+    Only the engine thread calls `install`, `remove` and `begin_step`; `get` and
+    `names` are plain dict reads, safe from any thread."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype, self.device = dtype, device
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.layers: dict[str, LoRALinear] = {}
+        self.step = LoRAStep()
+        self.slot_of: OrderedDict[int, int] = OrderedDict()   # uid -> slot, least recently used first
+        self.loads = 0   # adapters copied into a slot (the first use and after evictions)
+
+    # ---- registry ----
+    def get(self, name: str) -> LoRAAdapter | None:
+        return self.adapters.get(name)
+
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
+    def by_uid(self, uid: int) -> LoRAAdapter | None:
+        return next((a for a in self.adapters.values() if a.uid == uid), None)
+
+    def check(self, adapter: LoRAAdapter) -> None:
+        """Refuse an adapter this model or these slots cannot take (before installing)."""
+        if self.max_loras < 1:
+            raise AdapterError("LoRA adapters are off (--max-loras 0)")
+        if adapter.rank > self.max_rank:
+            raise AdapterError(f"adapter {adapter.name} has rank {adapter.rank}, above --max-lora-rank "
+                               f"{self.max_rank}; start with --max-lora-rank {adapter.rank}")
+        for name, module in adapter.modules.items():
+            layer = self._target(name)
+            if layer is None:
+                raise AdapterError(f"adapter {adapter.name} targets {name}, which this model does not "
+                                   "have: it was trained for another base model")
+            if isinstance(layer, LoRALinear):
+                layer = layer.base_layer
+            if not hasattr(layer, "in_features") or _is_embedding_or_head(self.model, name, layer):
+                raise AdapterError(f"adapter {adapter.name} targets {name} ({type(layer).__name__}); ruvllm "
+                                   "serves LoRA on the decoder's linear layers only")
+            shape = (int(layer.out_features), int(layer.in_features))
+            if (module.b.shape[0], module.a.shape[1]) != shape:
+                raise AdapterError(f"adapter {adapter.name}: {name} is {module.b.shape[0]}x{module.a.shape[1]}, "
+                                   f"the model's layer is {shape[0]}x{shape[1]}: another base model")
+
+    def install(self, adapter: LoRAAdapter) -> None:
+        """Serve `adapter` under its name (replacing nothing: names are unique)."""
+        if adapter.name in self.adapters:
+            raise AdapterError(f"an adapter named {adapter.name} is already loaded")
+        self.check(adapter)
+        for name in adapter.modules:
+            self._wrap(name)
+        self.adapters[adapter.name] = adapter
+
+    def remove(self, name: str) -> LoRAAdapter:
+        adapter = self.adapters.pop(name)
+        slot = self.slot_of.pop(adapter.uid, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.set_slot(slot, None)
+        return adapter
+
+    # ---- the step ----
+    def begin_step(self, segments: Sequence[tuple[int, int, int]]) -> None:
+        """Point the wrappers at this step's (start, end, adapter uid) segments,
+        bringing each adapter into a slot first."""
+        needed = {uid for _, _, uid in segments}
+        assert len(needed) <= self.max_loras, "the scheduler admits at most max_loras adapters"
+        slots = {uid: self._slot(uid, needed) for uid in needed}
+        self.step.segments = [(start, end, slots[uid]) for start, end, uid in segments]
+
+    def end_step(self) -> None:
+        self.step.segments = []
+
+    def _slot(self, uid: int, needed: set[int]) -> int:
+        if uid in self.slot_of:
+            self.slot_of.move_to_end(uid)
+            return self.slot_of[uid]
+        taken = set(self.slot_of.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(u for u in self.slot_of if u not in needed)
+            slot = self.slot_of.pop(victim)
+        adapter = self.by_uid(uid)
+        assert adapter is not None, f"adapter uid {uid} is not loaded"
+        for name, layer in self.layers.items():
+            layer.set_slot(slot, adapter.modules.get(name))
+        self.slot_of[uid] = slot
+        self.loads += 1
+        return slot
+
+    def _target(self, name: str) -> nn.Module | None:
+        try:
+            return self.model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def _wrap(self, name: str) -> None:
+        if name in self.layers:
+            return
+        parent_name, _, child = name.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        base = getattr(parent, child)
+        if isinstance(base, LoRALinear):  # another engine's wrapper around a shared model: replace it
+            base = base.base_layer
+        wrapper = LoRALinear(base, self.step, self.max_loras, self.max_rank, self.dtype, self.device)
+        setattr(parent, child, wrapper)
+        self.layers[name] = wrapper
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers.values())
+
+
+def _is_embedding_or_head(model: nn.Module, name: str, layer: nn.Module) -> bool:
+    if isinstance(layer, nn.Embedding) or "Embedding" in type(layer).__name__:
+        return True
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and layer is head
+
+
+def parse_lora_specs(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """`NAME=PATH` options (PATH a directory or a hub id) -> [(name, path)]; a bare
+    PATH is named after its last component."""
+    pairs: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec.rstrip("/")).name, spec
+        name, path = name.strip(), path.strip()
+        if not name or not path:
+            raise UsageError(f"--lora {spec!r}: expected NAME=PATH (a PEFT adapter directory or hub id)")
+        if any(n == name for n, _ in pairs):
+            raise UsageError(f"--lora: the name {name} is given twice")
+        pairs.append((name, path))
+    return pairs
