@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 from ruvllm_cli.cli.context import AppContext
 from ruvllm_cli.quantization import Quantization, quantization_of_gguf
@@ -82,10 +84,12 @@ class OpenedEngine:
 
 
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
-                device: str = "auto", weight_cache: bool = True, **engine_options: Any) -> OpenedEngine:
-    """Locate MODEL, load it with a spinner on stderr, and build the engine.
+                device: str = "auto", weight_cache: bool = True, adapters: Sequence[tuple[str, Path]] = (),
+                **engine_options: Any) -> OpenedEngine:
+    """Locate MODEL, load it with a spinner on stderr, and build the engine, serving
+    the LoRA `adapters` ((name, directory) from `locate_adapters`).
 
-    `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, ...)."""
+    `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, max_loras, ...)."""
     located = locate_model(model, app.cache_dir, quantization)
     out = app.output()
     with out.err.status(f"Loading {located.served_name} ..."):
@@ -97,11 +101,39 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
             quantization, note = load_default(located, device)
             if note:
                 out.info(f"[dim]{note}[/dim]")
-        config = EngineConfig(device=device, quantization=quantization,
-                              **{k: v for k, v in engine_options.items() if v is not None})
+        config_fields = {k: v for k, v in engine_options.items() if v is not None}
+        config = EngineConfig(device=device, quantization=quantization, **config_fields)
         loaded = load_model(located.path, config.device, config.quantization, use_cache=weight_cache)
+        loras = read_adapters(adapters)
+        if loras and "max_lora_rank" not in config_fields:
+            config = dataclasses.replace(config, max_lora_rank=max(EngineConfig.max_lora_rank,
+                                                                   *(a.rank for a in loras)))
         engine = LLMEngine(loaded, config)
+        for lora in loras:
+            engine.add_lora(lora.name, lora)
     opened = OpenedEngine(engine, located)
     out.info(f"[dim]Loaded {opened.describe()} in {loaded.load_seconds:.1f} s; "
              f"{loaded.quantization_path}[/dim]")
+    for lora in loras:
+        out.info(f"[dim]LoRA adapter {lora.describe()}[/dim]")
     return opened
+
+
+def locate_adapters(app: AppContext, specs: Sequence[str]) -> list[tuple[str, Path]]:
+    """`--lora NAME=PATH` values -> (name, adapter directory); hub ids are fetched
+    (a line on stderr says so). Nothing is read yet: call it before loading the
+    model, so a wrong path fails at once."""
+    from ruvllm_cli.registry.adapters import locate_adapter, parse_lora_specs
+
+    found = []
+    for name, spec in parse_lora_specs(specs):
+        if not Path(spec).expanduser().exists():
+            app.output().info(f"[dim]Fetching LoRA adapter {name} ({spec}) ...[/dim]")
+        found.append((name, locate_adapter(spec, app.cache_dir)))
+    return found
+
+
+def read_adapters(paths: Sequence[tuple[str, Path]]) -> list[Any]:
+    from ruvllm_cli.engine.lora import read_adapter
+
+    return [read_adapter(name, path) for name, path in paths]

@@ -16,7 +16,8 @@ from click.core import ParameterSource
 
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+from ruvllm_cli.cli.engine_setup import locate_adapters
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     prefix_caching, weight_cache_option)
 from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.registry.locate import locate_model
@@ -93,6 +94,10 @@ BYTE_SIZE = ByteSize()
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM; what is left then gets a "
                    "503 (a stream: an error event and [DONE]) and the server exits.")
+@lora_options
+@click.option("--allow-runtime-lora", is_flag=True,
+              help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they load files a "
+                   "request names; behind --api-key when one is set).")
 @device_option()
 @global_options
 def command(**options: Any) -> None:
@@ -108,11 +113,13 @@ def command(**options: Any) -> None:
       ruvllm serve qwen
       ruvllm serve qwen --port 8080 --api-key secret
       ruvllm serve ./my-model --max-concurrent 32 --kv-cache-memory 2GiB
+      ruvllm serve qwen --lora sql=./sql-lora --lora chat=user/chat-lora
     """
     app = app_context()
     configure_logging(app.verbose)
     # A missing or undownloaded model fails here, before the port is bound or announced.
     locate_model(options["model"], app.cache_dir, options["quantization"])
+    options["adapters"] = locate_adapters(app, options["lora"])
     source = click.get_current_context().get_parameter_source("api_key")
     options["api_key_from_flag"] = source is ParameterSource.COMMANDLINE
     asyncio.run(serve(app, options))
@@ -220,7 +227,8 @@ def load(app: AppContext, options: dict[str, Any]) -> Any:
         max_num_seqs=options["max_concurrent"], max_model_len=options["max_context"],
         max_num_batched_tokens=options["max_num_batched_tokens"], kv_cache_memory=options["kv_cache_memory"],
         enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
-        weight_cache=not options["no_weight_cache"])
+        weight_cache=not options["no_weight_cache"], adapters=options["adapters"], max_loras=options["max_loras"],
+        max_lora_rank=options["max_lora_rank"])
 
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:

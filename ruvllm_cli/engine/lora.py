@@ -350,20 +350,3 @@ def _is_embedding_or_head(model: nn.Module, name: str, layer: nn.Module) -> bool
         return True
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head is not None and layer is head
-
-
-def parse_lora_specs(specs: Sequence[str]) -> list[tuple[str, str]]:
-    """`NAME=PATH` options (PATH a directory or a hub id) -> [(name, path)]; a bare
-    PATH is named after its last component."""
-    pairs: list[tuple[str, str]] = []
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = Path(spec.rstrip("/")).name, spec
-        name, path = name.strip(), path.strip()
-        if not name or not path:
-            raise UsageError(f"--lora {spec!r}: expected NAME=PATH (a PEFT adapter directory or hub id)")
-        if any(n == name for n, _ in pairs):
-            raise UsageError(f"--lora: the name {name} is given twice")
-        pairs.append((name, path))
-    return pairs

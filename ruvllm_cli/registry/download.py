@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ruvllm_cli.registry.registry import ModelRef
 
 CONFIG_FILES = ("config.json", "generation_config.json")
+ADAPTER_CONFIG, ADAPTER_SAFETENSORS = "adapter_config.json", "adapter_model.safetensors"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -59,6 +60,9 @@ def plan_files(repo_files: Iterable[str], quantization: Quantization | str,
     """
     files = set(repo_files)
     quantization = parse_quantization(quantization)
+    if ADAPTER_CONFIG in files and ADAPTER_SAFETENSORS in files:
+        # A PEFT LoRA adapter (ruvllm serve --lora NAME=HUB_ID): its config and weights.
+        return sorted([ADAPTER_CONFIG, ADAPTER_SAFETENSORS])
     extras = [name for name in (*CONFIG_FILES, *TOKENIZER_FILES) if name in files]
     safetensors = sorted(name for name in files if _is_root(name) and name.endswith(".safetensors"))
     if safetensors:

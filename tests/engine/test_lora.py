@@ -14,11 +14,12 @@ from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.engine.lora import (AdapterError, AdapterInUseError, AdapterNotFoundError, LoRALinear,
-                                    LoRAModule, LoRAStep, parse_lora_specs, read_adapter)
+                                    LoRAModule, LoRAStep, read_adapter)
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear, packing_works
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.adapters import parse_lora_specs
 from ruvllm_cli.testing.tiny_lora import ATTENTION, MLP, build_lora_adapter
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
 
