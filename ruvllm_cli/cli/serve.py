@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
@@ -154,7 +155,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     from rich.markup import escape
 
     out = app.output()
-    web_app = create_app(None, server_config(options, app.verbose))
+    web_app = create_app(None, server_config(options, app.verbose, app.cache_dir))
     try:
         server = await start_server(web_app, options["host"], options["port"],
                                     shutdown_timeout=options["shutdown_timeout"], access_log=app.verbose)
@@ -205,7 +206,7 @@ def stop_on_failure(stop: asyncio.Event, failures: list[BaseException]) -> Calla
     return fail
 
 
-def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
+def server_config(options: dict[str, Any], verbose: bool, cache_dir: Path | None = None) -> "ServerConfig":
     """The app's ServerConfig from the command's options."""
     from ruvllm_cli.server import ServerConfig
     from ruvllm_cli.server.protocol import RequestLimits
@@ -216,7 +217,8 @@ def server_config(options: dict[str, Any], verbose: bool) -> "ServerConfig":
     return ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
                         max_body_size=options["max_body_size"], limits=limits,
                         chat_max_tokens=options["max_tokens_default"], verbose=verbose,
-                        tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"])
+                        tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"],
+                        allow_runtime_lora=options["allow_runtime_lora"], cache_dir=cache_dir)
 
 
 def load(app: AppContext, options: dict[str, Any]) -> Any:
@@ -315,6 +317,10 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     out.info(escape(f"  Metrics     {url}/metrics"))
     if kv_cache:
         out.info(escape(f"  KV cache    {kv_cache}"))
+    adapters = [name for name, _ in options.get("adapters") or ()]
+    if adapters or options.get("allow_runtime_lora"):
+        runtime = "; loaded at run time via /v1/load_lora_adapter" if options.get("allow_runtime_lora") else ""
+        out.info(escape(f"  LoRA        {', '.join(adapters) or 'none yet'} (as model names){runtime}"))
     curl = f"curl {curl_url}/v1/chat/completions -H \"Content-Type: application/json\"{auth} -d '{body}'"
     if options["api_key"] and options.get("api_key_from_flag"):
         # $RUVLLM_API_KEY is unset in the user's shell when the key came as a flag.

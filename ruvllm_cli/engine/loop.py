@@ -97,6 +97,8 @@ class EngineLoop:
         if self._error is not None:
             raise EngineFailedError(f"the engine has stopped after an error: {self._error}")
         prompt_ids = self.engine.prepare_prompt(prompt)
+        if adapter is not None:
+            self.engine.adapter(adapter)   # an unknown name fails here, in the caller's thread
         params = params or SamplingParams()
         stream = RequestStream(self, f"req-{next(self._ids)}", loop)
         self._commands.put(_Add(self, stream, prompt_ids, params, cache_salt, adapter))

@@ -48,7 +48,8 @@ def safetensors_dtype(files: Iterable[Path]) -> str | None:
 
 
 def weights_label(directory: Path, names: Iterable[str]) -> str:
-    """"GGUF Q4_K_M, Q8_0" for GGUF files, "safetensors bf16" for a checkpoint, "-" without weights."""
+    """"GGUF Q4_K_M, Q8_0" for GGUF files, "safetensors bf16" for a checkpoint, "LoRA adapter f32"
+    for a PEFT adapter, "-" without weights."""
     names = sorted(names)
     ggufs = [name for name in names if name.lower().endswith(".gguf")]
     if ggufs:
@@ -58,4 +59,5 @@ def weights_label(directory: Path, names: Iterable[str]) -> str:
     if not shards:
         return "-"
     dtype = safetensors_dtype(shards)
-    return f"safetensors {dtype}" if dtype else "safetensors"
+    kind = "LoRA adapter" if "adapter_config.json" in names else "safetensors"
+    return f"{kind} {dtype}" if dtype else kind

@@ -9,6 +9,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from ruvllm_cli.engine.lora import AdapterNotFoundError
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason
@@ -91,7 +92,11 @@ def _prepare_and_submit(engine_loop: EngineLoop, aio: asyncio.AbstractEventLoop,
     streams: list[RequestStream] = []
     try:
         for plan in plans:
-            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.cache_salt, loop=aio))
+            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.cache_salt, loop=aio,
+                                              adapter=plan.adapter))
+    except AdapterNotFoundError as error:   # unloaded since the handler checked the name
+        cancel_all(streams)
+        raise ApiError(404, error.message, param="model", code="model_not_found") from error
     except UsageError as error:
         cancel_all(streams)
         raise ApiError.from_ruvllm(error, param) from error

@@ -17,6 +17,7 @@ ERROR_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "server_error",

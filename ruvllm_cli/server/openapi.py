@@ -58,6 +58,7 @@ SCHEMAS: dict[str, JsonSchema] = {
             "type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
                 "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                 "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
+                "parent": {"type": ["string", "null"]},
                 "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}}}}},
     "Health": {"type": "object", "required": ["status"], "properties": {
         "status": {"enum": ["ok", "loading", "engine_failed", "shutting_down"]}, "model": {"type": "string"},
@@ -83,11 +84,18 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                   same_body=(503,)),
     ("GET", "/metrics"): Operation("Prometheus metrics.", content=METRICS_CONTENT_TYPE, errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document.", content="application/json"),
-    ("GET", "/v1/models"): Operation("The names this server answers to.", "ModelList", errors=(503,)),
+    ("GET", "/v1/models"): Operation("The names this server answers to; a LoRA adapter's `parent` is its "
+                                     "base model.", "ModelList", errors=(503,)),
     ("POST", "/v1/chat/completions"): Operation("A chat reply.", "ChatCompletion",
                                                 errors=_GENERATION_ERRORS, streams=True),
     ("POST", "/v1/completions"): Operation("A completion of a prompt.", "Completion",
                                            errors=_GENERATION_ERRORS, streams=True),
+    ("POST", "/v1/load_lora_adapter"): Operation(
+        "Serve a LoRA adapter under a new model name (with --allow-runtime-lora).", content="text/plain",
+        errors=(400, 404, 408, 413, 503)),
+    ("POST", "/v1/unload_lora_adapter"): Operation(
+        "Stop serving a LoRA adapter; 409 while requests use it (with --allow-runtime-lora).",
+        content="text/plain", errors=(400, 404, 408, 409, 413, 503)),
 }
 
 

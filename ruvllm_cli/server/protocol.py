@@ -196,8 +196,18 @@ COMPLETION_FIELDS = (
     *STREAMING,
 )
 # Each JSON route's fields, which its parser reads and /openapi.json documents.
+# vLLM's bodies for LoRA adapters loaded at run time (server/adapters.py).
+LOAD_LORA_FIELDS = (
+    Field("lora_name", "string", "The name requests then give as `model`.", required=True),
+    Field("lora_path", "string", "A PEFT LoRA adapter directory on the server, or a hub id (owner/name).",
+          required=True),
+)
+UNLOAD_LORA_FIELDS = (Field("lora_name", "string", "The adapter to stop serving.", required=True),)
+
 REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {"/v1/chat/completions": CHAT_FIELDS,
-                                               "/v1/completions": COMPLETION_FIELDS}
+                                               "/v1/completions": COMPLETION_FIELDS,
+                                               "/v1/load_lora_adapter": LOAD_LORA_FIELDS,
+                                               "/v1/unload_lora_adapter": UNLOAD_LORA_FIELDS}
 
 
 # ---- chat ---------------------------------------------------------------------------

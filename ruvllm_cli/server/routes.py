@@ -12,7 +12,7 @@ from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.request import FinishReason
-from ruvllm_cli.server import bridge
+from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
@@ -39,6 +39,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter)
 
 
 # ---- plain routes ------------------------------------------------------------------------
@@ -64,9 +66,11 @@ async def list_models(request: web.Request) -> web.Response:
     created = int(time.time() - (time.monotonic() - state.started))
     # Beyond OpenAI's fields: what a client needs to size its requests.
     defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS}
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "ruvllm",
-             "max_model_len": engine_loop.engine.max_model_len, "max_tokens_default": defaults}
-            for name in state.served_names]
+    common = {"object": "model", "created": created, "owned_by": "ruvllm",
+              "max_model_len": engine_loop.engine.max_model_len, "max_tokens_default": defaults}
+    # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
+    data = [{"id": name, **common, "parent": None} for name in state.served_names]
+    data += [{"id": name, **common, "parent": state.model_name} for name in state.adapter_names()]
     return json_response({"object": "list", "data": data})
 
 
@@ -103,7 +107,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
     chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
-    state.check_model(chat.model)
+    adapter = state.check_model(chat.model)
     engine = engine_loop.engine
     parser = state.require_tool_parser() if chat.tools and chat.tools.active else None
     base = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
@@ -114,7 +118,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             sampling = tool_sampling(engine.tokenizer, chat.tools, parser.name, sampling)
         check_constraints(engine, sampling)
         prompt_ids = render_chat(engine.tokenizer, chat.messages, template_tools(chat.tools, chat.messages))
-        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages")
+        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages", adapter)
 
     assert state.token_texts is not None
     fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
@@ -127,7 +131,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
     job = parse_completion_request(await read_json(request, state.config.max_body_size), state.limits)
-    state.check_model(job.model)
+    adapter = state.check_model(job.model)
     engine = engine_loop.engine
     echo_texts: list[str] = []
 
@@ -137,7 +141,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if job.echo:
             echo_texts.extend(p if isinstance(p, str) else engine.tokenizer.decode(ids)
                               for p, ids in zip(job.prompts, prompt_ids))
-        return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt")
+        return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt", adapter)
 
     assert state.token_texts is not None
     fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), state.token_texts, job.sampling.logprobs,

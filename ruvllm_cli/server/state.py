@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from aiohttp import web
@@ -38,6 +39,8 @@ class ServerConfig:
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS   # a chat request's max_tokens when it sets none
     verbose: bool = False
     tool_call_parser: str | None = None   # None: detected from the model's chat template
+    allow_runtime_lora: bool = False      # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    cache_dir: Path | None = None         # where a hub id given as lora_path is fetched to
 
 
 class Admission:
@@ -143,10 +146,20 @@ class ServerState:
                            code="unsupported_parameter")
         return self.tool_parser
 
-    def check_model(self, name: str) -> None:
-        if name not in self.served_names:
-            raise ApiError(404, f"The model '{name}' does not exist. This server serves: "
-                                f"{', '.join(self.served_names)}.", param="model", code="model_not_found")
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters served as models of their own (any thread may read them)."""
+        return self.engine_loop.engine.lora.names() if self.engine_loop is not None else []
+
+    def check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404
+        listing what is served for any other name."""
+        if name in self.served_names:
+            return None
+        if name in self.adapter_names():
+            return name
+        served = ", ".join([*self.served_names, *self.adapter_names()])
+        raise ApiError(404, f"The model '{name}' does not exist. This server serves: {served}.",
+                       param="model", code="model_not_found")
 
 
 def pick_tool_parser(engine: Any, name: str | None) -> ToolParser | None:

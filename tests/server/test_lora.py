@@ -1,0 +1,234 @@
+"""LoRA adapters through the server, with the official openai SDK: adapters are models
+(`model` = NAME, /v1/models with `parent`), their replies are the engine's for that
+adapter, their prefix-cache blocks stay apart, and adapters load and unload at run
+time over HTTP (vLLM's routes) only when allowed and behind the API key."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from ruvllm_cli.engine.config import EngineConfig
+from ruvllm_cli.engine.engine import LLMEngine
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.server import ServerConfig, create_app
+from ruvllm_cli.testing.tiny_lora import ATTENTION, MLP, build_lora_adapter
+
+from tests.server.conftest import NAMES, LiveServer, ServerThread
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = "the quick brown fox jumps over the lazy dog and keeps running far away"
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("server-adapters")
+    return {"attn": build_lora_adapter(tiny_model_dir, root / "attn", rank=4, targets=ATTENTION, seed=1),
+            "mlp": build_lora_adapter(tiny_model_dir, root / "mlp", rank=8, targets=MLP, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny_model_dir):
+    # A model of its own: adapters wrap its layers, and other tests' servers share theirs.
+    return load_model(tiny_model_dir, "cpu", Quantization.F32)
+
+
+@pytest.fixture
+def lora_server(lora_model, adapters):
+    made = []
+
+    def make(names=("attn", "mlp"), **app_options) -> LiveServer:
+        engine = LLMEngine(lora_model, EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=8,
+                                                    max_model_len=512, block_size=4))
+        for name in names:
+            engine.add_lora(name, adapters[name])
+        engine_loop = EngineLoop(engine)
+        app = create_app(engine_loop, ServerConfig(**app_options), served_names=NAMES)
+        live = LiveServer(ServerThread(app), engine_loop, NAMES, app_options.get("api_key"))
+        live.thread.start()
+        made.append(live)
+        return live
+
+    yield make
+    for live in made:
+        live.assert_clean()
+        live.stop()
+
+
+def client_for(live: LiveServer, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key=key, max_retries=0, timeout=60)
+
+
+def greedy(client, model, **kwargs):
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True}, **kwargs)
+
+
+def test_adapters_are_models_with_their_base_as_parent(lora_server):
+    live = lora_server()
+    models = {m.id: m for m in client_for(live).models.list().data}
+    assert list(models) == ["tiny", "org/tiny-model", "attn", "mlp"]
+    assert models["attn"].parent == "tiny" and models["mlp"].parent == "tiny"
+    assert models["tiny"].parent is None
+
+
+def test_a_request_naming_an_adapter_gets_that_adapters_tokens(lora_server):
+    live = lora_server()
+    client = client_for(live)
+    prompt_ids = live.engine(lambda e: e.tokenizer.encode(PROMPT))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for model, adapter in (("tiny", None), ("attn", "attn"), ("mlp", "mlp")):
+        reply = greedy(client, model)
+        assert reply.model == model
+        expected = live.engine(lambda e: e.generate([prompt_ids], params, adapters=adapter)[0].text)
+        assert reply.choices[0].text == expected, model
+    texts = {greedy(client, m).choices[0].text for m in ("tiny", "attn", "mlp")}
+    assert len(texts) == 3   # each adapter really changes the reply
+
+
+def test_streamed_chat_with_an_adapter(lora_server):
+    live = lora_server()
+    client = client_for(live)
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="mlp", messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].message.content
+    stream = client.chat.completions.create(model="mlp", messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+
+
+def test_prefix_cache_shared_within_an_adapter_not_across(lora_server):
+    live = lora_server()
+    client = client_for(live)
+    cached = [greedy(client, m).usage.prompt_tokens_details.cached_tokens for m in ("attn", "attn", "mlp", "tiny")]
+    assert cached[0] == 0 and cached[1] > 0
+    assert cached[2] == 0 and cached[3] == 0
+
+
+def test_an_unknown_model_is_a_404_naming_the_adapters(lora_server):
+    live = lora_server()
+    with pytest.raises(openai.NotFoundError) as caught:
+        greedy(client_for(live), "nope")
+    assert "attn" in str(caught.value) and "mlp" in str(caught.value)
+
+
+def test_runtime_loading_is_off_unless_allowed(lora_server, adapters):
+    live = lora_server()
+    answer = httpx.post(live.base_url + "/load_lora_adapter",
+                        json={"lora_name": "x", "lora_path": str(adapters["attn"])})
+    assert answer.status_code == 404
+    assert "--allow-runtime-lora" in answer.json()["error"]["message"]
+    assert "x" not in [m.id for m in client_for(live).models.list().data]
+
+
+def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
+    live = lora_server(names=(), allow_runtime_lora=True)
+    client = client_for(live)
+    base_text = greedy(client, "tiny").choices[0].text
+    url = live.base_url
+    answer = httpx.post(url + "/load_lora_adapter", json={"lora_name": "fresh", "lora_path": str(adapters["mlp"])})
+    assert answer.status_code == 200 and "fresh" in answer.text
+    assert [m.id for m in client.models.list().data][-1] == "fresh"
+    assert greedy(client, "fresh").choices[0].text != base_text
+    again = httpx.post(url + "/load_lora_adapter", json={"lora_name": "fresh", "lora_path": str(adapters["mlp"])})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    missing = httpx.post(url + "/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "no")})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+    not_lora = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+    assert not_lora.status_code == 400
+    assert httpx.post(url + "/load_lora_adapter", json={"lora_name": "x"}).status_code == 400
+    done = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "fresh"})
+    assert done.status_code == 200 and "removed" in done.text
+    with pytest.raises(openai.NotFoundError):
+        greedy(client, "fresh")
+    unknown = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "fresh"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_unloading_an_adapter_in_use_is_a_409(lora_server):
+    live = lora_server(allow_runtime_lora=True)
+    client = client_for(live)
+    started = threading.Event()
+    outcome = {}
+
+    def long_request():
+        stream = client.completions.create(model="attn", prompt=PROMPT, max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        count = 0
+        for _ in stream:
+            count += 1
+            started.set()
+        outcome["chunks"] = count
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    assert started.wait(60)
+    busy = httpx.post(live.base_url + "/unload_lora_adapter", json={"lora_name": "attn"})
+    worker.join(120)
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
+    assert outcome["chunks"] > 1
+    assert httpx.post(live.base_url + "/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
+
+
+def test_runtime_loading_needs_the_api_key(lora_server, adapters):
+    live = lora_server(names=(), allow_runtime_lora=True, api_key="sesame")
+    body = {"lora_name": "x", "lora_path": str(adapters["attn"])}
+    assert httpx.post(live.base_url + "/load_lora_adapter", json=body).status_code == 401
+    keyed = httpx.post(live.base_url + "/load_lora_adapter", json=body, headers={"Authorization": "Bearer sesame"})
+    assert keyed.status_code == 200
+    assert "x" in [m.id for m in client_for(live, "sesame").models.list().data]
+
+
+def test_serve_with_a_local_and_a_hub_adapter(tiny_model_dir, adapters, fake_hub, cli_env, free_port):
+    """`ruvllm serve MODEL --lora a=DIR --lora b=OWNER/NAME`: the hub one is fetched
+    through the registry's download path (the real huggingface_hub client, the fake hub)."""
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.server.test_serve_cli import REPO_ROOT, wait_healthy
+
+    repo_id = f"org/tiny-lora-{uuid.uuid4().hex[:8]}"
+    fake_hub.add_model_dir(repo_id, adapters["mlp"])
+    url = f"http://127.0.0.1:{free_port}"
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(tiny_model_dir), "--port", str(free_port),
+               "-q", "none", "--device", "cpu", "--max-context", "256", "--kv-cache-memory", "4MiB",
+               "--served-model-name", "tiny", "--lora", f"local={adapters['attn']}", "--lora", f"hub={repo_id}"]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=cli_env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, process)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert models[0]["id"] == "tiny" and models[0]["parent"] is None
+        assert [(m["id"], m["parent"]) for m in models if m["parent"]] == [("local", "tiny"), ("hub", "tiny")]
+        body = {"model": "hub", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] == 4
+        process.send_signal(subprocess.signal.SIGTERM)
+        _, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert "LoRA        local, hub (as model names)" in stderr
+    assert "LoRA adapter local (rank 4, 8 layers: k_proj, o_proj, q_proj, v_proj)" in stderr
+    assert fake_hub.file_requests("adapter_model.safetensors")
+
+
+def test_serve_refuses_a_missing_adapter_before_binding(ruvllm, tiny_model_dir, tmp_path, free_port):
+    result = ruvllm("serve", str(tiny_model_dir), "--port", str(free_port), "--lora", f"x={tmp_path / 'nope'}",
+                    timeout=60)
+    assert result.returncode != 0
+    assert "Error: no adapter directory" in result.stderr and "Traceback" not in result.stderr
+    assert "Listening" not in result.stderr
+    # The fetched adapter sits in the model cache like a model: `ruvllm list` shows it.
+    listed = subprocess.run([sys.executable, "-m", "ruvllm_cli", "list", "--downloaded", "--json"], cwd=REPO_ROOT,
+                            env=cli_env, capture_output=True, text=True, timeout=60)
+    assert any(m.get("stored_as") == "LoRA adapter f32" for m in json.loads(listed.stdout)), listed.stdout
