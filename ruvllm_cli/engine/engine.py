@@ -6,11 +6,12 @@ background thread for streaming callers (chat, serve, benchmark).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
@@ -18,7 +19,7 @@ from ruvllm_cli.engine.block_manager import BlockManager
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
 from ruvllm_cli.engine.loader import LoadedModel, load_model
-from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRAAdapter, LoRAManager, read_adapter
+from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRAManager, read_adapter
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ruvllm_cli.engine.output_processor import OutputProcessor
 from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
@@ -84,20 +85,23 @@ class LLMEngine:
         return request
 
     # ---- LoRA adapters ---------------------------------------------------------------
-    def adapter(self, name: str) -> LoRAAdapter:
+    def adapter(self, name: str) -> Any:
         found = self.lora.get(name)
         if found is None:
             loaded = ", ".join(self.lora.names()) or "none"
             raise AdapterNotFoundError(f"no LoRA adapter named {name} is loaded (loaded: {loaded})")
         return found
 
-    def add_lora(self, name: str, path: str | LoRAAdapter) -> LoRAAdapter:
-        """Serve a PEFT LoRA adapter directory (or one already read) under `name`."""
-        adapter = path if isinstance(path, LoRAAdapter) else read_adapter(name, path)
+    def add_lora(self, name: str, path: str | os.PathLike | Any) -> Any:
+        """Serve a PEFT LoRA or X-LoRA adapter directory (or an adapter already read)
+        under `name`."""
+        adapter = read_adapter(name, path) if isinstance(path, (str, os.PathLike)) else path
+        if adapter.mixture:
+            self.runner.ensure_scaling_cache()   # before installing: it may not fit
         self.lora.install(adapter)
         return adapter
 
-    def remove_lora(self, name: str) -> LoRAAdapter:
+    def remove_lora(self, name: str) -> Any:
         """Stop serving an adapter; refused (AdapterInUseError) while a request uses it."""
         adapter = self.adapter(name)
         users = [r for r in self.requests.values() if r.adapter_uid == adapter.uid and not r.is_finished]

@@ -81,6 +81,7 @@ class LoRAAdapter:
     source: str
     modules: dict[str, LoRAModule]
     uid: int = field(default_factory=lambda: next(_uids))
+    mixture = False   # X-LoRA's XLoRAAdapter (engine/xlora.py) says True
 
     @property
     def rank(self) -> int:
@@ -101,9 +102,9 @@ def adapter_dir(path: str | Path) -> Path | None:
     return path if (path / ADAPTER_CONFIG).is_file() else None
 
 
-def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
-    """Read a PEFT LoRA adapter directory into host memory (float32), refusing what
-    the serving path does not do, with the reason."""
+def read_adapter(name: str, path: str | Path) -> Any:
+    """Read a PEFT LoRA (or X-LoRA) adapter directory into host memory (float32),
+    refusing what the serving path does not do, with the reason."""
     from peft import PeftConfig
     from peft.utils import load_peft_weights
 
@@ -114,9 +115,13 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
         config = PeftConfig.from_pretrained(str(path))
     except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as error:
         raise AdapterError(f"adapter {name}: cannot read {path / ADAPTER_CONFIG}: {error}") from None
-    kind = str(getattr(config, "peft_type", ""))
-    if kind.split(".")[-1].upper() != "LORA":
-        raise AdapterError(f"adapter {name}: a {kind.split('.')[-1]} adapter; ruvllm serves LoRA adapters")
+    kind = str(getattr(config, "peft_type", "")).split(".")[-1].upper()
+    if kind == "XLORA":
+        from ruvllm_cli.engine.xlora import read_xlora
+
+        return read_xlora(name, path)
+    if kind != "LORA":
+        raise AdapterError(f"adapter {name}: a {kind} adapter; ruvllm serves LoRA and X-LoRA adapters")
     _refuse_unsupported(name, config)
     if not any((path / f).is_file() for f in ADAPTER_WEIGHTS):
         raise AdapterError(f"adapter {name}: {path} has no {' or '.join(ADAPTER_WEIGHTS)}")
@@ -176,9 +181,12 @@ def _scaling(config: Any, module: str, rank: int) -> float:
 @dataclass
 class LoRAStep:
     """What the wrappers read during one forward: (first token, end, slot) segments
-    of the step's packed tokens that use an adapter. Empty: the base model alone."""
+    of the step's packed tokens that use an adapter, and (first token, end, X-LoRA
+    adapter, scalings [tokens, layers, experts]) segments of X-LoRA tokens. Both
+    empty: the base model alone."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
+    mixtures: list[tuple[int, int, Any, torch.Tensor]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -186,9 +194,10 @@ class LoRALinear(nn.Module):
     for them. The slots' weights are stacked: A [slots, R, in], B [slots, out, R]."""
 
     def __init__(self, base: nn.Module, step: LoRAStep, num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, name: str = "") -> None:
         super().__init__()
         self.base_layer = base
+        self.name = name
         self.in_features, self.out_features = int(base.in_features), int(base.out_features)
         self.step = step
         self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, self.in_features, dtype=dtype, device=device),
@@ -209,18 +218,33 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
-        segments = self.step.segments
-        if not segments:
+        step = self.step
+        if not step.segments and not step.mixtures:
             return out
         rows = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
         flat = out.view(-1, self.out_features)
-        for start, end, slot in segments:
+        for start, end, slot in step.segments:
             rank = self.ranks[slot]
             if rank:
                 shrunk = rows[start:end] @ self.lora_a[slot, :rank].T
                 expanded = shrunk @ self.lora_b[slot, :, :rank].T
                 flat[start:end] += (expanded * self.scalings[slot]).to(flat.dtype)
+        for start, end, mixture, scalings in step.mixtures:
+            self._mix(rows[start:end], flat[start:end], mixture, scalings)
         return out
+
+    def _mix(self, rows: torch.Tensor, out: torch.Tensor, mixture: Any, scalings: torch.Tensor) -> None:
+        """X-LoRA: each expert's update of x scaled by the token's weight for it, in peft's order."""
+        layer = mixture.layer_of.get(self.name)
+        if layer is None:
+            return
+        weight = mixture.settings["global_scaling_weight"]
+        for index, expert in enumerate(mixture.experts):
+            module = expert.get(self.name)
+            if module is not None:
+                scaled = rows * scalings[:, layer, index:index + 1].to(rows.dtype)
+                expanded = (scaled @ module.a.T) @ module.b.T
+                out += (expanded * module.scaling * weight).to(out.dtype)
 
 
 # ---- the registry and its slots ------------------------------------------------------------
@@ -252,11 +276,11 @@ class LoRAManager:
     def by_uid(self, uid: int) -> LoRAAdapter | None:
         return next((a for a in self.adapters.values() if a.uid == uid), None)
 
-    def check(self, adapter: LoRAAdapter) -> None:
+    def check(self, adapter: Any) -> None:
         """Refuse an adapter this model or these slots cannot take (before installing)."""
         if self.max_loras < 1:
             raise AdapterError("LoRA adapters are off (--max-loras 0)")
-        if adapter.rank > self.max_rank:
+        if not adapter.mixture and adapter.rank > self.max_rank:
             raise AdapterError(f"adapter {adapter.name} has rank {adapter.rank}, above --max-lora-rank "
                                f"{self.max_rank}; start with --max-lora-rank {adapter.rank}")
         for name, module in adapter.modules.items():
@@ -274,34 +298,46 @@ class LoRAManager:
                 raise AdapterError(f"adapter {adapter.name}: {name} is {module.b.shape[0]}x{module.a.shape[1]}, "
                                    f"the model's layer is {shape[0]}x{shape[1]}: another base model")
 
-    def install(self, adapter: LoRAAdapter) -> None:
-        """Serve `adapter` under its name (replacing nothing: names are unique)."""
+    def install(self, adapter: Any) -> None:
+        """Serve `adapter` (a LoRAAdapter or an XLoRAAdapter) under its name."""
         if adapter.name in self.adapters:
             raise AdapterError(f"an adapter named {adapter.name} is already loaded")
         self.check(adapter)
+        if adapter.mixture:
+            from ruvllm_cli.engine.xlora import number_layers
+
+            number_layers(self.model, adapter)
+            adapter.to(self.dtype, self.device)   # its experts stay out of the slots
         for name in adapter.modules:
             self._wrap(name)
         self.adapters[adapter.name] = adapter
 
+    def is_mixture(self, uid: int) -> bool:
+        adapter = self.by_uid(uid)
+        return adapter is not None and adapter.mixture
+
     def remove(self, name: str) -> LoRAAdapter:
         adapter = self.adapters.pop(name)
-        slot = self.slot_of.pop(adapter.uid, None)
+        slot = self.slot_of.pop(adapter.uid, None) if not adapter.mixture else None
         if slot is not None:
             for layer in self.layers.values():
                 layer.set_slot(slot, None)
         return adapter
 
     # ---- the step ----
-    def begin_step(self, segments: Sequence[tuple[int, int, int]]) -> None:
+    def begin_step(self, segments: Sequence[tuple[int, int, int]],
+                   mixtures: Sequence[tuple[int, int, Any, torch.Tensor]] = ()) -> None:
         """Point the wrappers at this step's (start, end, adapter uid) segments,
-        bringing each adapter into a slot first."""
+        bringing each adapter into a slot first, and at its X-LoRA segments."""
         needed = {uid for _, _, uid in segments}
         assert len(needed) <= self.max_loras, "the scheduler admits at most max_loras adapters"
         slots = {uid: self._slot(uid, needed) for uid in needed}
         self.step.segments = [(start, end, slots[uid]) for start, end, uid in segments]
+        self.step.mixtures = list(mixtures)
 
     def end_step(self) -> None:
         self.step.segments = []
+        self.step.mixtures = []
 
     def _slot(self, uid: int, needed: set[int]) -> int:
         if uid in self.slot_of:
@@ -336,7 +372,7 @@ class LoRAManager:
         base = getattr(parent, child)
         if isinstance(base, LoRALinear):  # another engine's wrapper around a shared model: replace it
             base = base.base_layer
-        wrapper = LoRALinear(base, self.step, self.max_loras, self.max_rank, self.dtype, self.device)
+        wrapper = LoRALinear(base, self.step, self.max_loras, self.max_rank, self.dtype, self.device, name)
         setattr(parent, child, wrapper)
         self.layers[name] = wrapper
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import psutil
 import torch
 
 from ruvllm_cli.engine.attention import PagedKVCache, PrefillSegment, StepMetadata
-from ruvllm_cli.engine.lora import LoRAManager
+from ruvllm_cli.engine.lora import AdapterError, LoRAManager
 from ruvllm_cli.engine.request import Request
 from ruvllm_cli.engine.scheduler import ScheduledChunk
 
@@ -47,12 +48,26 @@ class ModelRunner:
                  dtype: torch.dtype, lora: LoRAManager | None = None) -> None:
         self.model = model
         self.lora = lora
+        self.scaling_cache: PagedKVCache | None = None   # X-LoRA's scaling pass (ensure_scaling_cache)
         self.block_size = block_size
         self.device = device
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model.config)
         self.dtype = dtype
         self.cache = PagedKVCache(self.num_layers, num_blocks * block_size, self.num_kv_heads,
                                   self.head_dim, self.dtype, device)
+
+    def ensure_scaling_cache(self) -> None:
+        """The second KV pool X-LoRA's scaling pass writes (same block ids, same size)."""
+        if self.scaling_cache is None:
+            keys = self.cache.keys[0]
+            needed = 2 * len(self.cache.keys) * keys.nbytes
+            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                    else psutil.virtual_memory().available)
+            if needed > free * 0.9:
+                raise AdapterError(f"X-LoRA needs a second KV pool of {needed / 2**20:,.0f} MiB for its scaling "
+                                   f"pass; {free / 2**20:,.0f} MiB is free (a smaller --kv-cache-memory leaves room)")
+            self.scaling_cache = PagedKVCache(self.num_layers, keys.shape[1], self.num_kv_heads, self.head_dim,
+                                              self.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor | None, list[Request]]:
@@ -62,38 +77,91 @@ class ModelRunner:
         decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.request.adapter_uid)
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         ordered = decodes + prefills
+        input_ids, positions, step = self._pack(ordered, self.cache)
+        sample_rows: list[int] = []
+        sampled: list[Request] = []
+        end = 0
+        for chunk in ordered:
+            end += chunk.num_new_tokens
+            if chunk.completes:
+                sample_rows.append(end - 1)
+                sampled.append(chunk.request)
+        if not sampled:
+            # Prompt chunks that complete nothing still fill the cache: run them with
+            # one kept row to keep the LM head cheap, and drop the logits.
+            sample_rows = [end - 1]
+        segments = adapter_segments(ordered)
+        mixtures = self._mixtures(ordered, segments) if segments else []
+        segments = [s for s in segments if not self.lora.is_mixture(s[2])] if mixtures else segments
+        if segments or mixtures:
+            assert self.lora is not None
+            self.lora.begin_step(segments, mixtures)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=self._tensor(sample_rows),
+                             use_cache=False, ruvllm_step=step)
+        finally:
+            if segments or mixtures:
+                self.lora.end_step()
+        return (out.logits[0] if sampled else None), sampled
+
+    def _pack(self, ordered: Sequence[ScheduledChunk], cache: PagedKVCache
+              ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        """Input ids and positions [1, T] of the chunks packed in order, and their step
+        metadata over `cache` (decodes come first in `ordered`)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[Request] = []
         for chunk in ordered:
             start, end = chunk.start, chunk.start + chunk.num_new_tokens
             input_ids += chunk.request.all_token_ids[start:end]
             positions += range(start, end)
             slots += self._slots(chunk.request.block_table, start, end)
-            if chunk.completes:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(chunk.request)
-        step = StepMetadata(cache=self.cache, slot_mapping=self._tensor(slots))
+        step = StepMetadata(cache=cache, slot_mapping=self._tensor(slots))
+        decodes = [c for c in ordered if c.num_new_tokens == 1]
         self._describe_decodes(step, decodes)
-        self._describe_prefills(step, prefills, offset=len(decodes))
-        if not sampled:
-            # Prompt chunks that complete nothing still fill the cache: run them with
-            # one kept row to keep the LM head cheap, and drop the logits.
-            sample_rows = [len(input_ids) - 1]
-        segments = adapter_segments(ordered)
-        if segments:
-            assert self.lora is not None
-            self.lora.begin_step(segments)
+        self._describe_prefills(step, list(ordered[len(decodes):]), offset=len(decodes))
+        return self._tensor(input_ids).unsqueeze(0), self._tensor(positions).unsqueeze(0), step
+
+    def _mixtures(self, ordered: Sequence[ScheduledChunk], segments: list[tuple[int, int, int]]
+                  ) -> list[tuple[int, int, Any, torch.Tensor]]:
+        """X-LoRA: the scaling pass over this step's X-LoRA chunks (their own KV pool),
+        then each token's expert weights; as (start, end, adapter, scalings) segments
+        of the main pass."""
+        assert self.lora is not None
+        mixed = [c for c in ordered if self.lora.is_mixture(c.request.adapter_uid)]
+        if not mixed:
+            return []
+        assert self.scaling_cache is not None, "an X-LoRA adapter is installed with its KV pool"
+        input_ids, positions, step = self._pack(mixed, self.scaling_cache)
+        pass_segments, offset = [], 0
+        for chunk in mixed:
+            adapter = self.lora.by_uid(chunk.request.adapter_uid)
+            constant = adapter.pass_scalings(chunk.num_new_tokens)
+            if constant is not None:
+                pass_segments.append((offset, offset + chunk.num_new_tokens, adapter, constant))
+            offset += chunk.num_new_tokens
+        self.lora.begin_step([], pass_segments)
         try:
-            out = self.model(input_ids=self._tensor(input_ids).unsqueeze(0),
-                             position_ids=self._tensor(positions).unsqueeze(0),
-                             logits_to_keep=self._tensor(sample_rows), use_cache=False, ruvllm_step=step)
+            hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                              ruvllm_step=step).last_hidden_state[0]
         finally:
-            if segments:
-                self.lora.end_step()
-        return (out.logits[0] if sampled else None), sampled
+            self.lora.end_step()
+        # The main pass packs the same chunks in the same relative order.
+        found, offset = [], 0
+        for chunk in mixed:
+            adapter = self.lora.by_uid(chunk.request.adapter_uid)
+            found.append((adapter, adapter.scalings(hidden[offset:offset + chunk.num_new_tokens])))
+            offset += chunk.num_new_tokens
+        mixtures, index = [], 0
+        for start, end, uid in segments:
+            if not self.lora.is_mixture(uid):
+                continue
+            parts = []
+            while sum(p.shape[0] for p in parts) < end - start:
+                parts.append(found[index][1])
+                index += 1
+            mixtures.append((start, end, self.lora.by_uid(uid), torch.cat(parts)))
+        return mixtures
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

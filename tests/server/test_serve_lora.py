@@ -220,6 +220,10 @@ def test_serve_with_a_local_and_a_hub_adapter(tiny_model_dir, adapters, fake_hub
     assert "LoRA        local, hub (as model names)" in stderr
     assert "LoRA adapter local (rank 4, 8 layers: k_proj, o_proj, q_proj, v_proj)" in stderr
     assert fake_hub.file_requests("adapter_model.safetensors")
+    # The fetched adapter sits in the model cache like a model: `ruvllm list` shows it.
+    listed = subprocess.run([sys.executable, "-m", "ruvllm_cli", "list", "--downloaded", "--json"], cwd=REPO_ROOT,
+                            env=cli_env, capture_output=True, text=True, timeout=60)
+    assert any(m.get("stored_as") == "LoRA adapter f32" for m in json.loads(listed.stdout)["models"]), listed.stdout
 
 
 def test_serve_refuses_a_missing_adapter_before_binding(ruvllm, tiny_model_dir, tmp_path, free_port):
@@ -228,7 +232,3 @@ def test_serve_refuses_a_missing_adapter_before_binding(ruvllm, tiny_model_dir, 
     assert result.returncode != 0
     assert "Error: no adapter directory" in result.stderr and "Traceback" not in result.stderr
     assert "Listening" not in result.stderr
-    # The fetched adapter sits in the model cache like a model: `ruvllm list` shows it.
-    listed = subprocess.run([sys.executable, "-m", "ruvllm_cli", "list", "--downloaded", "--json"], cwd=REPO_ROOT,
-                            env=cli_env, capture_output=True, text=True, timeout=60)
-    assert any(m.get("stored_as") == "LoRA adapter f32" for m in json.loads(listed.stdout)), listed.stdout
