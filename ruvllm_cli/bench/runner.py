@@ -182,7 +182,7 @@ class BenchmarkRunner:
         """Warm-up iterations (discarded), then the measured ones.
 
         `on_phase("warmup"|"iteration", index)` is called as each one starts, and
-        `on_done(phase, index, sample)` with its unconstrained sample as it ends."""
+        `on_done(phase, index, sample)` with its plain (unconstrained, base) sample as it ends."""
         announce = on_phase or (lambda phase, index: None)
         done = on_done or (lambda phase, index, sample: None)
         loads = [self.engine.lora.loads]
@@ -193,19 +193,19 @@ class BenchmarkRunner:
         loads.append(self.engine.lora.loads)
         mask = MaskTimer()
         measured: list[IterationSample] = []
-        second: list[IterationSample] = []
+        others: list[IterationSample] = []
         for index in range(1, self.settings.iterations + 1):
             announce("iteration", index)
             plain, other = self.run_round(index, mask)
             done("iteration", index, plain)
             measured.append(plain)
             if other is not None:
-                second.append(other)
+                others.append(other)
         loads.append(self.engine.lora.loads)
         return BenchRun(tuple(measured), self.engine.stats.preemptions - preemptions_before,
-                        **self._second_side(tuple(second), mask, loads))
+                        **self._other_run(tuple(others), mask, loads))
 
-    def _second_side(self, iterations: tuple[IterationSample, ...], mask: MaskTimer,
+    def _other_run(self, iterations: tuple[IterationSample, ...], mask: MaskTimer,
                      loads: list[int]) -> dict[str, Any]:
         """BenchRun's `constrained` or `mixed` field; `loads`: the slot loads at the
         start, after the warm-up and at the end."""
@@ -230,8 +230,8 @@ class BenchmarkRunner:
         if index % 2:
             plain = self.run_iteration(index)
             return plain, other(index)
-        second = other(index)
-        return self.run_iteration(index), second
+        first = other(index)
+        return self.run_iteration(index), first
 
     def _other_side(self, mask: MaskTimer | None) -> Callable[[int], IterationSample] | None:
         if self.settings.structured is not None:
