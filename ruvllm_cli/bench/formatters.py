@@ -27,8 +27,15 @@ def to_csv(report: Mapping[str, Any]) -> str:
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(flat.keys())
-    writer.writerow(["" if value is None else value for value in flat.values()])
+    writer.writerow([_cell(value) for value in flat.values()])
     return buffer.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: empty for null, compact JSON for a list (`lora.adapters`, `config.lora`)."""
+    if value is None:
+        return ""
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, (list, dict)) else value
 
 
 def number(value: float | int | None, digits: int = 1, unit: str = "") -> str:
@@ -97,6 +104,25 @@ def structured_table(structured: Mapping[str, Any]) -> Table:
     return _table(f"Structured output (--json-schema {structured.get('schema_file')})", ["", "value"], rows)
 
 
+def lora_table(lora: Mapping[str, Any]) -> Table:
+    """--lora: the same workload on the base model alone and mixed over the adapters, one run."""
+    adapters = lora.get("adapters") or []
+    mix = ", ".join([f"{number(lora.get('mixed_base_requests'))} base"] +
+                    [f"{number(a.get('mixed_requests'))} {a.get('name')}" for a in adapters])
+    rows = [
+        ["Adapters", ", ".join(f"{a.get('name')} (rank {a.get('rank')})" for a in adapters)],
+        ["Base decode (aggregate)", number(lora.get("aggregate_decode_tok_s_base"), 2, "tok/s")],
+        ["Mixed decode (aggregate)", number(lora.get("aggregate_decode_tok_s_mixed"), 2, "tok/s")],
+        ["Ratio (mixed ÷ base)", number(lora.get("ratio"), 3)],
+        ["TTFT p50 base", number(lora.get("ttft_ms_p50_base"), 2, "ms")],
+        ["TTFT p50 mixed", number(lora.get("ttft_ms_p50_mixed"), 2, "ms")],
+        ["Mixed requests", f"{number(lora.get('mixed_requests'))} ({mix})"],
+        ["Adapter slot loads", f"{number(lora.get('slot_loads_warmup'))} in warm-up, "
+                               f"{number(lora.get('slot_loads_measured'))} measured"],
+    ]
+    return _table("LoRA adapters (--lora: base model alone vs mixed over the adapters)", ["", "value"], rows)
+
+
 def memory_table(metrics: Mapping[str, Any]) -> Table:
     weights = metrics.get("weight_bytes")
     rows = [
@@ -161,6 +187,8 @@ def print_tables(report: Mapping[str, Any], console: Console) -> None:
     console.print(throughput_table(metrics, report["config"]["concurrency"]))
     if "structured" in report:
         console.print(structured_table(report["structured"]))
+    if "lora" in report:
+        console.print(lora_table(report["lora"]))
     console.print(memory_table(metrics))
     console.print(system_table(report))
     console.print(escape(verdict(metrics, report["config"].get("memory_bandwidth_gb_s"))))

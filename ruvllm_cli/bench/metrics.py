@@ -10,6 +10,8 @@ Definitions (all per request unless named aggregate; docs/benchmark.md repeats t
 - end-to-end latency: finished - arrival.
 - aggregate output tok/s and requests/s: over the wall time of each iteration
   (first arrival to last finish), summed over iterations.
+- aggregate decode tok/s: decode tokens of every request over each iteration's
+  decode span (its first first token to its last token), summed over iterations.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ class IterationSample:
     @property
     def wall_s(self) -> float:
         return self.end - self.start
+
+    @property
+    def decode_span_s(self) -> float:
+        """From the first request's first token to the last token of any: every decode
+        token of the iteration falls inside it."""
+        return max(r.token_times[-1] for r in self.requests) - min(r.token_times[0] for r in self.requests)
 
 
 # ---- statistics ---------------------------------------------------------------------
@@ -165,6 +173,13 @@ def summarize(iterations: Sequence[IterationSample]) -> dict[str, float | int | 
     metrics["cached_prompt_tokens"] = sum(r.cached_tokens for r in requests)
     metrics["measured_requests"] = len(requests)
     return metrics
+
+
+def aggregate_decode_tokens_per_s(iterations: Sequence[IterationSample]) -> float | None:
+    """The streams' decode tokens together per second of decode span: with one stream,
+    its decode tok/s; with N decoding side by side, about N times that."""
+    tokens = sum(max(r.generated_tokens - 1, 0) for it in iterations for r in it.requests)
+    return ratio(tokens, sum(it.decode_span_s for it in iterations)) if iterations else None
 
 
 def spread(name: str, values: Sequence[float | None]) -> dict[str, float | None]:

@@ -1,5 +1,5 @@
 """The benchmark report: one dict with `model`, `config`, `system`, `metrics`,
-(`structured` for a `--json-schema` run), `noise`, `samples`.
+(`structured` for a `--json-schema` run, `lora` for a `--lora` one), `noise`, `samples`.
 
 Field names are a contract (CI scripts read them); docs/benchmark.md lists them and
 tests/bench pins them. Add fields freely, never rename one.
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ruvllm_cli.bench import metrics as m
+from ruvllm_cli.bench.metrics import IterationSample
 from ruvllm_cli.bench.runner import BenchRun
 from ruvllm_cli.engine.request import FinishReason
 
@@ -80,6 +81,34 @@ def structured_section(run: BenchRun, measured: Measurements, unconstrained_deco
     }
 
 
+def lora_section(run: BenchRun) -> dict[str, Any]:
+    """The mixed side (requests spread over the base model and the adapters) against the
+    base side (`metrics`), measured in the same iterations."""
+    assert run.mixed is not None
+    mixed = run.mixed
+    base_decode = m.aggregate_decode_tokens_per_s(run.iterations)
+    mixed_decode = m.aggregate_decode_tokens_per_s(mixed.iterations)
+    ratio = None
+    if base_decode is not None and mixed_decode is not None:
+        ratio = m.ratio(mixed_decode, base_decode)
+    return {
+        "adapters": [{"name": a.name, "rank": a.rank, "mixed_requests": a.requests} for a in mixed.adapters],
+        "aggregate_decode_tok_s_base": base_decode,
+        "aggregate_decode_tok_s_mixed": mixed_decode,
+        "ratio": ratio,
+        "ttft_ms_p50_base": _ttft_p50_ms(run.iterations),
+        "ttft_ms_p50_mixed": _ttft_p50_ms(mixed.iterations),
+        "mixed_requests": sum(len(it.requests) for it in mixed.iterations),
+        "mixed_base_requests": mixed.base_requests,
+        "slot_loads_warmup": mixed.slot_loads_warmup,
+        "slot_loads_measured": mixed.slot_loads_measured,
+    }
+
+
+def _ttft_p50_ms(iterations: tuple[IterationSample, ...]) -> float | None:
+    return m.percentile([m.ttft_s(r) * 1000.0 for it in iterations for r in it.requests], 50)
+
+
 def build_report(model: dict[str, Any], config: dict[str, Any], system: dict[str, Any],
                  run: BenchRun, measured: Measurements, noise: dict[str, Any] | None = None) -> dict[str, Any]:
     """Assemble the report; `config["memory_bandwidth_gb_s"]` is the user's figure, if
@@ -95,6 +124,8 @@ def build_report(model: dict[str, Any], config: dict[str, Any], system: dict[str
     if run.constrained is not None:
         report["structured"] = structured_section(run, measured, metrics["decode_tokens_per_s"],
                                                   config.get("json_schema"))
+    if run.mixed is not None:
+        report["lora"] = lora_section(run)
     if noise is not None:
         report["noise"] = noise
     report["samples"] = [m.iteration_record(iteration) for iteration in run.iterations]

@@ -14,6 +14,10 @@ With a grammar (`--json-schema`), every iteration runs the same workload twice i
 row, unconstrained and constrained, in alternating order, so drift in the machine's
 speed hits both sides alike. A constrained request ends when its grammar completes (finish reason `stop`)
 or at `gen_length` tokens: its figures are over the tokens it really produced.
+
+With LoRA adapters (`--lora`), the two sides are "base" (every request on the base
+model) and "mixed" (the same requests spread round-robin over the base model and the
+adapters), in the same alternating order.
 """
 
 from __future__ import annotations
@@ -45,11 +49,12 @@ class BenchSettings:
     concurrency: int = 1
     seed: int = 0
     structured: "GrammarSpec | None" = None   # also run each iteration constrained to it
+    adapters: tuple[str, ...] = ()             # also run each iteration mixed over these LoRA adapters
 
     @property
     def sides(self) -> int:
-        """Runs per iteration: unconstrained, and constrained when there is a grammar."""
-        return 2 if self.structured is not None else 1
+        """Runs per iteration: the plain one, and the constrained or mixed one."""
+        return 2 if self.structured is not None or self.adapters else 1
 
     @property
     def total_tokens(self) -> int:
@@ -99,12 +104,34 @@ class ConstrainedRun:
 
 
 @dataclass(frozen=True)
+class AdapterUse:
+    """One LoRA adapter of the mixed side: its rank and the measured requests it served."""
+
+    name: str
+    rank: int
+    requests: int
+
+
+@dataclass(frozen=True)
+class MixedRun:
+    """The mixed side of the measured iterations, and the adapters' slot loads (copies
+    into a slot: first uses and swaps) in the warm-up and in the measured iterations."""
+
+    iterations: tuple[IterationSample, ...]
+    adapters: tuple[AdapterUse, ...]
+    base_requests: int
+    slot_loads_warmup: int
+    slot_loads_measured: int
+
+
+@dataclass(frozen=True)
 class BenchRun:
     """What the runner measured: the measured iterations (warm-up left out)."""
 
     iterations: tuple[IterationSample, ...]
     preemptions: int
     constrained: ConstrainedRun | None = None   # with a grammar only
+    mixed: MixedRun | None = None               # with LoRA adapters only
 
 
 def prompt_token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
@@ -122,6 +149,13 @@ def prompt_token_pool(tokenizer: Any, vocab_size: int) -> list[int]:
 def random_prompts(pool: Sequence[int], count: int, length: int, rng: random.Random) -> list[list[int]]:
     """`count` prompts of exactly `length` ids drawn from `pool`."""
     return [rng.choices(pool, k=length) for _ in range(count)]
+
+
+def adapter_mix(adapters: Sequence[str], count: int) -> list[str | None]:
+    """The adapter of each of `count` requests: round-robin over the base model (None)
+    and `adapters`, base first."""
+    choices: list[str | None] = [None, *adapters]
+    return [choices[i % len(choices)] for i in range(count)]
 
 
 def check_fits(settings: BenchSettings, max_model_len: int) -> None:
@@ -148,50 +182,79 @@ class BenchmarkRunner:
         """Warm-up iterations (discarded), then the measured ones.
 
         `on_phase("warmup"|"iteration", index)` is called as each one starts, and
-        `on_done(phase, index, sample)` with its unconstrained sample as it ends."""
+        `on_done(phase, index, sample)` with its plain (unconstrained, base) sample as it ends."""
         announce = on_phase or (lambda phase, index: None)
         done = on_done or (lambda phase, index, sample: None)
+        loads = [self.engine.lora.loads]
         for index in range(1, self.settings.warmup + 1):
             announce("warmup", index)
             done("warmup", index, self.run_round(index)[0])
         preemptions_before = self.engine.stats.preemptions
+        loads.append(self.engine.lora.loads)
         mask = MaskTimer()
         measured: list[IterationSample] = []
-        constrained: list[IterationSample] = []
+        others: list[IterationSample] = []
         for index in range(1, self.settings.iterations + 1):
             announce("iteration", index)
-            plain, shaped = self.run_round(index, mask)
+            plain, other = self.run_round(index, mask)
             done("iteration", index, plain)
             measured.append(plain)
-            if shaped is not None:
-                constrained.append(shaped)
-        side = ConstrainedRun(tuple(constrained), mask) if self.settings.structured is not None else None
-        return BenchRun(tuple(measured), self.engine.stats.preemptions - preemptions_before, side)
+            if other is not None:
+                others.append(other)
+        loads.append(self.engine.lora.loads)
+        return BenchRun(tuple(measured), self.engine.stats.preemptions - preemptions_before,
+                        **self._other_run(tuple(others), mask, loads))
+
+    def _other_run(self, iterations: tuple[IterationSample, ...], mask: MaskTimer,
+                     loads: list[int]) -> dict[str, Any]:
+        """BenchRun's `constrained` or `mixed` field; `loads`: the slot loads at the
+        start, after the warm-up and at the end."""
+        if self.settings.structured is not None:
+            return {"constrained": ConstrainedRun(iterations, mask)}
+        if not self.settings.adapters:
+            return {}
+        mix = adapter_mix(self.settings.adapters, self.settings.concurrency)
+        uses = tuple(AdapterUse(name, self.engine.adapter(name).rank, mix.count(name) * len(iterations))
+                     for name in self.settings.adapters)
+        return {"mixed": MixedRun(iterations, uses, mix.count(None) * len(iterations),
+                                  loads[1] - loads[0], loads[2] - loads[1])}
 
     def run_round(self, index: int, mask: MaskTimer | None = None
                   ) -> tuple[IterationSample, IterationSample | None]:
-        """The unconstrained iteration and, with a grammar, the constrained one: in odd
-        iterations unconstrained first, in even ones constrained first (A B, B A, ...),
-        so neither side always runs second and a steady drift in speed cancels out."""
-        if self.settings.structured is None:
+        """The plain iteration and, with a grammar or adapters, the constrained or mixed
+        one: in odd iterations the plain one first, in even ones the other (A B, B A,
+        ...), so neither side always runs second and a steady drift in speed cancels out."""
+        other = self._other_side(mask)
+        if other is None:
             return self.run_iteration(index), None
         if index % 2:
             plain = self.run_iteration(index)
-            return plain, self._timed_constrained(index, mask)
-        shaped = self._timed_constrained(index, mask)
-        return self.run_iteration(index), shaped
+            return plain, other(index)
+        first = other(index)
+        return self.run_iteration(index), first
+
+    def _other_side(self, mask: MaskTimer | None) -> Callable[[int], IterationSample] | None:
+        if self.settings.structured is not None:
+            return lambda index: self._timed_constrained(index, mask)
+        return self.run_mixed_iteration if self.settings.adapters else None
 
     def _timed_constrained(self, index: int, mask: MaskTimer | None) -> IterationSample:
         with mask.timing() if mask is not None else nullcontext():
             return self.run_constrained_iteration(index)
 
-    def run_iteration(self, index: int) -> IterationSample:
-        """Add `concurrency` fresh prompts, then step until every one has finished."""
+    def run_iteration(self, index: int, adapters: Sequence[str | None] | None = None) -> IterationSample:
+        """Add `concurrency` fresh prompts (request i on LoRA adapter `adapters[i]`; None:
+        the base model), then step until every one has finished."""
         from ruvllm_cli.engine.sampling import SamplingParams
 
         params = SamplingParams(max_tokens=self.settings.gen_length, temperature=0.0, ignore_eos=True)
-        finals = self._drive(params)
+        finals = self._drive(params, adapters)
         return IterationSample(index, tuple(self._sample(output) for output in finals))
+
+    def run_mixed_iteration(self, index: int) -> IterationSample:
+        """`run_iteration` with the requests spread round-robin over the base model and
+        the adapters (`adapter_mix`)."""
+        return self.run_iteration(index, adapter_mix(self.settings.adapters, self.settings.concurrency))
 
     def run_constrained_iteration(self, index: int) -> IterationSample:
         """Like `run_iteration`, each request constrained to the grammar (greedy; EOS only
@@ -206,11 +269,13 @@ class BenchmarkRunner:
         self.on_tokens(sum(self.settings.gen_length - s.generated_tokens for s in samples))
         return IterationSample(index, samples)
 
-    def _drive(self, params: "SamplingParams") -> list[Any]:
-        """Add `concurrency` fresh prompts with `params`, step until every one has
-        finished; their final outputs, in the order they were added."""
+    def _drive(self, params: "SamplingParams", adapters: Sequence[str | None] | None = None) -> list[Any]:
+        """Add `concurrency` fresh prompts with `params` (and `adapters`, one per prompt),
+        step until every one has finished; their final outputs, in the order they were added."""
         prompts = random_prompts(self.pool, self.settings.concurrency, self.settings.prompt_length, self.rng)
-        ids = [self.engine.add_request(prompt, params).request_id for prompt in prompts]
+        adapters = adapters or [None] * len(prompts)
+        ids = [self.engine.add_request(prompt, params, adapter=adapter).request_id
+               for prompt, adapter in zip(prompts, adapters)]
         finals: dict[str, Any] = {}
         while self.engine.has_unfinished:
             outputs = self.engine.step()

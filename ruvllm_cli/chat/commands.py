@@ -7,14 +7,14 @@ raises UsageError (the REPL prints it and carries on); `/quit` returns `Action.Q
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
 
-from ruvllm_cli.chat.conversation import Conversation
-from ruvllm_cli.chat.render import format_stats_details
+from ruvllm_cli.chat.conversation import BASE_MODEL_WORDS, Conversation, adapter_choice
+from ruvllm_cli.chat.render import adapter_label, format_stats_details
 from ruvllm_cli.chat.session import canonical_param, param_names, parse_param
 from ruvllm_cli.errors import RuvllmError, UsageError
 
@@ -103,6 +103,19 @@ def cmd_set(conv: Conversation, arg: str) -> None:
     _show_or_set(conv, name, parts[1] if len(parts) > 1 else "")
 
 
+def cmd_adapter(conv: Conversation, arg: str) -> None:
+    if arg:
+        conv.use_adapter(adapter_choice(arg))
+        conv.renderer.info(f"Replies now come from {adapter_label(conv.session.adapter)}.")
+        return
+    current = f"Replies come from {adapter_label(conv.session.adapter)}"
+    if conv.adapters:
+        conv.renderer.info(f"{current}; loaded: {', '.join(conv.adapters)} (/adapter NAME switches, "
+                           "/adapter base goes back).")
+    else:
+        conv.renderer.info(f"{current}; no LoRA adapter is loaded (start chat with --lora NAME=PATH).")
+
+
 def cmd_save(conv: Conversation, arg: str) -> None:
     path = Path(arg).expanduser() if arg else conv.chats_dir / f"chat-{datetime.now():%Y%m%d-%H%M%S}.json"
     try:
@@ -117,11 +130,24 @@ def cmd_load(conv: Conversation, arg: str) -> None:
     if arg and not path.exists() and (conv.chats_dir / arg).is_file():
         path = conv.chats_dir / arg  # a saved chat by its name, as Tab completes it
     session = conv.session
+    adapter_before = session.adapter
     model = session.load(path)
     conv.last_reply = None
     conv.renderer.info(f"Loaded {len(session.messages)} messages from {path}")
     if model and model != session.model:
         conv.renderer.warn(f"it was saved with {model}; replies now come from {session.model}")
+    _load_adapter(conv, adapter_before)
+
+
+def _load_adapter(conv: Conversation, before: str | None) -> None:
+    """After /load: the saved chat's adapter if it is loaded, else the base model."""
+    saved = conv.session.adapter
+    if saved is not None and saved not in conv.adapters:
+        conv.session.adapter = None
+        conv.renderer.warn(f"it was saved with LoRA adapter {saved}, which is not loaded; replies now come "
+                           "from the base model")
+    elif saved != before:
+        conv.renderer.info(f"Replies now come from {adapter_label(saved)}.")
 
 
 def newest_chat(chats_dir: Path) -> Path:
@@ -173,10 +199,12 @@ COMMANDS: list[Command] = [
     Command("temp", "[value]", "Show or set the temperature (0 to 2; 0 is greedy).", cmd_temp),
     Command("max", "[n]", "Show or set the most tokens per reply.", cmd_max),
     Command("set", "[param value]", f"Show or set a sampling parameter: {', '.join(param_names())}.", cmd_set),
-    Command("save", "[file]", "Save the chat (model, system prompt, parameters, messages) as JSON (default: a "
-            "new file in the data dir's chats/).", cmd_save),
-    Command("load", "[file]", "Load a saved chat, its parameters too: a file, or a saved chat's name (Tab "
-            "lists them; default: the newest saved).", cmd_load),
+    Command("adapter", "[name|base]", "Show the LoRA adapter replies come from and the loaded ones, or switch "
+            "(base: the base model).", cmd_adapter),
+    Command("save", "[file]", "Save the chat (model, system prompt, parameters, adapter, messages) as JSON "
+            "(default: a new file in the data dir's chats/).", cmd_save),
+    Command("load", "[file]", "Load a saved chat, its parameters and adapter too: a file, or a saved chat's "
+            "name (Tab lists them; default: the newest saved).", cmd_load),
     Command("history", "", "Show the conversation.", cmd_history),
     Command("tokens", "", "Count the conversation's tokens against the context limit.", cmd_tokens),
     Command("retry", "", "Generate the last reply again.", cmd_retry),
@@ -215,11 +243,12 @@ def unknown_command(name: str) -> UsageError:
     return UsageError(f"unknown command /{name}", f"{hint}/help lists the commands")
 
 
-def completions(text: str, chats_dir: Path | None = None) -> list[str]:
+def completions(text: str, chats_dir: Path | None = None, adapters: Sequence[str] = ()) -> list[str]:
     """Candidates for the word being typed: command names after `/`, then each
     command's values: parameter names after `/set `, `--clear` after `/system `, file
     names after `/save ` and `/load ` (and the saved chats' names in `chats_dir` after
-    `/load `). Each candidate replaces that whole word."""
+    `/load `), `base` and the loaded `adapters` after `/adapter `. Each candidate
+    replaces that whole word."""
     if not is_command(text):
         return []
     words = text.lstrip().split(" ")
@@ -233,6 +262,8 @@ def completions(text: str, chats_dir: Path | None = None) -> list[str]:
         return [n for n in param_names() if n.startswith(word.lower())]
     if name == "system":
         return ["--clear"] if "--clear".startswith(word) and word else []
+    if name == "adapter":
+        return [n for n in (BASE_MODEL_WORDS[0], *adapters) if n.startswith(word)]
     if name in ("save", "load"):
         saved = saved_chats(chats_dir) if name == "load" and "/" not in word else []
         return [n for n in saved if n.startswith(word)] + file_names(word)

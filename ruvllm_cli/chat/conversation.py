@@ -2,11 +2,14 @@
 
 Each turn renders the whole conversation again; the engine's prefix cache finds the
 earlier turns' blocks (same tokens, no cache salt), so only the new tokens are
-prefilled and the TTFT does not grow with the length of the conversation.
+prefilled and the TTFT does not grow with the length of the conversation. The cache
+keeps each LoRA adapter's blocks apart, so the first turn after `/adapter` prefills
+the whole conversation once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,10 +17,15 @@ from typing import TYPE_CHECKING
 from ruvllm_cli.chat.reply import Reply, stream_reply
 from ruvllm_cli.chat.session import ChatSession
 from ruvllm_cli.engine.request import FinishReason
+from ruvllm_cli.errors import UsageError
 
 if TYPE_CHECKING:
     from ruvllm_cli.chat.render import Renderer
     from ruvllm_cli.engine.loop import EngineLoop
+
+# `/adapter base` (or `none`) and `--adapter base` mean the base model; chat refuses
+# adapters named so.
+BASE_MODEL_WORDS = ("base", "none")
 
 
 @dataclass
@@ -27,6 +35,14 @@ class Conversation:
     renderer: "Renderer"
     chats_dir: Path                      # where /save writes when given no file
     last_reply: Reply | None = None
+    adapters: tuple[str, ...] = ()       # the LoRA adapters the engine serves, by name
+
+    def use_adapter(self, name: str | None) -> None:
+        """Generate the next replies with LoRA adapter `name` (None: the base model);
+        UsageError, changing nothing, when no adapter of that name is loaded."""
+        if name is not None:
+            check_adapter(name, self.adapters)
+        self.session.adapter = name
 
     def send(self, text: str) -> Reply:
         """Add the user's message and stream the reply to it. On failure the message
@@ -61,7 +77,7 @@ class Conversation:
             self.renderer.warn(f"dropped the {fit.dropped_turns} oldest {turns} to fit the "
                                f"{self.session.context_limit}-token context window")
         reply = stream_reply(self.loop, fit.prompt_ids, self.session.sampling_params(),
-                             self.renderer.reply_text)
+                             self.renderer.reply_text, self.session.adapter)
         self.renderer.reply_end(reply, self.session.settings.max_tokens)
         if reply.finish_reason is FinishReason.ERROR:
             return reply
@@ -71,3 +87,15 @@ class Conversation:
         if warning:
             self.renderer.warn(warning)
         return reply
+
+
+def adapter_choice(text: str) -> str | None:
+    """What `/adapter TEXT` and `--adapter TEXT` name: an adapter, or None for the base model."""
+    return None if text.lower() in BASE_MODEL_WORDS else text
+
+
+def check_adapter(name: str, loaded: Sequence[str]) -> None:
+    """UsageError, listing the loaded adapters, unless `name` is one of them."""
+    if name not in loaded:
+        listed = ", ".join(loaded) or "none; chat loads adapters with --lora NAME=PATH"
+        raise UsageError(f"no LoRA adapter named {name} is loaded (loaded: {listed})")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from rich.console import Console
@@ -42,6 +43,16 @@ def format_structured(spec: "GrammarSpec") -> str:
     return f"Every reply is {shape}"
 
 
+def adapter_label(name: str | None) -> str:
+    """`adapter NAME`, or `the base model` for None."""
+    return f"adapter {name}" if name is not None else "the base model"
+
+
+def format_adapters(current: str | None, loaded: Sequence[str]) -> str:
+    """The banner's line for --lora: the adapter in use and the loaded ones."""
+    return f"Replies come from {adapter_label(current)} (LoRA adapters: {', '.join(loaded)}; /adapter switches)"
+
+
 def format_stats_details(reply: "Reply") -> list[tuple[str, str]]:
     """The rows of /stats."""
     stats = reply.stats
@@ -69,10 +80,12 @@ class TerminalRenderer:
     def __init__(self, console: Console) -> None:
         self.console = console
 
-    def banner(self, description: str, session: "ChatSession") -> None:
+    def banner(self, description: str, session: "ChatSession", adapters: Sequence[str] = ()) -> None:
         self.console.print(f"[bold]ruvllm chat[/bold] · {escape(description)}")
         if session.system_prompt:
             self.console.print(f"[dim]System: {escape(session.system_prompt)}[/dim]")
+        if adapters:
+            self.console.print(f"[dim]{escape(format_adapters(session.adapter, adapters))}[/dim]")
         if session.structured is not None:
             self.console.print(f"[dim]{escape(format_structured(session.structured))}[/dim]")
         self.console.print('[dim]/help for commands · """ for multi-line input · '

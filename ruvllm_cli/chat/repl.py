@@ -7,7 +7,7 @@ turns into a cancel; Ctrl-D on an empty line (EOFError) says goodbye.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from prompt_toolkit import PromptSession
@@ -27,13 +27,14 @@ BLOCK = '"""'
 class SlashCompleter(Completer):
     """Tab completes command names and their values (commands.completions)."""
 
-    def __init__(self, chats_dir: Path | None = None) -> None:
+    def __init__(self, chats_dir: Path | None = None, adapters: Sequence[str] = ()) -> None:
         self.chats_dir = chats_dir
+        self.adapters = tuple(adapters)
 
     def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterable[Completion]:
         text = document.text_before_cursor
         word = text.split(" ")[-1]
-        for candidate in completions(text, self.chats_dir):
+        for candidate in completions(text, self.chats_dir, self.adapters):
             yield Completion(candidate, start_position=-len(word))
 
 
@@ -59,8 +60,8 @@ class ChatRepl:
         self.history, problem = open_history(history_path)
         if problem:
             conversation.renderer.warn(problem)
-        self.prompt = PromptSession(history=self.history, completer=SlashCompleter(conversation.chats_dir),
-                                    complete_while_typing=False)
+        completer = SlashCompleter(conversation.chats_dir, conversation.adapters)
+        self.prompt = PromptSession(history=self.history, completer=completer, complete_while_typing=False)
         # Lines inside a block stay out of the history; the whole block goes in once.
         self.continuation = PromptSession(history=InMemoryHistory())
 

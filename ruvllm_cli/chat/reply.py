@@ -60,12 +60,13 @@ class Reply:
 
 
 def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "SamplingParams",
-                 on_text: Callable[[str], Any]) -> Reply:
-    """Generate a reply, handing each new piece of text to `on_text` as it arrives.
+                 on_text: Callable[[str], Any], adapter: str | None = None) -> Reply:
+    """Generate a reply with LoRA `adapter` (None: the base model), handing each new
+    piece of text to `on_text` as it arrives.
 
     Ctrl-C (SIGINT) cancels the request instead of raising: the stream then ends with
     a `cancelled` output, and the text so far is the reply."""
-    stream = loop.submit(list(prompt_ids), params)
+    stream = loop.submit(list(prompt_ids), params, adapter=adapter)
     parts: list[str] = []
     final: RequestOutput | None = None
     with cancel_on_interrupt(stream):

@@ -171,6 +171,8 @@ class ChatSession:
     messages: list[Message] = field(default_factory=list)
     # --json / --json-schema: every reply constrained to it (not a /set knob, not saved).
     structured: "GrammarSpec | None" = None
+    # The LoRA adapter replies come from (None: the base model); saved with the settings.
+    adapter: str | None = None
     _warned: bool = field(default=False, repr=False)
 
     def sampling_params(self) -> SamplingParams:
@@ -273,7 +275,7 @@ class ChatSession:
             "format": FILE_FORMAT, "version": FILE_VERSION, "model": self.model,
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "system_prompt": self.system_prompt, "parameters": self.settings.to_dict(),
-            "messages": [m.to_dict() for m in self.messages],
+            "adapter": self.adapter, "messages": [m.to_dict() for m in self.messages],
         }
 
     def save(self, path: Path) -> None:
@@ -281,8 +283,9 @@ class ChatSession:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n")
 
     def load(self, path: Path) -> str:
-        """Replace system prompt, parameters and messages with a saved chat's; returns
-        the model it was saved with. Nothing changes when the file is bad."""
+        """Replace system prompt, parameters, adapter and messages with a saved chat's;
+        returns the model it was saved with. Nothing changes when the file is bad. The
+        adapter is taken as saved: whether it is loaded is the caller's to check."""
         data = read_chat_file(path)
         try:
             settings = ChatSettings.from_dict(data.get("parameters") or {})
@@ -290,9 +293,13 @@ class ChatSession:
             system = data.get("system_prompt")
             if system is not None and not isinstance(system, str):
                 raise UsageError("system_prompt must be text")
+            adapter = data.get("adapter")
+            if adapter is not None and not isinstance(adapter, str):
+                raise UsageError("adapter must be an adapter's name or null")
         except UsageError as error:
             raise RuvllmError(f"{path}: {error.message}", error.hint) from None
         self.settings, self.messages, self.system_prompt = settings, messages, system or None
+        self.adapter = adapter or None
         self._warned = False
         return str(data.get("model") or "")
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import click
 
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     prefix_caching, weight_cache_option)
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt token ids.")
 @json_schema_option("Also run each iteration constrained to the JSON Schema in FILE and report both decode "
                     "speeds and their ratio.")
+@lora_options
 @global_options
 def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> None:
     """Benchmark MODEL through the engine and report only measured figures.
@@ -69,12 +70,18 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
     request before --gen-length), and the report adds both decode speeds, their ratio
     and the grammar's mask time per token.
 
+    With --lora NAME=PATH (repeatable) each iteration runs the workload twice, on the
+    base model alone and mixed (request i on the base model and the adapters in turn;
+    --concurrency must give each one a request), alternating which goes first, and the
+    report adds both aggregate decode speeds, their ratio and the adapters' slot loads.
+
     \b
     Examples:
       ruvllm benchmark qwen
       ruvllm benchmark qwen --format json --concurrency 8 --output run.json
       ruvllm benchmark qwen --compare run.json --threshold 5
       ruvllm benchmark qwen --json-schema person.json
+      ruvllm benchmark qwen --concurrency 3 --lora sql=./sql-lora --lora chat=./chat-lora
     """
     from ruvllm_cli.bench.compare import compare_reports, load_previous, print_comparison, raise_on_regression
     from ruvllm_cli.bench.noise import noise_warnings
@@ -96,9 +103,10 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
 def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, prompt_length: int,
                   gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
                   seed: int, no_prefix_cache: bool = False, no_weight_cache: bool = False,
-                  json_schema: SchemaFile | None = None,
-                  **rest: Any) -> dict[str, Any]:
+                  json_schema: SchemaFile | None = None, lora: Sequence[str] = (), max_loras: int | None = None,
+                  max_lora_rank: int | None = None, **rest: Any) -> dict[str, Any]:
     """Load MODEL, run the iterations with progress on stderr, build the report."""
+    _check_lora(lora, json_schema, concurrency)
     import torch
 
     from ruvllm_cli.bench.memory import cuda_max_allocated_mb, peak_rss_mb
@@ -106,14 +114,18 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     from ruvllm_cli.bench.report import Measurements, build_report, model_section
     from ruvllm_cli.bench.runner import BenchmarkRunner, BenchSettings, check_fits
     from ruvllm_cli.bench.system import system_info
-    from ruvllm_cli.cli.engine_setup import open_engine
+    from ruvllm_cli.cli.engine_setup import locate_adapters, open_engine
 
+    adapters = locate_adapters(app, lora)
     structured = json_schema.spec if json_schema is not None else None
-    settings = BenchSettings(warmup, iterations, prompt_length, gen_length, concurrency, seed, structured)
+    settings = BenchSettings(warmup, iterations, prompt_length, gen_length, concurrency, seed, structured,
+                             tuple(name for name, _ in adapters))
     # A KV pool sized for this workload, so that peak memory reflects the run.
     opened = open_engine(app, model, quantization=quantization, device=device,
                          max_num_seqs=concurrency, max_model_len=prompt_length + gen_length,
-                         enable_prefix_caching=prefix_caching(no_prefix_cache), weight_cache=not no_weight_cache)
+                         enable_prefix_caching=prefix_caching(no_prefix_cache), weight_cache=not no_weight_cache,
+                         adapters=adapters, max_loras=_slots_for(len(adapters), max_loras),
+                         max_lora_rank=max_lora_rank)
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
     compile_s = _compile_grammar(engine, structured) if structured is not None else None
@@ -123,9 +135,30 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     measured = Measurements(loaded.load_seconds, loaded.weight_bytes, peak_rss_mb(),
                             cuda_max_allocated_mb(loaded.device), compile_s)
     config = _config_section(settings, engine, device=device,
-                             json_schema=json_schema.path if json_schema is not None else None, **rest)
+                             json_schema=json_schema.path if json_schema is not None else None, lora=list(lora),
+                             **rest)
     return build_report(model_section(opened.located, loaded.config, model), config,
                         system_info(loaded), run, measured, noise_section(run.iterations, monitor.result()))
+
+
+def _check_lora(lora: Sequence[str], json_schema: SchemaFile | None, concurrency: int) -> None:
+    """Before anything loads: --lora runs alone, with a request for the base model and
+    each adapter in every mixed iteration."""
+    if lora and json_schema is not None:
+        raise UsageError("--json-schema and --lora cannot be used together: run one benchmark for each")
+    if lora and concurrency < 1 + len(lora):
+        raise UsageError(f"--lora: the base model and {len(lora)} adapter(s) need --concurrency {1 + len(lora)} "
+                         "or more, one request each in every mixed iteration")
+
+
+def _slots_for(adapters: int, max_loras: int | None) -> int | None:
+    """--max-loras as given; unset, enough slots for every adapter of the mix (the
+    engine's default when that is more)."""
+    from ruvllm_cli.engine.config import EngineConfig
+
+    if max_loras is None and adapters > EngineConfig.max_loras:
+        return adapters
+    return max_loras
 
 
 def _watched(monitor: Any, on_phase: Any, on_done: Any) -> tuple[Any, Any]:
@@ -158,7 +191,7 @@ def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec") -> float:
 
 def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output: str | None,
                     compare_file: str | None, threshold: float, memory_bandwidth: float | None,
-                    json_schema: str | None) -> dict[str, Any]:
+                    json_schema: str | None, lora: list[str]) -> dict[str, Any]:
     """Every option (quantization as in effect), plus the engine settings the run used."""
     return {
         "warmup": settings.warmup, "iterations": settings.iterations, "prompt_length": settings.prompt_length,
@@ -168,7 +201,8 @@ def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output
         "memory_bandwidth_gb_s": memory_bandwidth, "sampling": "greedy",
         "prefix_caching": engine.config.enable_prefix_caching, "max_num_seqs": engine.config.max_num_seqs,
         "max_model_len": engine.max_model_len, "kv_cache_blocks": engine.block_manager.num_blocks,
-        "block_size": engine.config.block_size, "json_schema": json_schema,
+        "block_size": engine.config.block_size, "json_schema": json_schema, "lora": lora,
+        "max_loras": engine.config.max_loras, "max_lora_rank": engine.config.max_lora_rank,
     }
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import (device_option, load_quantization_option, prefix_cache_option,
+from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     prefix_caching, weight_cache_option)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
@@ -38,6 +39,10 @@ if TYPE_CHECKING:
 @load_quantization_option()
 @prefix_cache_option()
 @weight_cache_option()
+@lora_options
+@click.option("--adapter", metavar="NAME", default=None,
+              help="The --lora adapter replies come from at the start (/adapter switches; base: the base "
+                   "model).  [default: the base model]")
 @device_option()
 @global_options
 def command(**options: Any) -> None:
@@ -50,26 +55,33 @@ def command(**options: Any) -> None:
     stdout is one compact JSON document, and the exit status is 1 if the reply hit
     --max-tokens before the JSON was complete.
 
+    --lora NAME=PATH loads PEFT LoRA adapters beside the model: replies come from the
+    base model, or from the adapter --adapter names, and /adapter switches between them.
+
     \b
     Examples:
       ruvllm chat qwen
       ruvllm chat qwen -s "You are terse." -t 0.2
       echo "hello" | ruvllm chat qwen --max-tokens 32
       echo "Ada Lovelace, born 1815" | ruvllm chat qwen --json-schema person.json
+      ruvllm chat qwen --lora sql=./sql-lora --adapter sql
     """
     app = app_context()
     options["structured"] = structured_spec(options.pop("json_schema"), options.pop("json_object"))
+    options["adapter"] = starting_adapter(options["lora"], options["adapter"])
     interactive = sys.stdin.isatty()
     message = None if interactive else read_stdin_message()
-    from ruvllm_cli.cli.engine_setup import open_engine
+    from ruvllm_cli.cli.engine_setup import locate_adapters, open_engine
     from ruvllm_cli.engine.loop import EngineLoop
 
+    adapters = locate_adapters(app, options["lora"])
     # One reply at a time: one sequence's worth of KV blocks, which the prefix cache
     # keeps between turns.
     opened = open_engine(app, options["model"], quantization=options["quantization"],
                          device=options["device"], max_num_seqs=1,
                          enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
-                         weight_cache=not options["no_weight_cache"])
+                         weight_cache=not options["no_weight_cache"], adapters=adapters,
+                         max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"])
     if options["structured"] is not None:
         validate_structured(opened.engine, options["structured"])
     loop = EngineLoop(opened.engine)
@@ -94,6 +106,26 @@ def structured_spec(schema: SchemaFile | None, json_object: bool) -> "GrammarSpe
 
         return GrammarSpec.json_object()
     return schema.spec if schema is not None else None
+
+
+def starting_adapter(specs: Sequence[str], adapter: str | None) -> str | None:
+    """The adapter --adapter names (None: the base model), checked against the --lora
+    names before anything is fetched or loaded."""
+    from ruvllm_cli.chat.conversation import BASE_MODEL_WORDS, adapter_choice, check_adapter
+    from ruvllm_cli.registry.adapters import parse_lora_specs
+
+    names = [name for name, _ in parse_lora_specs(specs)]
+    for name in names:
+        if name.lower() in BASE_MODEL_WORDS:
+            raise UsageError(f"--lora: in chat the name {name} stands for the base model (/adapter {name}); "
+                             "give the adapter another name")
+    chosen = adapter_choice(adapter) if adapter is not None else None
+    if chosen is not None:
+        try:
+            check_adapter(chosen, names)
+        except UsageError as error:
+            raise UsageError(f"--adapter: {error.message}") from None
+    return chosen
 
 
 def read_stdin_message() -> str:
@@ -135,10 +167,10 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     session = ChatSession(ChatTemplate(engine.tokenizer), engine.max_model_len,
                           model=opened.located.served_name, system_prompt=options["system"] or None,
                           settings=resolve_settings(options, recommended_sampling(opened)),
-                          structured=options["structured"])
+                          structured=options["structured"], adapter=options["adapter"])
     out = app.output()
     renderer = TerminalRenderer(out.out) if interactive else PipeRenderer(out.err)
-    return Conversation(session, loop, renderer, chats_dir=chats_dir())
+    return Conversation(session, loop, renderer, chats_dir=chats_dir(), adapters=tuple(engine.lora.names()))
 
 
 def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conversation") -> None:
@@ -146,7 +178,7 @@ def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conv
     from ruvllm_cli.chat.repl import ChatRepl
 
     assert isinstance(conversation.renderer, TerminalRenderer)
-    conversation.renderer.banner(opened.describe(), conversation.session)
+    conversation.renderer.banner(opened.describe(), conversation.session, conversation.adapters)
     ChatRepl(conversation, app.cache_dir / "chat_history").run()
 
 

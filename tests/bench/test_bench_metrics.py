@@ -15,7 +15,7 @@ from ruvllm_cli.bench import metrics as m
 from ruvllm_cli.bench import noise as nz
 from ruvllm_cli.bench.formatters import to_csv, verdict
 from ruvllm_cli.bench.report import flatten
-from ruvllm_cli.bench.runner import BenchSettings, check_fits, prompt_token_pool, random_prompts
+from ruvllm_cli.bench.runner import BenchSettings, adapter_mix, check_fits, prompt_token_pool, random_prompts
 from ruvllm_cli.errors import UsageError
 
 
@@ -91,6 +91,21 @@ def test_summarize_known_stamps():
     assert summary["measured_requests"] == 3
 
 
+def test_aggregate_decode_counts_every_stream_over_the_decode_span():
+    a = request(0.0, 0.0, [0.1, 0.2, 0.3])
+    b = request(1.0, 1.0, [1.2, 1.3, 1.4])
+    c = request(1.0, 1.0, [1.25, 1.45, 1.65])
+    # One stream: its own decode rate (2 tokens in 0.2 s).
+    assert m.aggregate_decode_tokens_per_s([m.IterationSample(1, (a,))]) == pytest.approx(10.0)
+    # Two streams side by side: 4 decode tokens from 1.2 s (the first first token) to 1.65 s.
+    assert m.IterationSample(2, (b, c)).decode_span_s == pytest.approx(0.45)
+    assert m.aggregate_decode_tokens_per_s([m.IterationSample(2, (b, c))]) == pytest.approx(4 / 0.45)
+    assert m.aggregate_decode_tokens_per_s([m.IterationSample(1, (a,)), m.IterationSample(2, (b, c))]) == \
+        pytest.approx(6 / 0.65)
+    assert m.aggregate_decode_tokens_per_s([]) is None
+    assert m.aggregate_decode_tokens_per_s([m.IterationSample(1, (request(0.0, 0.0, [0.1]),))]) is None
+
+
 def test_bandwidth_is_weight_bytes_times_decode_rate():
     assert m.achieved_bandwidth_gb_s(2_000_000_000, 10.0) == pytest.approx(20.0)
     assert m.achieved_bandwidth_gb_s(2_000_000_000, None) is None
@@ -134,6 +149,14 @@ def test_random_prompts_have_the_exact_length_and_differ():
     assert random_prompts([5, 6], 1, 5, random.Random(1)) == random_prompts([5, 6], 1, 5, random.Random(1))
 
 
+def test_the_adapter_mix_is_round_robin_from_the_base_model():
+    assert adapter_mix(["sql", "chat"], 7) == [None, "sql", "chat", None, "sql", "chat", None]
+    assert adapter_mix(["sql"], 2) == [None, "sql"]
+    assert adapter_mix([], 2) == [None, None]
+    assert BenchSettings(adapters=("sql",)).sides == 2 and BenchSettings().sides == 1
+    assert BenchSettings(warmup=1, iterations=2, gen_length=8, concurrency=3, adapters=("sql",)).total_tokens == 144
+
+
 def test_prompt_and_generation_must_fit_the_context():
     check_fits(BenchSettings(prompt_length=100, gen_length=28), 128)
     with pytest.raises(UsageError, match="129 tokens; the model's context is 128"):
@@ -165,6 +188,13 @@ def test_csv_is_one_header_and_one_row():
          "metrics.ttft_ms_p50", "metrics.cuda_max_allocated_mb"],
         ["1", "tiny", "16", "", "CPU, with a comma", "1.5", ""],
     ]
+
+
+def test_csv_writes_a_list_as_compact_json():
+    report = {**REPORT, "lora": {"adapters": [{"name": "sql", "rank": 4, "mixed_requests": 2}], "ratio": 0.5}}
+    header, row = list(csv.reader(io.StringIO(to_csv(report))))
+    assert dict(zip(header, row))["lora.adapters"] == '[{"name":"sql","rank":4,"mixed_requests":2}]'
+    assert dict(zip(header, row))["lora.ratio"] == "0.5"
 
 
 # ---- the compare gate -------------------------------------------------------------------

@@ -66,10 +66,12 @@ class ScriptedLoop:
     """Replies "reply 1", "reply 2", ... as two text pieces each, with engine-like timings."""
 
     prompts: list[list[int]] = field(default_factory=list)
+    adapters: list[str | None] = field(default_factory=list)
     finish_reason: FinishReason = FinishReason.STOP
 
-    def submit(self, prompt: list[int], params: Any) -> ScriptedStream:
+    def submit(self, prompt: list[int], params: Any, adapter: str | None = None) -> ScriptedStream:
         self.prompts.append(prompt)
+        self.adapters.append(adapter)
         n = len(self.prompts)
         timings = RequestTimings(arrival=10.0, first_token=10.05, finished=10.25, token_times=[10.05, 10.15, 10.25])
         first = RequestOutput("r", [5], "reply ", timings=timings)
@@ -257,6 +259,83 @@ def test_load_warns_about_another_model_and_errors_clearly(conv: Conversation, t
         run_command(conv, f"/load {tmp_path / 'missing.json'}")
 
 
+@pytest.fixture
+def lora_conv(conv: Conversation) -> Conversation:
+    conv.adapters = ("sql", "chat")
+    return conv
+
+
+def test_adapter_switches_the_adapter_of_the_next_replies(lora_conv: Conversation) -> None:
+    conv = lora_conv
+    run_command(conv, "/adapter")
+    assert lines(conv)[-1] == ("Replies come from the base model; loaded: sql, chat (/adapter NAME switches, "
+                               "/adapter base goes back).")
+    conv.send("one")
+    run_command(conv, "/adapter sql")
+    assert lines(conv)[-1] == "Replies now come from adapter sql."
+    conv.send("two")
+    run_command(conv, "/retry")
+    run_command(conv, "/adapter")
+    assert lines(conv)[-1].startswith("Replies come from adapter sql; loaded: sql, chat")
+    run_command(conv, "/adapter chat")
+    conv.send("three")
+    run_command(conv, "/adapter base")
+    assert lines(conv)[-1] == "Replies now come from the base model."
+    conv.send("four")
+    run_command(conv, "/adapter chat")
+    run_command(conv, "/adapter NONE")
+    conv.send("five")
+    assert conv.loop.adapters == [None, "sql", "sql", "chat", None, None]  # type: ignore[attr-defined]
+
+
+def test_an_unknown_adapter_is_one_line_naming_the_loaded_ones(lora_conv: Conversation) -> None:
+    run_command(lora_conv, "/adapter sql")
+    with pytest.raises(UsageError) as caught:
+        run_command(lora_conv, "/adapter sq")
+    assert caught.value.message == "no LoRA adapter named sq is loaded (loaded: sql, chat)"
+    assert caught.value.hint is None
+    assert lora_conv.session.adapter == "sql"
+
+
+def test_adapter_without_any_loaded(conv: Conversation) -> None:
+    run_command(conv, "/adapter")
+    assert lines(conv)[-1] == ("Replies come from the base model; no LoRA adapter is loaded (start chat with "
+                               "--lora NAME=PATH).")
+    with pytest.raises(UsageError, match=r"^no LoRA adapter named sql is loaded \(loaded: none; chat loads "
+                                         r"adapters with --lora NAME=PATH\)$"):
+        run_command(conv, "/adapter sql")
+    run_command(conv, "/adapter base")
+    assert conv.session.adapter is None
+
+
+def test_save_keeps_the_adapter_and_load_restores_it(lora_conv: Conversation, tmp_path: Path) -> None:
+    conv = lora_conv
+    run_command(conv, f"/save {tmp_path / 'base.json'}")
+    run_command(conv, "/adapter chat")
+    run_command(conv, f"/save {tmp_path / 'chat.json'}")
+    assert json.loads((tmp_path / "base.json").read_text())["adapter"] is None
+    assert json.loads((tmp_path / "chat.json").read_text())["adapter"] == "chat"
+    run_command(conv, f"/load {tmp_path / 'base.json'}")
+    assert conv.session.adapter is None and lines(conv)[-1] == "Replies now come from the base model."
+    run_command(conv, f"/load {tmp_path / 'chat.json'}")
+    assert conv.session.adapter == "chat" and lines(conv)[-1] == "Replies now come from adapter chat."
+    run_command(conv, f"/load {tmp_path / 'chat.json'}")
+    assert lines(conv)[-1] == f"Loaded 0 messages from {tmp_path / 'chat.json'}"  # no change, no notice
+    conv.send("hello")
+    assert conv.loop.adapters == ["chat"]  # type: ignore[attr-defined]
+
+
+def test_loading_a_chat_whose_adapter_is_not_loaded_warns_and_uses_the_base_model(lora_conv: Conversation,
+                                                                                   tmp_path: Path) -> None:
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"format": "ruvllm-chat", "model": "tiny", "adapter": "poetry", "messages": []}))
+    run_command(lora_conv, "/adapter sql")
+    run_command(lora_conv, f"/load {path}")
+    assert lines(lora_conv)[-1] == ("Warning: it was saved with LoRA adapter poetry, which is not loaded; "
+                                    "replies now come from the base model")
+    assert lora_conv.session.adapter is None
+
+
 @pytest.mark.parametrize("line", ["/quit", "/exit", "/q", "/QUIT"])
 def test_quit_commands(conv: Conversation, line: str) -> None:
     assert run_command(conv, line) is Action.QUIT
@@ -320,6 +399,16 @@ def test_load_finds_a_saved_chat_by_its_name(conv: Conversation) -> None:
     run_command(conv, f"/load {saved.name}")
     assert conv.session.system_prompt == "terse"
     assert lines(conv)[-1] == f"Loaded 0 messages from {saved}"
+
+
+def test_completion_of_adapter_names() -> None:
+    assert completions("/ad") == ["/adapter"]
+    assert completions("/adapter ", adapters=("sql", "chat")) == ["base", "sql", "chat"]
+    assert completions("/adapter s", adapters=("sql", "chat")) == ["sql"]
+    assert completions("/adapter ") == ["base"]
+    found = list(SlashCompleter(None, ("sql", "chat")).get_completions(Document("/adapter ch"),
+                                                                       CompleteEvent(completion_requested=True)))
+    assert [(c.text, c.start_position) for c in found] == [("chat", -2)]
 
 
 def test_block_text_drops_markers_and_outer_blank_lines() -> None:

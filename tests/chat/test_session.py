@@ -188,6 +188,7 @@ def test_save_then_load_restores_prompt_parameters_and_messages(template: Any, t
                                   "frequency_penalty": 0.0, "seed": 7}
     assert data["messages"] == [{"role": "user", "content": "hello"},
                                 {"role": "assistant", "content": "hi", "interrupted": True}]
+    assert data["adapter"] is None
     assert [p.name for p in path.parent.iterdir()] == ["chat.json"]
 
     other = make_session(template)
@@ -203,6 +204,7 @@ def test_save_then_load_restores_prompt_parameters_and_messages(template: Any, t
     ('{"format": "ruvllm-chat", "parameters": {"temperature": 5}}', "temperature must be between 0 and 2"),
     ('{"format": "ruvllm-chat", "parameters": {"warmth": 1}}', "unknown parameter 'warmth'"),
     ('{"format": "ruvllm-chat", "messages": [{"role": "robot", "content": "x"}]}', "a message must have a role"),
+    ('{"format": "ruvllm-chat", "adapter": ["sql"]}', "adapter must be an adapter's name or null"),
 ])
 def test_a_bad_chat_file_changes_nothing(template: Any, tmp_path: Path, content: str, message: str) -> None:
     session = make_session(template, system_prompt="keep")
