@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt token ids.")
 @json_schema_option("Also run each iteration constrained to the JSON Schema in FILE and report both decode "
                     "speeds and their ratio.")
-@lora_options
+@lora_options("Each iteration also runs mixed over the base model and the adapters.",
+              "4, or the number of --lora adapters when more")
 @global_options
 def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> None:
     """Benchmark MODEL through the engine and report only measured figures.

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 @load_quantization_option()
 @prefix_cache_option()
 @weight_cache_option()
-@lora_options
+@lora_options("--adapter or /adapter picks the one replies come from.")
 @click.option("--adapter", metavar="NAME", default=None,
               help="The --lora adapter replies come from at the start (/adapter switches; base: the base "
                    "model).  [default: the base model]")

@@ -72,21 +72,25 @@ def weight_cache_option() -> Any:
                              "the model (docs/design.md, section 9); quantize at every load.")
 
 
-def lora_options(command: Any) -> Any:
+def lora_options(use: str, slots_default: str = "4") -> Any:
     """--lora NAME=PATH (repeatable), --max-loras, --max-lora-rank: exposed as `lora`,
-    `max_loras`, `max_lora_rank`."""
-    for option in reversed((
-        click.option("--lora", multiple=True, metavar="NAME=PATH",
-                     help="Serve a PEFT LoRA adapter (a directory or a hub id) under NAME; repeatable. "
-                          "Requests choose it by name (docs/design.md, section 11)."),
-        click.option("--max-loras", type=click.IntRange(min=0), default=None,
-                     help="Adapters decoded at once (their slots); more are kept in memory and swapped "
-                          "in least-recently-used first.  [default: 4]"),
-        click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
-                     help="Largest adapter rank a slot holds.  [default: the largest --lora rank, at least 16]"),
-    )):
-        command = option(command)
-    return command
+    `max_loras`, `max_lora_rank`. `use` says what the command does with the adapters."""
+
+    def decorate(command: Any) -> Any:
+        for option in reversed((
+            click.option("--lora", multiple=True, metavar="NAME=PATH",
+                         help=f"Load a PEFT LoRA or X-LoRA adapter (a directory or a hub id) as NAME; "
+                              f"repeatable. {use}"),
+            click.option("--max-loras", type=click.IntRange(min=0), default=None,
+                         help="Adapters decoded at once (their slots); more are kept in memory and swapped "
+                              f"in least-recently-used first.  [default: {slots_default}]"),
+            click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+                         help="Largest adapter rank a slot holds.  [default: the largest --lora rank, at least 16]"),
+        )):
+            command = option(command)
+        return command
+
+    return decorate
 
 
 def prefix_caching(no_prefix_cache: bool) -> bool | None:

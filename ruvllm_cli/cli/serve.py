@@ -95,7 +95,7 @@ BYTE_SIZE = ByteSize()
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM; what is left then gets a "
                    "503 (a stream: an error event and [DONE]) and the server exits.")
-@lora_options
+@lora_options("Requests name it as their model (docs/design.md, section 11).")
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they load files a "
                    "request names; behind --api-key when one is set).")
