@@ -5,11 +5,13 @@ adapter is a property of each token, not of the step. `LoRALinear` wraps whateve
 linear module the loader produced (packed bf16/float32, fbgemm int8, int4,
 `nn.Linear`, bitsandbytes on CUDA: all of them have `in_features`,
 `out_features` and a forward) and adds `scaling * B_a(A_a x)` to the rows of each
-adapter `a`. The model runner orders a step's tokens so that each adapter's tokens
-form a few contiguous segments, and publishes them in a `LoRAStep` every wrapper
-holds by reference (docs/design.md section 8), so the grouped add is two matmuls
-per segment on slices, with no gather and no scatter (vLLM's SGMV idea in torch
-ops). Tokens of the base model (adapter 0) take no extra work.
+adapter `a`. The model runner publishes each step's (first token, end, slot)
+segments in a `LoRAStep` every wrapper holds by reference (docs/design.md sections
+8 and 11), with a 0/1 mask [tokens, slots x rank] built once per step from them, so
+a wrapped layer adds every adapter's update in three calls whatever the mix:
+`(x @ A_all^T) * mask`, then `addmm` with the stacked, pre-scaled B (vLLM's
+BGMV idea in dense torch ops, measured faster here than a pair of matmuls per
+segment). Base-model rows get a zero mask row.
 
 Adapters' weights live in host memory; a fixed number of slots (`max_loras`, each of
 rank up to `max_lora_rank`) hold the stacked A/B weights the forward reads, on the
@@ -187,11 +189,30 @@ class LoRAStep:
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     mixtures: list[tuple[int, int, Any, torch.Tensor]] = field(default_factory=list)
+    mask: torch.Tensor | None = None     # [tokens, width]: 1 where a token's slot owns the column
+    width: int = 0                       # columns of the stacked slots in use (slots up to the highest)
+
+    def publish(self, num_tokens: int, segments: Sequence[tuple[int, int, int]], rank: int,
+                dtype: torch.dtype, device: torch.device) -> None:
+        """Set the step's (start, end, slot) segments and the mask they make."""
+        self.segments = list(segments)
+        self.mask, self.width = None, 0
+        if self.segments:
+            self.width = (max(slot for _, _, slot in self.segments) + 1) * rank
+            mask = torch.zeros(num_tokens, self.width, dtype=dtype)
+            for start, end, slot in self.segments:
+                mask[start:end, slot * rank:(slot + 1) * rank] = 1
+            self.mask = mask.to(device)
+
+    def clear(self) -> None:
+        self.segments, self.mixtures, self.mask, self.width = [], [], None, 0
 
 
 class LoRALinear(nn.Module):
     """A base linear layer plus the adapters' low-rank updates for the rows that ask
-    for them. The slots' weights are stacked: A [slots, R, in], B [slots, out, R]."""
+    for them. The slots' weights are stacked: A [slots, R, in] and B transposed and
+    multiplied by the adapter's scaling, [slots, R, out]; rows past a slot's rank,
+    and slots whose adapter leaves this layer alone, are zero."""
 
     def __init__(self, base: nn.Module, step: LoRAStep, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device, name: str = "") -> None:
@@ -202,19 +223,16 @@ class LoRALinear(nn.Module):
         self.step = step
         self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, self.in_features, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, self.out_features, max_rank, dtype=dtype, device=device),
+        self.register_buffer("lora_b", torch.zeros(num_slots, max_rank, self.out_features, dtype=dtype, device=device),
                              persistent=False)
-        self.ranks = [0] * num_slots          # 0: the slot's adapter leaves this layer alone
-        self.scalings = [0.0] * num_slots
 
     def set_slot(self, slot: int, module: LoRAModule | None) -> None:
-        if module is None:
-            self.ranks[slot] = 0
-            return
-        rank = module.rank
-        self.lora_a[slot, :rank].copy_(module.a)
-        self.lora_b[slot, :, :rank].copy_(module.b)
-        self.ranks[slot], self.scalings[slot] = rank, module.scaling
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        if module is not None:
+            rank = module.rank
+            self.lora_a[slot, :rank].copy_(module.a)
+            self.lora_b[slot, :rank].copy_(module.b.T * module.scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
@@ -223,12 +241,14 @@ class LoRALinear(nn.Module):
             return out
         rows = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
         flat = out.view(-1, self.out_features)
-        for start, end, slot in step.segments:
-            rank = self.ranks[slot]
-            if rank:
-                shrunk = rows[start:end] @ self.lora_a[slot, :rank].T
-                expanded = shrunk @ self.lora_b[slot, :, :rank].T
-                flat[start:end] += (expanded * self.scalings[slot]).to(flat.dtype)
+        if step.mask is not None:
+            width = step.width
+            shrunk = (rows @ self.lora_a.view(-1, self.in_features)[:width].T).mul_(step.mask)
+            expand = self.lora_b.view(-1, self.out_features)[:width]
+            if flat.dtype == shrunk.dtype:
+                flat.addmm_(shrunk, expand)
+            else:   # int4's bfloat16 output beside float32 activations
+                flat += (shrunk @ expand).to(flat.dtype)
         for start, end, mixture, scalings in step.mixtures:
             self._mix(rows[start:end], flat[start:end], mixture, scalings)
         return out
@@ -259,7 +279,7 @@ class LoRAManager:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = compute_dtype(dtype, device), device
         self.adapters: dict[str, LoRAAdapter] = {}
         self.layers: dict[str, LoRALinear] = {}
         self.step = LoRAStep()
@@ -325,19 +345,20 @@ class LoRAManager:
         return adapter
 
     # ---- the step ----
-    def begin_step(self, segments: Sequence[tuple[int, int, int]],
+    def begin_step(self, num_tokens: int, segments: Sequence[tuple[int, int, int]],
                    mixtures: Sequence[tuple[int, int, Any, torch.Tensor]] = ()) -> None:
-        """Point the wrappers at this step's (start, end, adapter uid) segments,
-        bringing each adapter into a slot first, and at its X-LoRA segments."""
+        """Point the wrappers at this step's (start, end, adapter uid) segments of its
+        `num_tokens` packed tokens, bringing each adapter into a slot first, and at
+        its X-LoRA segments."""
         needed = {uid for _, _, uid in segments}
         assert len(needed) <= self.max_loras, "the scheduler admits at most max_loras adapters"
         slots = {uid: self._slot(uid, needed) for uid in needed}
-        self.step.segments = [(start, end, slots[uid]) for start, end, uid in segments]
+        self.step.publish(num_tokens, [(start, end, slots[uid]) for start, end, uid in segments],
+                          self.max_rank, self.dtype, self.device)
         self.step.mixtures = list(mixtures)
 
     def end_step(self) -> None:
-        self.step.segments = []
-        self.step.mixtures = []
+        self.step.clear()
 
     def _slot(self, uid: int, needed: set[int]) -> int:
         if uid in self.slot_of:
@@ -379,6 +400,18 @@ class LoRAManager:
     @property
     def slot_bytes(self) -> int:
         return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers.values())
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The adapters' dtype: the activations', except 16-bit on a CPU without bfloat16
+    kernels (AVX-512), where their small matmuls would take a slow generic path: there
+    float32 (q8 at 16 streams, 3 adapters: 0.53x of the base model's decode in bf16)."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
+
+        if not cpu_has_bf16_kernels():
+            return torch.float32
+    return dtype
 
 
 def _is_embedding_or_head(model: nn.Module, name: str, layer: nn.Module) -> bool:

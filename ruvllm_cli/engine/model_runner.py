@@ -95,7 +95,7 @@ class ModelRunner:
         segments = [s for s in segments if not self.lora.is_mixture(s[2])] if mixtures else segments
         if segments or mixtures:
             assert self.lora is not None
-            self.lora.begin_step(segments, mixtures)
+            self.lora.begin_step(input_ids.shape[1], segments, mixtures)
         try:
             out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=self._tensor(sample_rows),
                              use_cache=False, ruvllm_step=step)
@@ -140,7 +140,7 @@ class ModelRunner:
             if constant is not None:
                 pass_segments.append((offset, offset + chunk.num_new_tokens, adapter, constant))
             offset += chunk.num_new_tokens
-        self.lora.begin_step([], pass_segments)
+        self.lora.begin_step(input_ids.shape[1], [], pass_segments)
         try:
             hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False,
                                               ruvllm_step=step).last_hidden_state[0]

@@ -90,7 +90,7 @@ class XLoRAAdapter:
     def scalings(self, hidden: torch.Tensor) -> torch.Tensor:
         """Per-token expert weights [T, L, n] from the scaling pass's final hidden states [T, H]."""
         settings, experts = self.settings, len(self.experts)
-        logits = self.classifier(hidden)
+        logits = self.classifier(hidden.to(self.classifier[0].weight.dtype))
         if settings["layerwise_scalings"]:
             scalings = logits.reshape(hidden.shape[0], self.num_layers, experts)
         else:

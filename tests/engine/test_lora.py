@@ -227,7 +227,7 @@ def test_the_wrapper_adds_each_segments_update_to_any_base_layer(base):
     x = torch.randn(1, 7, 256)
     plain = base(x)[0]
     assert torch.equal(layer(x), base(x))   # no segments: the base layer alone
-    step.segments = [(1, 3, 0), (3, 6, 1)]
+    step.publish(7, [(1, 3, 0), (3, 6, 1)], rank=4, dtype=torch.float32, device=torch.device("cpu"))
     out = layer(x)[0]
     rows = x[0]
     expected = plain.clone()
@@ -235,3 +235,23 @@ def test_the_wrapper_adds_each_segments_update_to_any_base_layer(base):
     expected[3:6] += (rows[3:6] @ modules[1].a.T @ modules[1].b.T * 3.0).to(plain.dtype)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(out[0], plain[0]) and torch.equal(out[6], plain[6])   # base rows untouched
+
+
+@pytest.mark.parametrize("quantization", [Quantization.Q8_0, Quantization.Q4_K_M], ids=["q8", "q4k"])
+def test_quantized_models_take_adapters_and_mix_them(model_dir, adapters, quantization):
+    """16-bit activations around int8/int4 layers (on a CPU without bfloat16 kernels
+    the adapters compute in float32 and add into the 16-bit rows)."""
+    loaded = load_model(model_dir, "cpu", quantization, use_cache=False)
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quantization))
+    for name in ("attn", "mlp"):
+        engine.add_lora(name, adapters[name])
+    names = (None, "attn", "mlp")
+    alone = {a: engine.generate([PROMPTS[0]], GREEDY, adapters=a)[0].token_ids for a in names}
+    assert len({tuple(ids) for ids in alone.values()}) == 3
+    together = engine.generate([PROMPTS[0]] * 3, GREEDY, adapters=list(names))
+    assert len({tuple(r.token_ids) for r in together}) == 3
+    if quantization is Quantization.Q4_K_M:
+        # int4's kernel gives each row the same result in any batch (fbgemm's int8 GEMM
+        # quantizes activations over the whole batch, so q8 rows move with their company).
+        for result, adapter in zip(together, names):
+            assert result.token_ids[:6] == alone[adapter][:6], adapter
