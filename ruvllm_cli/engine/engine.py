@@ -108,7 +108,10 @@ class LLMEngine:
         if users:
             raise AdapterInUseError(f"adapter {name} is in use by {len(users)} request(s); "
                                     "unload it once they finish")
-        return self.lora.remove(name)
+        removed = self.lora.remove(name)
+        if removed.mixture and not any(a.mixture for a in self.lora.adapters.values()):
+            self.runner.scaling_cache = None   # the last X-LoRA adapter gone: its KV pool too
+        return removed
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:

@@ -77,6 +77,9 @@ def test_xlora_matches_peft_with_a_kv_cache_per_pass(loaded, model_dir, xloras, 
         assert result.token_ids == expected
         assert result.token_ids != plain.token_ids   # the experts really change the output
     engine.check_integrity()
+    assert engine.runner.scaling_cache is not None
+    engine.remove_lora("mix")
+    assert engine.runner.scaling_cache is None   # its second KV pool goes with it
 
 
 def test_xlora_beside_the_base_model_and_a_lora_in_one_batch(loaded, model_dir, xloras, experts, tmp_path):
