@@ -200,3 +200,34 @@ class BlockManager:
                     f"block {block.block_id}: ref_count {block.ref_count}, held {refs[block.block_id]} times")
         for block_hash, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == block_hash, f"cached hash of block {block_id} is stale"
+
+
+class SwapSpace:
+    """Block ids of the swap pool (`--preemption-mode swap`): a preempted request's KV
+    blocks are copied there and back instead of being recomputed. Bookkeeping only;
+    the model runner holds the pool's tensors and does the copies."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free_blocks: list[int] = list(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` free blocks, or None (and no change) when the pool is short."""
+        if count > len(self.free_blocks):
+            return None
+        taken, self.free_blocks = self.free_blocks[:count], self.free_blocks[count:]
+        return taken
+
+    def release(self, blocks: Iterable[int]) -> None:
+        self.free_blocks.extend(blocks)
+
+    def check_integrity(self, requests: Iterable[Request]) -> None:
+        """Free + held by swapped-out requests = total, each block held once."""
+        held = [b for r in requests if r.swapped is not None for b in r.swapped.blocks]
+        assert len(held) == len(set(held)), "a swap block is held twice"
+        assert not set(held) & set(self.free_blocks), "a swap block is both free and held"
+        assert len(held) + len(self.free_blocks) == self.num_blocks, "swap pool: free + held != total"

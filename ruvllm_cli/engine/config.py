@@ -20,6 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_loras: int = 4                       # LoRA adapter slots: adapters decoded at once (--max-loras)
     max_lora_rank: int = 16                  # the largest adapter rank a slot holds (--max-lora-rank)
+    scheduling_policy: str = "fcfs"          # or "priority" (--scheduling-policy)
+    preemption_mode: str = "recompute"       # or "swap" (--preemption-mode)
+    swap_space: int = 1 << 30                # bytes of the swap pool when preempting by swap (--swap-space)
 
     def token_budget(self, device_type: str) -> int:
         if self.max_num_batched_tokens:

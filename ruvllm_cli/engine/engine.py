@@ -6,6 +6,7 @@ background thread for streaming callers (chat, serve, benchmark).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 
-from ruvllm_cli.engine.block_manager import BlockManager
+from ruvllm_cli.engine.block_manager import BlockManager, SwapSpace
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
 from ruvllm_cli.engine.loader import LoadedModel, load_model
@@ -23,7 +24,7 @@ from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRA
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ruvllm_cli.engine.output_processor import OutputProcessor
 from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
-from ruvllm_cli.engine.request import FinishReason, Request
+from ruvllm_cli.engine.request import FinishReason, Request, RequestOptions
 from ruvllm_cli.engine.sampler import SamplingFailure, TokenLogprob, sample
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -42,12 +43,15 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 4096, loaded.max_context)
         num_blocks = plan_num_blocks(loaded, config, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, loaded.dtype, config.block_size)
+        self.swap_space = SwapSpace(swap_blocks) if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type), config.max_loras),
-            self.block_manager)
+            SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type), config.max_loras,
+                            config.scheduling_policy, preemption_mode=config.preemption_mode),
+            self.block_manager, self.swap_space)
         self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype,
-                                  self.lora)
+                                  self.lora, swap_blocks if self.swap_space is not None else 0)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,
@@ -65,13 +69,19 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    adapter: str | None = None) -> Request:
-        """Queue a request; `adapter` names a loaded LoRA adapter (None: the base model)."""
+                    request_id: str | None = None, options: RequestOptions | None = None,
+                    **fields: Any) -> Request:
+        """Queue a request. `options` (or its fields as keywords: cache_salt, adapter,
+        priority, user, session_id) say how it is served; `adapter` names a loaded
+        LoRA adapter (None: the base model)."""
         params = params or SamplingParams()
+        options = dataclasses.replace(options or RequestOptions(), **fields)
         prompt_ids = self.prepare_prompt(prompt)
-        request = Request(prompt_ids=prompt_ids, params=params, cache_salt=cache_salt,
-                          adapter_uid=self.adapter(adapter).uid if adapter else 0)
+        adapter = self.adapter(options.adapter) if options.adapter else None
+        request = Request(prompt_ids=prompt_ids, params=params, cache_salt=options.cache_salt,
+                          priority=int(options.priority), user=options.user, session_id=options.session_id,
+                          adapter_uid=adapter.uid if adapter else 0,
+                          swappable=not (adapter is not None and adapter.mixture))
         if request_id is not None:
             request.request_id = request_id
         if request.request_id in self.requests:
@@ -158,6 +168,9 @@ class LLMEngine:
         """Schedule, run one forward pass over every scheduled token, sample, emit."""
         outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
+        if plan.swap_out or plan.swap_in:
+            self.runner.swap(plan.swap_out, plan.swap_in)
+            self.scheduler.swapped(plan)
         outputs += [self.outputs.final(r, "") for r in plan.rejected]
         self.stats.preemptions = self.scheduler.num_preemptions
         if plan.chunks:
@@ -239,6 +252,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.block_manager.check_integrity(self.live_requests())
+        if self.swap_space is not None:
+            self.swap_space.check_integrity(self.live_requests())
 
 
 @dataclass

@@ -45,7 +45,7 @@ class ModelRunner:
     """Owns the model and the KV pools; `execute` returns next-token logits."""
 
     def __init__(self, model: Any, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, lora: LoRAManager | None = None) -> None:
+                 dtype: torch.dtype, lora: LoRAManager | None = None, swap_blocks: int = 0) -> None:
         self.model = model
         self.lora = lora
         self.scaling_cache: PagedKVCache | None = None   # X-LoRA's scaling pass (ensure_scaling_cache)
@@ -55,6 +55,9 @@ class ModelRunner:
         self.dtype = dtype
         self.cache = PagedKVCache(self.num_layers, num_blocks * block_size, self.num_kv_heads,
                                   self.head_dim, self.dtype, device)
+        # Preemption by swap: a pool of its own in host memory (on a CPU, beside the cache).
+        self.swap_pool = PagedKVCache(self.num_layers, swap_blocks * block_size, self.num_kv_heads, self.head_dim,
+                                      self.dtype, torch.device("cpu")) if swap_blocks else None
 
     def ensure_scaling_cache(self) -> None:
         """The second KV pool X-LoRA's scaling pass writes (same block ids, same size)."""
@@ -162,6 +165,21 @@ class ModelRunner:
                 index += 1
             mixtures.append((start, end, self.lora.by_uid(uid), torch.cat(parts)))
         return mixtures
+
+    @torch.inference_mode()
+    def swap(self, out: Sequence[tuple[int, int]], back: Sequence[tuple[int, int]]) -> None:
+        """Copy (device block -> swap block) pairs out, then (swap block -> device block)
+        pairs back in: a block freed by a swap-out may be the target of a swap-in."""
+        assert self.swap_pool is not None
+        for pairs, source, target in ((out, self.cache, self.swap_pool), (back, self.swap_pool, self.cache)):
+            if not pairs:
+                continue
+            src = self._block_slots([[s for s, _ in pairs]], len(pairs) * self.block_size)[0]
+            dst = self._block_slots([[d for _, d in pairs]], len(pairs) * self.block_size)[0]
+            for pool_from, pool_to in ((source.keys, target.keys), (source.values, target.values)):
+                for layer_from, layer_to in zip(pool_from, pool_to):
+                    rows = layer_from.index_select(1, src.to(layer_from.device))
+                    layer_to.index_copy_(1, dst.to(layer_to.device), rows.to(layer_to.device))
 
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,54 @@ class FinishReason(Enum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+class Priority(IntEnum):
+    """Named levels of `RequestOptions.priority`; lower goes first (vLLM's rule), and
+    any integer works too."""
+
+    CRITICAL = -2
+    HIGH = -1
+    NORMAL = 0
+    LOW = 1
+
+
+def parse_priority(value: int | str | Priority) -> int:
+    """An integer, or one of the named levels (any case)."""
+    if isinstance(value, str):
+        try:
+            return int(Priority[value.strip().upper()])
+        except KeyError:
+            names = ", ".join(p.name.lower() for p in Priority)
+            raise UsageError(f"priority {value!r} is not an integer or one of {names}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"priority must be an integer (got {value!r})")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What a request carries beside its prompt and sampling: where its prefix-cache
+    blocks may be shared, which LoRA adapter runs it, its scheduling priority, and
+    who sent it (OpenAI's `user`, a `session_id`: logs and a scale-out router's key)."""
+
+    cache_salt: str | None = None
+    adapter: str | None = None
+    priority: int | str | Priority = 0
+    user: str | None = None
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "priority", parse_priority(self.priority))
+
+
+@dataclass
+class SwappedKV:
+    """A preempted request's KV blocks copied to the swap pool: `blocks[i]` holds its
+    device block i, for its first `num_computed_tokens` tokens."""
+
+    blocks: list[int]
+    num_computed_tokens: int
 
 
 @dataclass
@@ -59,6 +108,9 @@ class Request:
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     cache_salt: str | None = None
+    priority: int = 0                                    # lower goes first (scheduling policy "priority")
+    user: str | None = None
+    session_id: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -75,6 +127,8 @@ class Request:
     stop_matcher: "StopMatcher | None" = None            # stop strings on that text
     grammar: "GrammarMatcher | None" = None              # constrained decoding, when asked for
     adapter_uid: int = 0                                 # LoRA adapter (LoRAAdapter.uid); 0 is the base model
+    swappable: bool = True                               # False: its KV has a second pool (X-LoRA)
+    swapped: SwappedKV | None = None                     # preempted by swapping, until resumed
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
