@@ -95,6 +95,14 @@ BYTE_SIZE = ByteSize()
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM; what is left then gets a "
                    "503 (a stream: an error event and [DONE]) and the server exits.")
+@click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True,
+              help="fcfs: first come, first served. priority: requests' `priority` field orders admission and "
+                   "preemption (lower first; waiting improves it by 0.1 per second, so none starves).")
+@click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
+              help="When the KV cache is full: free a request's blocks and recompute them later, or copy them to "
+                   "a swap pool in host memory and back (recompute when the pool is full).")
+@click.option("--swap-space", type=BYTE_SIZE, default="1GiB", show_default=True,
+              help="Size of the swap pool for --preemption-mode swap.")
 @lora_options("Requests name it as their model (docs/design.md, section 11).")
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they load files a "
@@ -230,7 +238,8 @@ def load(app: AppContext, options: dict[str, Any]) -> Any:
         max_num_batched_tokens=options["max_num_batched_tokens"], kv_cache_memory=options["kv_cache_memory"],
         enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
         weight_cache=not options["no_weight_cache"], adapters=options["adapters"], max_loras=options["max_loras"],
-        max_lora_rank=options["max_lora_rank"])
+        max_lora_rank=options["max_lora_rank"], scheduling_policy=options["scheduling_policy"],
+        preemption_mode=options["preemption_mode"], swap_space=options["swap_space"])
 
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:
@@ -317,6 +326,9 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     out.info(escape(f"  Metrics     {url}/metrics"))
     if kv_cache:
         out.info(escape(f"  KV cache    {kv_cache}"))
+    if options.get("scheduling_policy", "fcfs") != "fcfs" or options.get("preemption_mode", "recompute") != "recompute":
+        swap = (f" ({options['swap_space'] / 2**30:.2f} GiB pool)" if options["preemption_mode"] == "swap" else "")
+        out.info(escape(f"  Scheduling  {options['scheduling_policy']}, preemption by {options['preemption_mode']}{swap}"))
     adapters = [name for name, _ in options.get("adapters") or ()]
     if adapters or options.get("allow_runtime_lora"):
         runtime = "; loaded at run time via /v1/load_lora_adapter" if options.get("allow_runtime_lora") else ""

@@ -26,12 +26,14 @@ class PagedKVCache:
     slots comes out in the layout the attention matmuls read, with no copy."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, zeroed: bool = True) -> None:
         shape = (num_kv_heads, num_slots, head_dim)
         # Zeroed, not empty: padded decode slots read stale rows with weight 0, and
-        # uninitialised memory could hold NaN (0 * NaN = NaN).
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # uninitialised memory could hold NaN (0 * NaN = NaN). A swap pool, only ever
+        # read where it was written, stays empty: its pages cost nothing until used.
+        make = torch.zeros if zeroed else torch.empty
+        self.keys = [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -170,7 +170,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.swap_out or plan.swap_in:
             self.runner.swap(plan.swap_out, plan.swap_in)
-            self.scheduler.swapped(plan)
+        self.scheduler.swapped(plan)   # also when the prefix cache had every block back
         outputs += [self.outputs.final(r, "") for r in plan.rejected]
         self.stats.preemptions = self.scheduler.num_preemptions
         if plan.chunks:

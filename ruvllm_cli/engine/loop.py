@@ -8,6 +8,7 @@ the GIL in its kernels, so an asyncio server stays responsive while a step runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
@@ -15,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.outputs import RequestOutput
-from ruvllm_cli.engine.request import FinishReason
+from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import RuvllmError
 
@@ -87,29 +88,31 @@ class EngineLoop:
 
     # ---- submission (any thread) -------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               cache_salt: str | None = None, loop: asyncio.AbstractEventLoop | None = None,
-               adapter: str | None = None) -> RequestStream:
+               options: RequestOptions | None = None, loop: asyncio.AbstractEventLoop | None = None,
+               **fields: Any) -> RequestStream:
         """Queue a request and return its stream at once, without waiting for the
         engine thread (a step can take a while). A bad prompt raises UsageError here.
 
         With `loop`, the stream is for `async for` on that event loop; any thread may
-        call this either way."""
+        call this either way. `options` (or its fields as keywords) as for
+        `LLMEngine.add_request`."""
         if self._error is not None:
             raise EngineFailedError(f"the engine has stopped after an error: {self._error}")
         prompt_ids = self.engine.prepare_prompt(prompt)
-        if adapter is not None:
-            self.engine.adapter(adapter)   # an unknown name fails here, in the caller's thread
+        options = dataclasses.replace(options or RequestOptions(), **fields)
+        if options.adapter is not None:
+            self.engine.adapter(options.adapter)   # an unknown name fails here, in the caller's thread
         params = params or SamplingParams()
         stream = RequestStream(self, f"req-{next(self._ids)}", loop)
-        self._commands.put(_Add(self, stream, prompt_ids, params, cache_salt, adapter))
+        self._commands.put(_Add(self, stream, prompt_ids, params, options))
         if self._error is not None:  # died while we queued: the thread may never see it
             stream._deliver(_failed(stream.request_id, self._error))
         return stream
 
     def submit_async(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     cache_salt: str | None = None, adapter: str | None = None) -> RequestStream:
+                     options: RequestOptions | None = None, **fields: Any) -> RequestStream:
         """`submit` for the running event loop's own thread."""
-        return self.submit(prompt, params, cache_salt, asyncio.get_running_loop(), adapter)
+        return self.submit(prompt, params, options, asyncio.get_running_loop(), **fields)
 
     @property
     def healthy(self) -> bool:
@@ -205,15 +208,15 @@ class _Add:
     """The engine-thread half of `EngineLoop.submit`."""
 
     def __init__(self, loop: EngineLoop, stream: RequestStream, prompt_ids: list[int],
-                 params: SamplingParams, cache_salt: str | None, adapter: str | None) -> None:
+                 params: SamplingParams, options: RequestOptions) -> None:
         self.loop, self.stream = loop, stream
-        self.prompt_ids, self.params, self.cache_salt, self.adapter = prompt_ids, params, cache_salt, adapter
+        self.prompt_ids, self.params, self.options = prompt_ids, params, options
 
     def __call__(self) -> None:
         stream = self.stream
         try:
             self.loop.engine.add_request(self.prompt_ids, self.params, request_id=stream.request_id,
-                                         cache_salt=self.cache_salt, adapter=self.adapter)
+                                         options=self.options)
         except Exception as error:  # noqa: BLE001 - the stream ends with it instead
             stream._deliver(_failed(stream.request_id, error, prefix=""))
             return

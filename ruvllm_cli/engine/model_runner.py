@@ -57,7 +57,7 @@ class ModelRunner:
                                   self.head_dim, self.dtype, device)
         # Preemption by swap: a pool of its own in host memory (on a CPU, beside the cache).
         self.swap_pool = PagedKVCache(self.num_layers, swap_blocks * block_size, self.num_kv_heads, self.head_dim,
-                                      self.dtype, torch.device("cpu")) if swap_blocks else None
+                                      self.dtype, torch.device("cpu"), zeroed=False) if swap_blocks else None
 
     def ensure_scaling_cache(self) -> None:
         """The second KV pool X-LoRA's scaling pass writes (same block ids, same size)."""

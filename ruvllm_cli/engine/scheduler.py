@@ -12,7 +12,7 @@ Policies: `fcfs` admits in arrival order and preempts the most recently admitted
 request. `priority` orders both by (effective priority, arrival), lower first, where
 a request's effective priority improves by `aging_rate` levels per second since its
 arrival (so no request starves), preempts the worst running request, and lets a
-waiting request preempt a worse running one to get in.
+waiting request preempt a running one at least a level worse to get in.
 
 With LoRA adapters, a waiting request whose adapter would make more distinct
 adapters run than there are slots (`max_loras`) waits, and the ones behind it may go
@@ -35,6 +35,10 @@ PREEMPTION_MODES = ("recompute", "swap")
 # priority policy: a request 10 levels below the traffic ahead of it is served like
 # that traffic after 100 s.
 DEFAULT_AGING_RATE = 0.1
+# A waiting request preempts a running one only if it ranks this many levels better:
+# without the margin, requests of one priority that arrived a moment apart took each
+# other's places step after step (each time recomputing the one thrown out).
+PREEMPT_MARGIN = 1.0
 
 
 @dataclass(frozen=True)
@@ -222,12 +226,13 @@ class Scheduler:
         request.swapped = None
 
     def _make_room(self, request: Request, out: SchedulerOutput) -> bool:
-        """Under "priority": preempt the worst running request if it ranks below `request`."""
+        """Under "priority": preempt the worst running request if its effective priority
+        is at least PREEMPT_MARGIN worse than `request`'s."""
         if self.config.policy != "priority" or not self.running or request.status is RequestStatus.FINISHED:
             return False
         now = self.clock()
         victim = max(self.running, key=lambda r: self.rank(r, now))
-        if self.rank(victim, now) <= self.rank(request, now):
+        if self.rank(victim, now)[0] < self.rank(request, now)[0] + PREEMPT_MARGIN:
             return False
         self._preempt(victim, out, front=False)
         return True

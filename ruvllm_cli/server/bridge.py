@@ -34,6 +34,7 @@ class Choice:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     first_token_at: float | None = None
+    queue_wait: float | None = None   # seconds from reaching the engine to its first step
     repaired: bool = False           # json-repair closed a truncated JSON reply
     tool_calls: list[Any] = field(default_factory=list)   # parsed ToolCalls (chat with tools)
 
@@ -48,6 +49,9 @@ class Choice:
         self.num_output_tokens = output.num_output_tokens or len(self.token_ids)
         if output.finished:
             self.finish_reason, self.error = output.finish_reason, output.error
+            timings = output.timings
+            if timings is not None and timings.scheduled is not None:
+                self.queue_wait = timings.scheduled - timings.arrival
 
 
 def choices_for(plans: Sequence[SequencePlan]) -> list[Choice]:
@@ -92,8 +96,7 @@ def _prepare_and_submit(engine_loop: EngineLoop, aio: asyncio.AbstractEventLoop,
     streams: list[RequestStream] = []
     try:
         for plan in plans:
-            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.cache_salt, loop=aio,
-                                              adapter=plan.adapter))
+            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.options, loop=aio))
     except AdapterNotFoundError as error:   # unloaded since the handler checked the name
         cancel_all(streams)
         raise ApiError(404, error.message, param="model", code="model_not_found") from error

@@ -30,6 +30,7 @@ class EngineSnapshot:
     prefix_evictions: int
     preemptions: int
     steps: int
+    preemptions_by: tuple[tuple[int, str, int], ...] = ()   # (priority, mode, count)
 
 
 def read_engine_snapshot(engine: Any) -> EngineSnapshot:
@@ -40,7 +41,8 @@ def read_engine_snapshot(engine: Any) -> EngineSnapshot:
         kv_blocks_used=blocks.num_used_blocks, kv_blocks_total=blocks.num_blocks,
         prefix_queries=blocks.stats.queries, prefix_hits=blocks.stats.hits,
         prefix_cached_blocks=blocks.num_cached_blocks, prefix_evictions=blocks.stats.evictions,
-        preemptions=engine.stats.preemptions, steps=engine.stats.steps)
+        preemptions=engine.stats.preemptions, steps=engine.stats.steps,
+        preemptions_by=tuple((p, m, n) for (p, m), n in sorted(engine.scheduler.preemptions.items())))
 
 
 class EngineCollector(Collector):
@@ -71,6 +73,11 @@ class EngineCollector(Collector):
                        s.prefix_evictions)
         yield _counter("ruvllm_num_preemptions", "Sequences preempted for want of KV blocks.", s.preemptions)
         yield _counter("ruvllm_engine_steps", "Engine steps (forward passes).", s.steps)
+        by = CounterMetricFamily("ruvllm_preemptions", "Preemptions by the preempted request's priority and by "
+                                 "mode (recompute, or swap to the swap pool).", labels=["priority", "mode"])
+        for priority, mode, count in s.preemptions_by:
+            by.add_metric([str(priority), mode], count)
+        yield by
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -93,6 +100,9 @@ class ServerMetrics:
         self.generation_tokens = Counter("ruvllm_generation_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram("ruvllm_time_to_first_token_seconds", "Request arrival to first token, per sequence.",
                               buckets=TTFT_BUCKETS, registry=r)
+        self.queue_time = Histogram("ruvllm_request_queue_time_seconds",
+                                    "Reaching the engine to its first scheduled step, per sequence.",
+                                    buckets=TTFT_BUCKETS, registry=r)
         self.e2e_latency = Histogram("ruvllm_e2e_request_latency_seconds", "Request arrival to last byte.",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge("ruvllm_http_requests_in_flight", "Generation requests admitted, not finished.",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
+from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
 from ruvllm_cli.errors import UsageError
@@ -26,8 +27,7 @@ class SequencePlan:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
-    cache_salt: str | None = None   # keeps this tenant's prefix-cache blocks apart
-    adapter: str | None = None      # the LoRA adapter the request's `model` names
+    options: RequestOptions = RequestOptions()   # cache salt, LoRA adapter, priority, user, session
 
 
 def check_constraints(engine: Any, sampling: SamplingFields) -> None:
@@ -81,7 +81,7 @@ def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int
 
 
 def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_model_len: int,
-                   param: str, adapter: str | None = None) -> list[SequencePlan]:
+                   param: str, options: RequestOptions = RequestOptions()) -> list[SequencePlan]:
     """`n` sequences per prompt, choice index prompt * n + copy; `max_tokens` defaults
     to what the context leaves (capped by the endpoint's default), and a prompt plus an
     explicit `max_tokens` beyond the context is a 400."""
@@ -93,7 +93,7 @@ def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_mo
             max_tokens = min(max_tokens, sampling.default_max_tokens)
         for copy in range(sampling.n):
             plans.append(SequencePlan(prompt_index * sampling.n + copy, prompt_index, ids,
-                                      sampling.params(max_tokens, copy), sampling.cache_salt, adapter))
+                                      sampling.params(max_tokens, copy), options))
     return plans
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
@@ -53,7 +54,6 @@ class SamplingFields(SamplingKnobs):
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
-    cache_salt: str | None = None     # prefix-cache blocks are shared only within one salt
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
     skip_special_tokens: bool = True       # False while tool-call markers must reach the parser
@@ -86,6 +86,7 @@ class ChatRequest:
     sampling: SamplingFields
     streaming: StreamFields
     tools: ToolRequest | None = None
+    options: RequestOptions = RequestOptions()   # cache_salt, priority, user, session_id
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class CompletionRequest:
     sampling: SamplingFields
     streaming: StreamFields
     echo: bool = False
+    options: RequestOptions = RequestOptions()
 
 
 # ---- the fields ------------------------------------------------------------------------
@@ -169,9 +171,17 @@ SAMPLING = (
           low=SEED_RANGE[0], high=SEED_RANGE[1]),
     Field("stop", None, "Text that ends the reply (not included in it).", (), parse=_stop, schema=_STOP),
     Field("ignore_eos", "boolean", "Generate max_tokens tokens whatever the model says.", False),
-    Field("cache_salt", "string", "Prefix-cache blocks are shared only between requests with the same salt."),
     LOGIT_BIAS,
     *STRUCTURED_FIELDS,
+)
+# How the request is served beside others: not sampling, the same on both endpoints.
+SERVING = (
+    Field("cache_salt", "string", "Prefix-cache blocks are shared only between requests with the same salt."),
+    Field("priority", "integer", "Scheduling priority under --scheduling-policy priority: lower goes first "
+                                 "(vLLM's field); waiting improves it by 0.1 per second.", 0,
+          low=-1_000_000, high=1_000_000),
+    Field("user", "string", "Who the request is for (OpenAI's field): kept with the request, logged."),
+    Field("session_id", "string", "A conversation's id: kept with the request, logged."),
 )
 STREAMING = (
     Field("stream", "boolean", "Send the reply as server-sent events, ending with `data: [DONE]`.", False),
@@ -183,7 +193,7 @@ CHAT_FIELDS = (
     Field("logprobs", "boolean", "Return each token's log probability.", False),
     Field("top_logprobs", "integer", "Alternatives per token (needs logprobs).", low=0, high=MAX_LOGPROBS),
     Field("max_completion_tokens", "integer", "max_tokens under its newer name (wins over it).", low=1),
-    MAX_TOKENS, *SAMPLING, *STREAMING,
+    MAX_TOKENS, *SAMPLING, *SERVING, *STREAMING,
 )
 COMPLETION_FIELDS = (
     MODEL, PROMPT,
@@ -191,7 +201,7 @@ COMPLETION_FIELDS = (
           low=0, high=MAX_LOGPROBS),
     Field("echo", "boolean", "Put the prompt before the reply.", False),
     Field("suffix", "string", "Not supported: any non-empty suffix is refused."),
-    MAX_TOKENS, *SAMPLING,
+    MAX_TOKENS, *SAMPLING, *SERVING,
     Field("best_of", "integer", "Only best_of = n is supported.", low=1),
     *STREAMING,
 )
@@ -223,7 +233,7 @@ def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> Ch
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
                           "constrain the reply; give one.", "tool_choice", "invalid_value")
-    return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools)
+    return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools, _options(values))
 
 
 # ---- completions ----------------------------------------------------------------------
@@ -243,7 +253,8 @@ def parse_completion_request(body: Any, limits: RequestLimits = RequestLimits())
     if best_of is not None and best_of != sampling.n:
         raise bad_request("'best_of' other than 'n' is not supported.", "best_of", "unsupported_parameter")
     _check_sequences(len(prompts), sampling.n, limits)
-    return CompletionRequest(values["model"], prompts, sampling, _streaming(values), values["echo"])
+    return CompletionRequest(values["model"], prompts, sampling, _streaming(values), values["echo"],
+                             _options(values))
 
 
 def _check_sequences(num_prompts: int, n: int, limits: RequestLimits) -> None:
@@ -266,11 +277,15 @@ def _sampling(values: dict[str, Any], max_tokens: str, logprobs: int | None,
         max_tokens_param=max_tokens,
         top_k=0 if values["top_k"] == -1 else values["top_k"],   # vLLM spells "off" as -1
         logprobs=logprobs,
-        cache_salt=values["cache_salt"] or None,
         logit_bias=values["logit_bias"] or (),
         structured=pick_structured(values),
         **{name: values[name] for name in knobs},
     )
+
+
+def _options(values: dict[str, Any]) -> RequestOptions:
+    return RequestOptions(cache_salt=values["cache_salt"] or None, priority=values["priority"],
+                          user=values["user"] or None, session_id=values["session_id"] or None)
 
 
 def _streaming(values: dict[str, Any]) -> StreamFields:

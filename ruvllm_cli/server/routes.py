@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from typing import Callable, Sequence
 
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
-from ruvllm_cli.engine.request import FinishReason
+from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
@@ -30,6 +31,7 @@ from ruvllm_cli.server.prompts import template_tools, tool_sampling
 from ruvllm_cli.server.state import ServerState, get_state
 
 METRICS_TIMEOUT_S = 10.0
+log = logging.getLogger("ruvllm.server")
 
 
 def add_routes(app: web.Application) -> None:
@@ -107,7 +109,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
     chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
-    adapter = state.check_model(chat.model)
+    options = dataclasses.replace(chat.options, adapter=state.check_model(chat.model))
     engine = engine_loop.engine
     parser = state.require_tool_parser() if chat.tools and chat.tools.active else None
     base = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
@@ -118,20 +120,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             sampling = tool_sampling(engine.tokenizer, chat.tools, parser.name, sampling)
         check_constraints(engine, sampling)
         prompt_ids = render_chat(engine.tokenizer, chat.messages, template_tools(chat.tools, chat.messages))
-        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages", adapter)
+        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages", options)
 
     assert state.token_texts is not None
     fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
                      chat.streaming.include_usage, ToolReplies(parser) if parser is not None else None)
     return await generate(request, state, engine_loop, prepare, "messages", chat.sampling.n,
-                          fmt, chat.streaming.stream, chat.sampling.structured)
+                          fmt, chat.streaming.stream, chat.sampling.structured, options)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
     engine_loop = state.require_engine()
     job = parse_completion_request(await read_json(request, state.config.max_body_size), state.limits)
-    adapter = state.check_model(job.model)
+    options = dataclasses.replace(job.options, adapter=state.check_model(job.model))
     engine = engine_loop.engine
     echo_texts: list[str] = []
 
@@ -141,18 +143,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if job.echo:
             echo_texts.extend(p if isinstance(p, str) else engine.tokenizer.decode(ids)
                               for p, ids in zip(job.prompts, prompt_ids))
-        return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt", adapter)
+        return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt", options)
 
     assert state.token_texts is not None
     fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), state.token_texts, job.sampling.logprobs,
                            job.streaming.include_usage, echo_texts)
     return await generate(request, state, engine_loop, prepare, "prompt", len(job.prompts) * job.sampling.n,
-                          fmt, job.streaming.stream, job.sampling.structured)
+                          fmt, job.streaming.stream, job.sampling.structured, options)
 
 
 async def generate(request: web.Request, state: ServerState, engine_loop: EngineLoop,
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
-                   fmt: ResponseFormat, stream: bool, structured: Structured | None = None) -> web.StreamResponse:
+                   fmt: ResponseFormat, stream: bool, structured: Structured | None = None,
+                   options: RequestOptions = RequestOptions()) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
     never outlive the handler (a client that leaves cancels them, and so does the
     end of the shutdown timeout: a 503, or on a stream an error event and [DONE])."""
@@ -175,7 +178,7 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
             return json_response(mark_repaired(fmt.body(choices), choices))
         finally:
             bridge.cancel_all(streams)
-            record(state, started, choices)
+            record(state, started, choices, options, request.path)
 
 
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
@@ -237,12 +240,27 @@ def finish_error(choice: Choice) -> ApiError:
     raise AssertionError("finish_error on a choice that finished normally")
 
 
-def record(state: ServerState, started: float, choices: Sequence[Choice]) -> None:
+def record(state: ServerState, started: float, choices: Sequence[Choice], options: RequestOptions,
+           path: str) -> None:
     metrics = state.metrics
     for choice in choices:
         if choice.first_token_at is not None:
             metrics.ttft.observe(choice.first_token_at - started)
+        if choice.queue_wait is not None:
+            metrics.queue_time.observe(choice.queue_wait)
     first_copies = {c.prompt_index: c for c in reversed(choices)}
     metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in first_copies.values()))
     metrics.generation_tokens.inc(sum(c.num_output_tokens for c in choices))
-    metrics.e2e_latency.observe(time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    metrics.e2e_latency.observe(elapsed)
+    log_request(state, path, options, choices, sum(c.num_prompt_tokens for c in first_copies.values()), elapsed)
+
+
+def log_request(state: ServerState, path: str, options: RequestOptions, choices: Sequence[Choice],
+                prompt_tokens: int, elapsed: float) -> None:
+    """One line per request at INFO (shown with --verbose): who, which model, how long it queued."""
+    waits = [c.queue_wait for c in choices if c.queue_wait is not None]
+    log.info("%s model=%s user=%s session=%s priority=%d sequences=%d prompt=%d output=%d queue=%s e2e=%.3fs",
+             path, options.adapter or state.model_name, options.user or "-", options.session_id or "-",
+             options.priority, len(choices), prompt_tokens, sum(c.num_output_tokens for c in choices),
+             f"{max(waits):.3f}s" if waits else "-", elapsed)

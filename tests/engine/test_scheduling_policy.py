@@ -102,7 +102,9 @@ def test_a_waiting_request_of_higher_priority_preempts_a_worse_running_one():
     assert [c.request for c in plan.chunks] == [high] and plan.preempted == [low]
     assert s.running == [high] and list(s.waiting) == [low]
     equal = make(4, 200, priority=-1, arrival=1000.6)   # not better than the running one: it waits
+    earlier = make(4, 300, priority=-1, arrival=999.0)  # same level, earlier: not a level better either
     s.add(equal)
+    s.add(earlier)
     assert run_step(s).preempted == []
 
 
@@ -172,3 +174,20 @@ def test_priority_levels_by_name_and_number():
     assert parse_priority(7) == 7
     with pytest.raises(UsageError, match="not an integer or one of critical, high, normal, low"):
         RequestOptions(priority="urgent")
+
+
+def test_a_swapped_request_the_prefix_cache_fully_restores_copies_nothing_and_frees_its_swap_blocks():
+    s = scheduler("fcfs", blocks=5, mode="swap", swap=8)
+    a, b = make(7, 0), make(7, 100)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    b_blocks = list(b.block_table)
+    plan = run_step(s)          # a takes the free block; b has none left and is swapped out
+    assert plan.preempted == [b] and len(plan.swap_out) == 2
+    s.finish(a, FinishReason.STOP)
+    plan = run_step(s)          # both of b's full blocks are still cached: nothing to copy back
+    assert b.block_table[:2] == b_blocks and plan.swap_in == [] and plan.swap_done == [0, 1]
+    assert s.swap.num_free_blocks == 8
+    s.swap.check_integrity(s.live_requests())
