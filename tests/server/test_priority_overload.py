@@ -34,3 +34,18 @@ def test_high_priority_requests_start_three_times_sooner(make_server, server_mod
     assert "ruvllm_request_queue_time_seconds_count 250.0" in metrics
     live.assert_clean()
     live.engine(lambda e: e.check_integrity())
+
+
+def test_user_session_and_priority_are_kept_and_logged(server, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ruvllm.server")
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "user": "alice", "session_id": "s-1",
+            "priority": -1}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    [line] = [r.getMessage() for r in caplog.records if "user=alice" in r.getMessage()]
+    assert "/v1/completions model=tiny user=alice session=s-1 priority=-1 sequences=1" in line
+    assert "queue=" in line and "queue=-" not in line
+    for bad in ({"priority": 1.5}, {"priority": "high"}, {"user": 7}, {"session_id": []}):
+        answer = httpx.post(server.url + "/v1/completions", json={**body, **bad}, timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == next(iter(bad))
