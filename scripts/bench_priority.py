@@ -3,12 +3,13 @@
 
 200 long low-priority requests (48 tokens) and 50 short high-priority ones (8
 tokens), all sent at once (the low ones first), streamed, against the tiny model with
-a KV cache of 48 blocks (a 16-request batch needs about 80: preemption is forced).
+a KV cache of 60% of what a 16-request batch needs (preemption is forced).
+`--prompt-words` lengthens the prompt, which makes recompute cost more.
 For fcfs and priority, each with recompute and swap, and a run with room for every
 request (no preemption) as the baseline: p95 TTFT of both classes, their ratio, the
 wall time and what preemption cost beside the baseline, and the preemptions.
 
-    .venv/bin/python scripts/bench_priority.py [--model DIR]
+    .venv/bin/python scripts/bench_priority.py [--model DIR] [--prompt-words 120]
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import httpx  # noqa: E402
 from ruvllm_cli.bench.overload import HIGH, LOW, run_overload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = [("fcfs", "recompute", None), ("fcfs", "recompute", 48), ("fcfs", "swap", 48),
-           ("priority", "recompute", 48), ("priority", "swap", 48)]
+CONFIGS = [("fcfs", "recompute", False), ("fcfs", "recompute", True), ("fcfs", "swap", True),
+           ("priority", "recompute", True), ("priority", "swap", True)]
+LOW_TOKENS = 48
 
 
 def block_bytes(model: Path) -> int:
@@ -54,7 +56,7 @@ def serve(model: Path, policy: str, mode: str, blocks: int | None) -> tuple[subp
     port = free_port()
     command = [sys.executable, "-m", "ruvllm_cli", "serve", str(model), "--port", str(port), "-q", "none",
                "--device", "cpu", "--served-model-name", "tiny", "--max-queue", "300", "--max-concurrent", "16",
-               "--scheduling-policy", policy, "--preemption-mode", mode, "--max-context", "256"]
+               "--scheduling-policy", policy, "--preemption-mode", mode, "--max-context", "512"]
     if blocks is not None:
         command += ["--kv-cache-memory", str(blocks * block_bytes(model)), "--swap-space",
                     str(256 * block_bytes(model))]
@@ -83,19 +85,27 @@ def preemptions(url: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a model directory (default: the tests' tiny model)")
+    parser.add_argument("--prompt-words", type=int, default=8, help="words in every prompt")
     args = parser.parse_args()
+    prompt = " ".join(["lighthouse", "keeper", "story", "sea"] * (args.prompt_words // 4 + 1))
     if args.model is None:
         from ruvllm_cli.testing.tiny_model import cached_tiny_model
 
         args.model = cached_tiny_model(Path(os.environ.get("TMPDIR", "/tmp")) / "ruvllm-bench-models")
-    baseline = None
+    baseline, prompt_tokens = None, 0
     print("| policy | preemption | KV blocks | high p95 TTFT s | low p95 TTFT s | high / low | wall s | "
           "lost to preemption | preemptions |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for policy, mode, blocks in CONFIGS:
+    for policy, mode, scarce in CONFIGS:
+        blocks = None
+        if scarce:   # 60% of 16 requests' blocks, measured on the first request's prompt
+            blocks = int(0.6 * 16 * -(-(prompt_tokens + LOW_TOKENS) // 16))
         process, url = serve(args.model, policy, mode, blocks)
         try:
-            result = asyncio.run(run_overload(url, "tiny"))
+            if not scarce:
+                prompt_tokens = httpx.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+            result = asyncio.run(run_overload(url, "tiny", prompt=prompt, low_tokens=LOW_TOKENS))
             counted = preemptions(url)
         finally:
             process.send_signal(signal.SIGTERM)

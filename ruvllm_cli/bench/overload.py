@@ -77,7 +77,8 @@ async def run_overload(url: str, model: str, *, low: int = 200, high: int = 50, 
     limits = httpx.Limits(max_connections=low + high + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         started = time.perf_counter()
-        jobs = [_one(client, url, model, LOW, prompt, low_tokens) for _ in range(low)]
-        jobs += [_one(client, url, model, HIGH, prompt, high_tokens) for _ in range(high)]
+        # Each prompt starts with its own number: no request shares another's prefix blocks.
+        jobs = [_one(client, url, model, LOW, f"{i} {prompt}", low_tokens) for i in range(low)]
+        jobs += [_one(client, url, model, HIGH, f"{low + i} {prompt}", high_tokens) for i in range(high)]
         outcomes = await asyncio.gather(*jobs)
     return OverloadResult(list(outcomes), time.perf_counter() - started)
