@@ -1,7 +1,8 @@
 """The chat page in a real headless Chromium against the real server on the tiny
 model: a reply streams in and ends with its stats, Stop and Esc cancel the request
-on the server, markup in a reply stays text, the API key is asked for, a reload
-keeps the conversation, and light, dark and phone-width screenshots are taken.
+on the server, LoRA adapters are picked under their base model, markup in a reply
+stays text, the API key is asked for, a reload keeps the conversation, and light,
+dark and phone-width screenshots are taken.
 
 Replies whose words matter are forced through the server's own `structured_outputs`
 choice, typed into the page's "Extra request fields" setting: the text still comes
@@ -26,7 +27,16 @@ from typing import Any
 import httpx
 import pytest
 
+from ruvllm_cli.engine.config import EngineConfig
+from ruvllm_cli.engine.engine import LLMEngine
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.server import ServerConfig, create_app
 from ruvllm_cli.testing.browser import INSTALL_HINT, BrowserPaths, browser_required, find_browser, start_chromium
+from ruvllm_cli.testing.tiny_lora import MLP, build_lora_adapter
+
+from tests.server.conftest import NAMES, LiveServer, ServerThread
 
 pytestmark = pytest.mark.timeout(120)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -203,6 +213,50 @@ def test_keys_shift_enter_new_line_enter_sends_esc_stops(server, page_for):
     wait_gauge(server.url, "ruvllm_num_requests_running", 0)
 
 
+@pytest.fixture
+def adapter_server(tiny_model_dir, tmp_path) -> Iterator[LiveServer]:
+    """A server with one LoRA adapter, "mlp", on a model of its own (adapters wrap its layers)."""
+    engine = LLMEngine(load_model(tiny_model_dir, "cpu", Quantization.F32),
+                       EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=4, max_model_len=256))
+    engine.add_lora("mlp", build_lora_adapter(tiny_model_dir, tmp_path / "mlp", rank=8, targets=MLP, seed=2))
+    engine_loop = EngineLoop(engine)
+    live = LiveServer(ServerThread(create_app(engine_loop, ServerConfig(), served_names=NAMES)), engine_loop)
+    live.thread.start()
+    yield live
+    live.assert_clean()
+    live.stop()
+
+
+def test_adapters_are_picked_under_their_base_model(adapter_server, page_for):
+    from selenium.webdriver.support.ui import Select
+
+    page = page_for(adapter_server.url).open()
+    assert [o.text for o in page.all("#model > option")] == ["tiny", "org/tiny-model"]
+    assert page.el("#model optgroup").get_attribute("label") == "Adapters of tiny"
+    assert [o.text for o in page.all("#model optgroup option")] == ["mlp (LoRA)"]
+    Select(page.el("#model")).select_by_value("mlp")
+    page.settings(maxTokens="12", temperature="0", extra='{"ignore_eos": true}')
+    page.send("Hello")
+    shown = page.js("return arguments[0].innerHTML", page.wait_reply().find_element("css selector", ".body"))
+    # The reply is the adapter's: the text the API gives "mlp" (not "tiny"), as the page renders it.
+    replies = {}
+    for model in ("mlp", "tiny"):
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True}
+        text = httpx.post(adapter_server.url + "/v1/chat/completions", json=body, timeout=30).json()
+        replies[model] = render(page, text["choices"][0]["message"]["content"])
+    assert shown == replies["mlp"] != replies["tiny"]
+    page.open()
+    assert page.el("#model").get_attribute("value") == "mlp"   # the choice is kept
+
+
+def render(page: ChatPage, text: str) -> str:
+    """`text` as the page's Markdown renderer builds it (innerHTML of its container)."""
+    return page.driver.execute_async_script(
+        "const [text, done] = arguments; import('./ui/markdown.js').then(({renderMarkdown}) => {"
+        "  const box = document.createElement('div'); renderMarkdown(box, text); done(box.innerHTML); });", text)
+
+
 def test_markup_in_a_reply_is_shown_as_text(server, page_for):
     page = page_for(server.url).open()
     page.force_reply(HOSTILE)
@@ -339,9 +393,4 @@ MARKDOWN = [   # (model text, the HTML the renderer builds)
 
 def test_the_markdown_renderer_builds_only_its_own_elements(server, page_for):
     page = page_for(server.url).open()
-    built = page.driver.execute_async_script(
-        "const [cases, done] = arguments;"
-        "import('./ui/markdown.js').then(({renderMarkdown}) => done(cases.map((text) => {"
-        "  const box = document.createElement('div'); renderMarkdown(box, text); return box.innerHTML; })));",
-        [text for text, _ in MARKDOWN])
-    assert list(zip([text for text, _ in MARKDOWN], built)) == MARKDOWN
+    assert [(text, render(page, text)) for text, _ in MARKDOWN] == MARKDOWN
