@@ -273,6 +273,22 @@ def test_markup_in_a_reply_is_shown_as_text(server, page_for):
     assert set(link.get_attribute("rel").split()) >= {"noopener", "noreferrer"}
 
 
+def test_a_json_schema_constrains_the_reply(server, page_for):
+    page = page_for(server.url).open()
+    page.settings(schema='{"type": "object"')
+    page.send("Yes or no?")   # not sent: the settings open on what is wrong
+    assert page.el("#settings-error").text.startswith("JSON schema: not JSON")
+    assert page.all(".message") == [] and page.el("#input").get_attribute("value") == "Yes or no?"
+    schema = {"title": "verdict", "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    page.settings(schema=json.dumps(schema), maxTokens="40")
+    assert not page.el("#settings-error").is_displayed()
+    page.el("#send").click()
+    reply = page.wait_reply()
+    text = page.js("return arguments[0].textContent", reply.find_element("css selector", ".body"))
+    assert json.loads(text)["answer"] in ("yes", "no") and len(json.loads(text)) == 1, text
+
+
 def test_reload_keeps_the_conversation(server, page_for):
     page = page_for(server.url).open()
     page.force_reply("Kept **across** reloads.")
