@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
-INSTALL_HINT = ("apt-get install chromium chromium-driver (scripts/setup does it when run as root), "
+INSTALL_HINT = ("apt-get install chromium chromium-driver (scripts/setup does it as root or with sudo), "
                 "and selenium (pip install -e '.[dev]')")
 
 
