@@ -90,6 +90,9 @@ BYTE_SIZE = ByteSize()
 @click.option("--api-key", envvar="RUVLLM_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (env RUVLLM_API_KEY).")
 @click.option("--cors-origins", default=None, help="Comma-separated origins allowed by CORS (off by default).")
+@click.option("--no-web-ui", is_flag=True,
+              help="Do not serve the chat page at / (a static page that uses this API; with --api-key it "
+                   "asks for the key).")
 @click.option("--max-body-size", type=BYTE_SIZE, default="4MiB", show_default=True,
               help="Largest request body; bigger ones get 413.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
@@ -112,8 +115,9 @@ BYTE_SIZE = ByteSize()
 def command(**options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
 
-    Binds 127.0.0.1 unless --host says otherwise. /health answers 503 while the model
-    loads, then 200; /metrics is in Prometheus format; /openapi.json describes the API.
+    Binds 127.0.0.1 unless --host says otherwise. / is a chat page in the browser
+    (--no-web-ui: none). /health answers 503 while the model loads, then 200;
+    /metrics is in Prometheus format; /openapi.json describes the API.
     Ctrl+C or SIGTERM stops accepting, lets running requests finish (--shutdown-timeout),
     then exits; a second Ctrl+C ends them at once.
 
@@ -226,7 +230,8 @@ def server_config(options: dict[str, Any], verbose: bool, cache_dir: Path | None
                         max_body_size=options["max_body_size"], limits=limits,
                         chat_max_tokens=options["max_tokens_default"], verbose=verbose,
                         tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"],
-                        allow_runtime_lora=options["allow_runtime_lora"], cache_dir=cache_dir)
+                        allow_runtime_lora=options["allow_runtime_lora"], cache_dir=cache_dir,
+                        web_ui=not options["no_web_ui"])
 
 
 def load(app: AppContext, options: dict[str, Any]) -> Any:
@@ -322,6 +327,8 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % names[0]
     out.info(f"[bold]ruvllm serve[/bold] · {escape(described)}")
     out.info(escape(f"  OpenAI API  {url}/v1   (model: {', '.join(names)})"))
+    if not options.get("no_web_ui"):
+        out.info(escape(f"  Web chat    {curl_url}/"))
     out.info(escape(f"  Health      {url}/health"))
     out.info(escape(f"  Metrics     {url}/metrics"))
     if kv_cache:

@@ -8,7 +8,8 @@ once as a `spec.Field`, which the validator and `openapi` both read; `messages`,
 tokenizing, per-sequence plans), `bridge` (engine submission and streams),
 `responses` (bodies and chunks), `sse`, `metrics`, `middlewares` (errors, CORS,
 API key), `state` (per-app state), `token_text` (token strings and bytes for
-logprobs). The server never imports the CLI.
+logprobs), `web` (the chat page at /, its files in web/). The server never imports
+the CLI.
 """
 
 from ruvllm_cli.server.app import RunningServer, attach_engine, create_app, start_server

@@ -14,6 +14,7 @@ from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cor
 from ruvllm_cli.server.routes import add_routes
 from ruvllm_cli.server.runner import ApiAppRunner
 from ruvllm_cli.server.state import STATE_KEY, ServerConfig, ServerState, get_state
+from ruvllm_cli.server.web import add_web_routes
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 # Once the shutdown timeout has ended every generation, what their handlers get to
@@ -46,6 +47,8 @@ def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConf
     state = ServerState(config)
     app[STATE_KEY] = state
     add_routes(app)
+    if config.web_ui:
+        add_web_routes(app)
     if config.cors_origins:
         app.on_response_prepare.append(add_cors_headers)
     app.on_shutdown.append(_start_draining)

@@ -11,11 +11,13 @@ from aiohttp import web
 
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.state import get_state
+from ruvllm_cli.server.web import PAGE_PATHS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger("ruvllm.server")
 
-PUBLIC_PATHS = {"/health"}
+# The chat page and its files hold no secret: the browser gets them before it has a key.
+PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 # Status a client that went away gets in the metrics (nginx's convention).
 CLIENT_CLOSED = 499
 
@@ -105,7 +107,7 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
 
 
 def auth_middleware(api_key: str) -> Callable:
-    """`Authorization: Bearer <key>` on every route but /health, compared in constant time."""
+    """`Authorization: Bearer <key>` on every route but PUBLIC_PATHS, compared in constant time."""
     expected = api_key.encode("utf-8")
 
     @web.middleware

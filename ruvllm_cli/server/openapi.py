@@ -1,8 +1,9 @@
 """The server's OpenAPI 3.1 document (GET /openapi.json), built from the app's own
 router and from the request field specs the handlers validate with
 (protocol.REQUEST_FIELDS): a route or a field is in the document exactly when the
-server has it. The response schemas are checked against real answers by the fuzz
-test (tests/server/test_fuzz_openapi.py)."""
+server has it. The chat page's files (web.PAGE_PATHS) are left out: a browser
+loads them, no program calls them. The response schemas are checked against real
+answers by the fuzz test (tests/server/test_fuzz_openapi.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ruvllm_cli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ruvllm_cli.server.middlewares import PUBLIC_PATHS
 from ruvllm_cli.server.protocol import REQUEST_FIELDS
 from ruvllm_cli.server.spec import Field, JsonSchema, object_schema
+from ruvllm_cli.server.web import PAGE_PATHS
 
 _ERROR_REF = {"$ref": "#/components/schemas/Error"}
 _NULL_STRING = {"type": ["string", "null"]}
@@ -100,10 +102,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 
 
 def openapi_document(app: web.Application, *, api_key: bool = False) -> JsonSchema:
-    """The document of every route `app` serves (HEAD aside)."""
+    """The document of every API route `app` serves (HEAD and the chat page aside)."""
     paths: dict[str, dict[str, Any]] = {}
     for route in app.router.routes():
-        if route.method == "HEAD" or route.resource is None:
+        if route.method == "HEAD" or route.resource is None or route.resource.canonical in PAGE_PATHS:
             continue
         key = (route.method, route.resource.canonical)
         if key not in OPERATIONS:

@@ -41,6 +41,7 @@ class ServerConfig:
     tool_call_parser: str | None = None   # None: detected from the model's chat template
     allow_runtime_lora: bool = False      # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     cache_dir: Path | None = None         # where a hub id given as lora_path is fetched to
+    web_ui: bool = True                   # the chat page at / (server/web.py)
 
 
 class Admission:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ruvllm_cli.cli.context import AppContext
-from ruvllm_cli.cli.serve import print_banner
+from ruvllm_cli.cli.serve import print_banner, server_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 Run = Callable[..., subprocess.CompletedProcess]
@@ -72,6 +72,22 @@ def test_banner_without_a_key_has_no_authorization(capsys, monkeypatch) -> None:
     lines = banner({"api_key": None}, capsys, monkeypatch)
     curl = next(line for line in lines if line.startswith("  Try:"))
     assert "Authorization" not in curl and not any("export" in line for line in lines)
+
+
+def test_banner_names_the_chat_page_unless_it_is_off(capsys, monkeypatch) -> None:
+    lines = banner({"api_key": None, "no_web_ui": False}, capsys, monkeypatch)
+    assert lines[1:3] == ["  OpenAI API  http://127.0.0.1:8080/v1   (model: tiny)",
+                          "  Web chat    http://127.0.0.1:8080/"]
+    lines = banner({"api_key": None, "no_web_ui": True}, capsys, monkeypatch)
+    assert not any("Web chat" in line for line in lines)
+
+
+def test_no_web_ui_reaches_the_server_config() -> None:
+    options = {"cors_origins": None, "max_prompts_per_request": 16, "max_sequences_per_request": 16,
+               "api_key": None, "max_queue": 64, "max_body_size": 1024, "max_tokens_default": 16,
+               "tool_call_parser": "auto", "allow_runtime_lora": False}
+    assert server_config({**options, "no_web_ui": False}, verbose=False).web_ui
+    assert not server_config({**options, "no_web_ui": True}, verbose=False).web_ui
 
 
 def read_lines(stream, into: "queue.Queue[str]") -> None:

@@ -43,7 +43,8 @@ def test_help_shows_the_server_options(ruvllm):
     assert result.returncode == 0
     for option in ("--max-queue", "--shutdown-timeout", "--served-model-name", "--max-num-batched-tokens",
                    "--kv-cache-memory", "--no-prefix-cache", "--max-body-size", "--api-key", "--cors-origins",
-                   "--max-prompts-per-request", "--max-sequences-per-request", "--max-tokens-default"):
+                   "--max-prompts-per-request", "--max-sequences-per-request", "--max-tokens-default",
+                   "--no-web-ui"):
         assert option in result.stdout
 
 

@@ -1,0 +1,426 @@
+// The chat page: conversations on the left, the reply streaming in as the server
+// sends it, settings on the right. Every model text goes through renderMarkdown or
+// textContent, never through innerHTML.
+
+import { Api, ApiError } from './api.js';
+import { renderMarkdown } from './markdown.js';
+import * as store from './store.js';
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  chats: $('chats'), messages: $('messages'), input: $('input'), send: $('send'), stop: $('stop'),
+  model: $('model'), notice: $('notice'), settings: $('settings'), form: $('settings-form'),
+  settingsError: $('settings-error'), keyDialog: $('key-dialog'), keyForm: $('key-form'),
+  key: $('key'), remember: $('remember'), keyError: $('key-error'),
+};
+const state = {
+  chats: store.loadChats(), chat: null, settings: store.loadSettings(), key: store.loadKey(),
+  controller: null, pending: '',
+};
+const api = new Api(() => state.key);
+const views = new WeakMap();   // message -> its <article>, kept out of what is saved
+
+// ---- conversations ----------------------------------------------------------------
+function openChat(chat) {
+  if (!state.chats.includes(chat)) state.chats.unshift(chat);
+  state.chat = chat;
+  store.saveActive(chat.id);
+  renderChats();
+  ui.messages.replaceChildren(...chat.messages.map(messageView));
+  scrollToEnd(true);
+}
+
+function saveChats() {
+  // A conversation nobody wrote in is not worth a line in the list.
+  store.saveChats(state.chats.filter((c) => c.messages.length));
+}
+
+function renderChats() {
+  ui.chats.replaceChildren(...state.chats.filter((c) => c.messages.length || c === state.chat).map(chatItem));
+}
+
+function chatItem(chat) {
+  const open = button(chat.title || 'New chat', 'open', () => {
+    openChat(chat);
+    document.body.classList.remove('show-chats');   // on a phone the list covers the chat
+  });
+  if (chat === state.chat) open.setAttribute('aria-current', 'true');
+  const remove = button('×', 'delete', () => deleteChat(chat));
+  remove.setAttribute('aria-label', `Delete “${chat.title || 'New chat'}”`);
+  const li = document.createElement('li');
+  li.append(open, remove);
+  return li;
+}
+
+function deleteChat(chat) {
+  if (chat === state.chat && state.controller) return;
+  state.chats = state.chats.filter((c) => c !== chat);
+  saveChats();
+  if (chat === state.chat) openChat(state.chats[0] ?? store.newChat());
+  else renderChats();
+}
+
+// ---- messages -----------------------------------------------------------------------
+function messageView(message) {
+  const view = document.createElement('article');
+  view.className = `message ${message.role}`;
+  view.dataset.state = message.state ?? 'done';
+  const body = document.createElement('div');
+  body.className = 'body';
+  const stats = document.createElement('p');
+  stats.className = 'stats';
+  view.append(body, stats);
+  views.set(message, view);
+  updateView(message);
+  return view;
+}
+
+function updateView(message) {
+  const view = views.get(message);
+  if (!view) return;   // its conversation is not the one on screen
+  const [body, stats] = view.children;
+  if (message.role === 'assistant') renderMarkdown(body, message.content);
+  else body.textContent = message.content;
+  stats.textContent = message.stats ?? '';
+  view.dataset.state = message.state ?? 'done';
+}
+
+function scrollToEnd(force = false) {
+  const box = ui.messages;
+  const near = box.scrollHeight - box.scrollTop - box.clientHeight < 80;
+  if (force || near) box.scrollTop = box.scrollHeight;
+}
+
+// ---- sending ------------------------------------------------------------------------
+async function send() {
+  const text = ui.input.value.trim();
+  if (!text || state.controller) return;
+  let body;
+  try {
+    body = requestBody([...history(), { role: 'user', content: text }]);
+  } catch (error) {
+    showSettingsError(error.message);
+    return;
+  }
+  ui.input.value = '';
+  autosize();
+  const chat = state.chat;
+  const user = addMessage(chat, { role: 'user', content: text });
+  const reply = addMessage(chat, { role: 'assistant', content: '', state: 'streaming' });
+  chat.title ||= text.slice(0, 60);
+  renderChats();
+  await streamReply(chat, body, reply, user, text);
+}
+
+function addMessage(chat, message) {
+  chat.messages.push(message);
+  if (chat === state.chat) {
+    ui.messages.append(messageView(message));
+    scrollToEnd(true);
+  }
+  return message;
+}
+
+async function streamReply(chat, body, reply, user, text) {
+  state.controller = new AbortController();
+  setBusy(true);
+  const clock = { start: performance.now(), first: null, end: null };
+  try {
+    const { usage, finish } = await readReply(body, reply, clock);
+    clock.end = performance.now();
+    reply.state = 'done';
+    reply.stats = statsLine(clock, usage, finish);
+  } catch (error) {
+    clock.end = performance.now();
+    if (error instanceof ApiError && error.status === 401) return unsent(chat, [user, reply], text);
+    failed(reply, error, clock);
+  } finally {
+    state.controller = null;
+    setBusy(false);
+  }
+  updateView(reply);
+  saveChats();
+  scrollToEnd();
+}
+
+/** Stream the reply to `body` into `reply`; its usage and finish reason. */
+async function readReply(body, reply, clock) {
+  let usage = null;
+  let finish = null;
+  for await (const chunk of api.chat(body, state.controller.signal)) {
+    usage = chunk.usage ?? usage;
+    for (const choice of chunk.choices ?? []) {
+      const piece = choice.delta?.content ?? '';
+      if (piece) {
+        clock.first ??= performance.now();
+        reply.content += piece;
+        redraw(reply);
+      }
+      finish = choice.finish_reason ?? finish;
+    }
+  }
+  return { usage, finish };
+}
+
+function failed(reply, error, clock) {
+  if (state.controller.signal.aborted) {
+    // The server sees the connection close and cancels the request; no usage comes.
+    reply.state = 'stopped';
+    reply.stats = `stopped after ${seconds(clock.end - clock.start)}`;
+  } else {
+    reply.state = 'error';
+    reply.stats = `error: ${error.message}`;
+    if (error.code === 'model_not_found') loadModels();
+  }
+}
+
+/** A request the server refused for want of a key: take it back and ask for one. */
+function unsent(chat, messages, text) {
+  chat.messages = chat.messages.filter((m) => !messages.includes(m));
+  for (const m of messages) views.get(m)?.remove();
+  if (!chat.messages.length) chat.title = '';
+  state.pending = text;
+  ui.input.value = text;
+  askKey();
+}
+
+let redrawing = null;
+function redraw(message) {
+  // Markdown is re-rendered whole at most once a frame, however fast chunks come.
+  if (redrawing === message) return;
+  redrawing = message;
+  requestAnimationFrame(() => {
+    redrawing = null;
+    updateView(message);
+    scrollToEnd();
+  });
+}
+
+function statsLine(clock, usage, finish) {
+  const parts = [];
+  if (usage) parts.push(`${usage.completion_tokens} tokens`);
+  const decoding = (clock.end - (clock.first ?? clock.end)) / 1000;
+  // The first token's time is the prompt's; the rate is over the tokens after it.
+  if (usage && usage.completion_tokens > 1 && decoding > 0) {
+    parts.push(`${((usage.completion_tokens - 1) / decoding).toFixed(1)} tok/s`);
+  }
+  if (clock.first !== null) parts.push(`first token ${seconds(clock.first - clock.start)}`);
+  if (usage) parts.push(`prompt ${usage.prompt_tokens} tokens`);
+  if (finish === 'length') parts.push('cut at max tokens');
+  return parts.join(' · ') || `${seconds(clock.end - clock.start)}, no text`;
+}
+
+function seconds(ms) {
+  return `${(ms / 1000).toFixed(2)} s`;
+}
+
+function history() {
+  const system = state.settings.system.trim();
+  const turns = state.chat.messages
+    .filter((m) => (m.role === 'user' || m.role === 'assistant') && m.content)
+    .map((m) => ({ role: m.role, content: m.content }));
+  return system ? [{ role: 'system', content: system }, ...turns] : turns;
+}
+
+/** The chat completion request for `messages`; throws on a setting that does not parse. */
+function requestBody(messages) {
+  if (!ui.model.value) throw new Error('No model to talk to yet: the model list did not load.');
+  return {
+    ...settingsFields(), model: ui.model.value, messages, stream: true, stream_options: { include_usage: true },
+  };
+}
+
+/** The request fields the settings panel sets; extra fields first, so the panel's own win. */
+function settingsFields() {
+  const s = state.settings;
+  const body = { ...jsonSetting(s.extra, 'Extra request fields') };
+  setNumber(body, 'temperature', s.temperature, parseFloat);
+  setNumber(body, 'max_tokens', s.maxTokens, (v) => parseInt(v, 10));
+  setNumber(body, 'seed', s.seed, (v) => parseInt(v, 10));
+  const schema = jsonSetting(s.schema, 'JSON schema');
+  if (schema) {
+    const name = String(schema.title ?? 'reply').replace(/[^A-Za-z0-9_-]/g, '_').slice(0, 64) || 'reply';
+    body.response_format = { type: 'json_schema', json_schema: { name, schema, strict: true } };
+  }
+  return body;
+}
+
+function jsonSetting(text, what) {
+  if (!text.trim()) return null;
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (error) {
+    throw new Error(`${what}: not JSON (${error.message})`);
+  }
+  if (typeof value !== 'object' || value === null || Array.isArray(value)) {
+    throw new Error(`${what}: must be a JSON object`);
+  }
+  return value;
+}
+
+function setNumber(body, name, text, parse) {
+  const value = parse(String(text).trim());
+  if (!Number.isNaN(value)) body[name] = value;
+}
+
+function stop() {
+  state.controller?.abort();
+}
+
+function setBusy(busy) {
+  ui.send.hidden = busy;
+  ui.stop.hidden = !busy;
+  document.body.classList.toggle('busy', busy);
+}
+
+// ---- models ---------------------------------------------------------------------------
+async function loadModels() {
+  try {
+    fillModels(await api.models());
+    notice('');
+  } catch (error) {
+    if (error instanceof ApiError && error.status === 401) askKey();
+    else notice(`Could not list the models: ${error.message}`);
+  }
+}
+
+/** Base models as options; LoRA adapters (`parent` = their base) grouped under it. */
+function fillModels(models) {
+  const options = models.filter((m) => !m.parent).map((m) => option(m.id, m.id));
+  const parents = [...new Set(models.filter((m) => m.parent).map((m) => m.parent))];
+  for (const parent of parents) {
+    const group = document.createElement('optgroup');
+    group.label = `Adapters of ${parent}`;
+    group.append(...models.filter((m) => m.parent === parent).map((m) => option(m.id, `${m.id} (LoRA)`)));
+    options.push(group);
+  }
+  ui.model.replaceChildren(...options);
+  const ids = models.map((m) => m.id);
+  ui.model.value = ids.includes(state.settings.model) ? state.settings.model : ids[0] ?? '';
+  const chosen = models.find((m) => m.id === ui.model.value);
+  ui.form.elements.maxTokens.placeholder = chosen?.max_tokens_default?.['/v1/chat/completions'] ?? '';
+}
+
+function option(value, label) {
+  const node = document.createElement('option');
+  node.value = value;
+  node.textContent = label;
+  return node;
+}
+
+function notice(text) {
+  ui.notice.textContent = text;
+  ui.notice.hidden = !text;
+}
+
+// ---- API key --------------------------------------------------------------------------
+function askKey(message = '') {
+  ui.key.value = state.key;
+  ui.keyError.textContent = message;
+  ui.keyError.hidden = !message;
+  if (!ui.keyDialog.open) ui.keyDialog.showModal();
+  ui.key.focus();
+}
+
+async function submitKey(event) {
+  event.preventDefault();
+  state.key = ui.key.value.trim();
+  try {
+    fillModels(await api.models());
+  } catch (error) {
+    return askKey(error.status === 401 ? 'The server did not accept this key.' : error.message);
+  }
+  store.saveKey(state.key, ui.remember.checked);
+  ui.keyDialog.close();
+  notice('');
+  if (state.pending && ui.input.value.trim() === state.pending) send();
+  state.pending = '';
+}
+
+// ---- settings -------------------------------------------------------------------------
+function fillSettings() {
+  for (const [name, value] of Object.entries(state.settings)) {
+    const field = ui.form.elements[name];
+    if (field) field.value = value;
+  }
+}
+
+function readSettings() {
+  for (const name of Object.keys(store.DEFAULT_SETTINGS)) {
+    const field = ui.form.elements[name];
+    if (field) state.settings[name] = field.value;
+  }
+  state.settings.model = ui.model.value;
+  store.saveSettings(state.settings);
+  try {
+    settingsFields();
+    showSettingsError('');
+  } catch (error) {
+    showSettingsError(error.message);
+  }
+}
+
+function showSettingsError(text) {
+  ui.settingsError.textContent = text;
+  ui.settingsError.hidden = !text;
+  if (text) togglePanel(true);
+}
+
+function togglePanel(open = ui.settings.hidden) {
+  ui.settings.hidden = !open;
+  $('toggle-settings').setAttribute('aria-expanded', String(open));
+}
+
+// ---- wiring ---------------------------------------------------------------------------
+function button(text, className, onClick) {
+  const node = document.createElement('button');
+  node.type = 'button';
+  node.className = className;
+  node.textContent = text;
+  node.addEventListener('click', onClick);
+  return node;
+}
+
+function autosize() {
+  if (CSS.supports('field-sizing', 'content')) return;
+  ui.input.style.height = 'auto';
+  ui.input.style.height = `${ui.input.scrollHeight}px`;
+}
+
+function onKey(event) {
+  if (event.key === 'Escape' && state.controller) {
+    event.preventDefault();
+    stop();
+  } else if (event.target === ui.input && event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
+    event.preventDefault();
+    send();
+  }
+}
+
+function wire() {
+  $('composer').addEventListener('submit', (event) => { event.preventDefault(); send(); });
+  ui.stop.addEventListener('click', stop);
+  ui.input.addEventListener('input', autosize);
+  document.addEventListener('keydown', onKey);
+  ui.form.addEventListener('input', readSettings);
+  ui.model.addEventListener('change', readSettings);
+  ui.keyForm.addEventListener('submit', submitKey);
+  $('forget-key').addEventListener('click', () => { state.key = ''; store.saveKey('', false); ui.key.value = ''; });
+  $('change-key').addEventListener('click', () => askKey());
+  $('new-chat').addEventListener('click', () => { openChat(store.newChat()); ui.input.focus(); });
+  $('toggle-settings').addEventListener('click', () => togglePanel());
+  $('close-settings').addEventListener('click', () => togglePanel(false));
+  $('toggle-chats').addEventListener('click', () => document.body.classList.toggle('show-chats'));
+}
+
+function start() {
+  wire();
+  fillSettings();
+  const active = state.chats.find((c) => c.id === store.loadActive());
+  openChat(active ?? store.newChat());
+  loadModels();
+  ui.input.focus();
+}
+
+start();

@@ -1,0 +1,161 @@
+// A small Markdown renderer for model output, which is untrusted: it builds DOM
+// nodes itself (createElement, text nodes) and never parses text as HTML, so a
+// reply holding <script> or <img onerror=...> shows those characters and nothing
+// more. Covered: paragraphs, headings, code fences, inline code, bold, italic,
+// lists (flat), quotes, rules, and links to http(s) only.
+
+const FENCE = /^\s*(```|~~~)\s*([\w.+#-]*)/;
+const HEADING = /^(#{1,6})\s+(.*)$/;
+const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const QUOTE = /^\s*>\s?(.*)$/;
+const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
+// One alternative per inline form; span() tells them apart by group number.
+const INLINE = new RegExp([
+  /`([^`\n]+)`/.source,                                 // 1: code
+  /\*\*(.+?)\*\*|__(.+?)__/.source,                     // 2, 3: bold
+  /\*([^*\s](?:[^*]*[^*\s])?)\*/.source,                // 4: italic
+  /(?<!\w)_([^_\s](?:[^_]*[^_\s])?)_(?!\w)/.source,     // 5: italic, not snake_case
+  /\[([^\]\n]+)\]\(([^)\s]+)\)/.source,                 // 6, 7: [label](url)
+  /(https?:\/\/[^\s<>()]+[^\s<>().,;:!?'"])/.source,    // 8: a bare URL
+].join('|'), 'g');
+
+/** Replace `container`'s children with `text` rendered as Markdown. */
+export function renderMarkdown(container, text) {
+  container.replaceChildren(...blocks(text.split('\n')));
+}
+
+function blocks(lines) {
+  const out = [];
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    let match;
+    if (!line.trim()) {
+      i += 1;
+    } else if ((match = FENCE.exec(line))) {
+      i = codeBlock(lines, i, match, out);
+    } else if ((match = HEADING.exec(line))) {
+      out.push(inline(el(`h${Math.min(match[1].length + 2, 6)}`), match[2]));
+      i += 1;
+    } else if (RULE.test(line)) {
+      out.push(el('hr'));
+      i += 1;
+    } else if (ITEM.test(line)) {
+      i = list(lines, i, out);
+    } else if (QUOTE.test(line)) {
+      i = quote(lines, i, out);
+    } else {
+      i = paragraph(lines, i, out);
+    }
+  }
+  return out;
+}
+
+function codeBlock(lines, start, match, out) {
+  const body = [];
+  let i = start + 1;
+  // An unclosed fence (a reply still streaming) runs to the end.
+  while (i < lines.length && !lines[i].trim().startsWith(match[1])) {
+    body.push(lines[i]);
+    i += 1;
+  }
+  const code = el('code');
+  code.textContent = body.join('\n');
+  if (match[2]) code.dataset.lang = match[2];
+  const pre = el('pre');
+  pre.append(code);
+  out.push(pre);
+  return i + 1;
+}
+
+function list(lines, start, out) {
+  const ordered = /\d/.test(ITEM.exec(lines[start])[1]);
+  const node = el(ordered ? 'ol' : 'ul');
+  let i = start;
+  let match;
+  while (i < lines.length && (match = ITEM.exec(lines[i])) && /\d/.test(match[1]) === ordered) {
+    node.append(inline(el('li'), match[2]));
+    i += 1;
+  }
+  out.push(node);
+  return i;
+}
+
+function quote(lines, start, out) {
+  const body = [];
+  let i = start;
+  let match;
+  while (i < lines.length && (match = QUOTE.exec(lines[i]))) {
+    body.push(match[1]);
+    i += 1;
+  }
+  const node = el('blockquote');
+  node.append(...blocks(body));
+  out.push(node);
+  return i;
+}
+
+function paragraph(lines, start, out) {
+  const node = el('p');
+  let i = start;
+  while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])) {
+    if (i > start) node.append(el('br'));
+    inline(node, lines[i]);
+    i += 1;
+  }
+  out.push(node);
+  return i;
+}
+
+function startsBlock(line) {
+  return [FENCE, HEADING, ITEM, QUOTE, RULE].some((pattern) => pattern.test(line));
+}
+
+/** Append `text`'s inline Markdown to `parent` (returned). */
+function inline(parent, text) {
+  let last = 0;
+  for (const m of text.matchAll(INLINE)) {
+    parent.append(text.slice(last, m.index));
+    parent.append(span(m));
+    last = m.index + m[0].length;
+  }
+  parent.append(text.slice(last));
+  return parent;
+}
+
+function span(m) {
+  if (m[1] !== undefined) return withText(el('code'), m[1]);
+  if (m[2] !== undefined || m[3] !== undefined) return inline(el('strong'), m[2] ?? m[3]);
+  if (m[4] !== undefined || m[5] !== undefined) return inline(el('em'), m[4] ?? m[5]);
+  if (m[6] !== undefined) return link(m[6], m[7], m[0]);
+  return link(m[8], m[8], m[0]);
+}
+
+function link(label, target, source) {
+  const url = safeUrl(target);
+  if (!url) return document.createTextNode(source);
+  const a = withText(el('a'), label);
+  a.href = url;
+  a.target = '_blank';
+  a.rel = 'noopener noreferrer nofollow';
+  return a;
+}
+
+/** `text` as an absolute http(s) URL, or null: no javascript:, data: or relative links. */
+export function safeUrl(text) {
+  try {
+    const url = new URL(text);
+    return url.protocol === 'http:' || url.protocol === 'https:' ? url.href : null;
+  } catch {
+    return null;
+  }
+}
+
+function el(tag) {
+  return document.createElement(tag);
+}
+
+function withText(node, text) {
+  node.textContent = text;
+  return node;
+}
