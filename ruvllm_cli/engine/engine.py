@@ -94,6 +94,11 @@ class LLMEngine:
             self.scheduler.add(request)
         return request
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes: [0, vocab_size) (the config's, which may exceed the tokenizer's)."""
+        return self._vocab_size
+
     # ---- LoRA adapters ---------------------------------------------------------------
     def adapter(self, name: str) -> Any:
         found = self.lora.get(name)

@@ -69,13 +69,19 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser_name: str, sampling
     return replace(sampling, structured=Structured(spec, "tools")) if spec is not None else sampling
 
 
-def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Completion prompts as token ids (strings the way the engine itself encodes them)."""
+def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:
+    """Completion prompts as token ids (strings the way the engine itself encodes them);
+    ids given by the client are checked against the vocabulary here, before anything
+    (echo's decode) reads them."""
     ids = []
     for i, prompt in enumerate(prompts):
         tokens = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise bad_request(f"Prompt {i} is empty.", "prompt")
+        outside = next((t for t in tokens if not 0 <= t < vocab_size), None)
+        if outside is not None:
+            raise bad_request(f"Prompt {i} has token id {outside}, outside the vocabulary [0, {vocab_size}).",
+                              "prompt", "invalid_value")
         ids.append(tokens)
     return ids
 

@@ -139,7 +139,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
     def prepare() -> list[SequencePlan]:
         check_constraints(engine, job.sampling)
-        prompt_ids = tokenize_prompts(engine.tokenizer, job.prompts)
+        prompt_ids = tokenize_prompts(engine.tokenizer, job.prompts, engine.vocab_size)
         if job.echo:
             echo_texts.extend(p if isinstance(p, str) else engine.tokenizer.decode(ids)
                               for p, ids in zip(job.prompts, prompt_ids))

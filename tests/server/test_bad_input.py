@@ -90,6 +90,9 @@ def bad_prompts() -> list[Any]:
         "negative-id": completion(400, "prompt", prompt=[-1, 5]),
         "huge-id": completion(400, "prompt", prompt=[10**30]),
         "oov-in-list": completion(400, "prompt", prompt=[[1, 2], [3, 10**6]]),
+        # echo decodes the prompt: out-of-vocabulary ids must be refused before that (was a 500)
+        "huge-id-echo": completion(400, "prompt", prompt=[713, 751620174, 10**23], echo=True),
+        "oov-id-echo": completion(400, "prompt", prompt=[5, 99_999], echo=True),
         "float-id": completion(400, "prompt[0]", prompt=[1.5, 2]),
         "bool-id": completion(400, "prompt[0]", prompt=[True, 2]),
         "float-id-later": completion(400, "prompt[2]", prompt=[1, 2, 3.0]),   # found by fuzzing: was prompt[0]
