@@ -158,7 +158,7 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
                    options: RequestOptions = RequestOptions()) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
     never outlive the handler (a client that leaves cancels them, and so does the
-    end of the shutdown timeout: a 503, or on a stream an error event and [DONE])."""
+    end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
     started = time.perf_counter()
     with state.admission.reserve(num_sequences):
         plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
@@ -184,7 +184,8 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
                           fmt: ResponseFormat, stop: asyncio.Event, repair: bool = False) -> web.StreamResponse:
     """Every stream's outputs as SSE chunks; whatever ends it (all finished, an engine
-    error, the shutdown timeout), the client gets a complete stream ending in [DONE]."""
+    error, the shutdown timeout), the client gets a complete stream with the format's
+    ending (OpenAI's [DONE], Anthropic's message_stop or error event)."""
     sse = EventStream(request)
     try:
         await sse.open()
@@ -195,10 +196,8 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             error = await send_outputs(sse, streams, choices, fmt, stop, repair)
         except bridge.ShuttingDown:
             error = bridge.shutting_down()
-        if error is not None:
-            await sse.send(error.body())
-        elif fmt.include_usage:
-            await sse.send(fmt.usage_chunk(choices))
+        for chunk in fmt.error_chunks(error) if error is not None else fmt.closing(choices):
+            await sse.send(chunk)
         return await sse.close()
     except ConnectionResetError:
         request["client_gone"] = True   # counted as 499; the caller cancels the streams
@@ -227,8 +226,10 @@ async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choic
 async def send_final(sse: EventStream, fmt: ResponseFormat, choice: Choice, output: RequestOutput,
                      repair: bool) -> None:
     suffix = repair_truncated_json(choice, streamed=True) if repair else ""
-    chunks = fmt.deltas(choice, RequestOutput(output.request_id, [], suffix)) if suffix else []
-    for chunk in [*chunks, *fmt.flush(choice), mark_repaired(fmt.final(choice), [choice])]:
+    chunks = [*(fmt.deltas(choice, RequestOutput(output.request_id, [], suffix)) if suffix else []),
+              *fmt.flush(choice)]
+    final = fmt.final(choice)   # after flush, which settles the tool calls it reports
+    for chunk in [*chunks, mark_repaired(final, [choice]) if repair else final]:
         await sse.send(chunk)
 
 
