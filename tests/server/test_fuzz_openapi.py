@@ -118,14 +118,26 @@ def served_document(url: str, model: str) -> dict[str, Any]:
     ignores such keys; drawing random ones made a chat case 3x slower to generate,
     and negative cases still add them)."""
     document = httpx.get(url + "/openapi.json", timeout=10).json()
-    for item in document["paths"].values():
+    for path, item in document["paths"].items():
         for operation in item.values():
             if "requestBody" in operation:
                 properties = operation["requestBody"]["content"]["application/json"]["schema"]["properties"]
                 for schema in properties.values():
                     close_objects(schema)
                 properties["model"] = {"type": "string", "enum": [model]}
+                if path in ANTHROPIC_ROUTES:
+                    narrow_messages_route(properties)
     return document
+
+
+def narrow_messages_route(properties: dict[str, Any]) -> None:
+    """/v1/messages' positive cases: a small max_tokens (one beyond the fuzz server's
+    context is a 400) and conversations that end with the user's turn (a final
+    assistant turn is a 400). Without these 3 of 227 cases reached the engine, with them 46 of 262."""
+    properties["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 8}
+    user, assistant = properties["messages"]["items"]["anyOf"]
+    properties["messages"] = {"anyOf": [{"type": "array", "prefixItems": turns, "items": False,
+                                         "minItems": len(turns)} for turns in ([user], [user, assistant, user])]}
 
 
 def close_objects(node: Any) -> None:
