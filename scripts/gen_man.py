@@ -41,7 +41,7 @@ ENVIRONMENT = [
     ("RUVLLM_CACHE_DIR", "Model cache directory, as --cache-dir (which takes precedence)."),
     ("RUVLLM_CONFIG_DIR", "Configuration directory, where your own model aliases are kept."),
     ("RUVLLM_DATA_DIR", "Data directory, where chat's /save keeps chats."),
-    ("RUVLLM_API_KEY", "API key that serve requires as Authorization: Bearer KEY, as --api-key."),
+    ("RUVLLM_API_KEY", "API key that serve requires (Authorization: Bearer KEY or x-api-key: KEY), as --api-key."),
     ("HF_TOKEN", "Hugging Face access token, needed for gated or private repositories."),
     ("HF_ENDPOINT", "Hugging Face hub address (default https://huggingface.co), for a mirror."),
     ("NO_COLOR", "When set to a non-empty value, turns all colour off, as --no-color."),

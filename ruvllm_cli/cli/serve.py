@@ -88,7 +88,7 @@ BYTE_SIZE = ByteSize()
 @click.option("--served-model-name", multiple=True,
               help="Extra name clients may use as `model` (repeatable; the first one is reported).")
 @click.option("--api-key", envvar="RUVLLM_API_KEY", default=None,
-              help="Require `Authorization: Bearer KEY` (env RUVLLM_API_KEY).")
+              help="Require the key as `Authorization: Bearer KEY` or `x-api-key: KEY` (env RUVLLM_API_KEY).")
 @click.option("--cors-origins", default=None, help="Comma-separated origins allowed by CORS (off by default).")
 @click.option("--no-web-ui", is_flag=True,
               help="Do not serve the chat page at / (a static page that uses this API; with --api-key it "

@@ -50,6 +50,7 @@ class StopMatcher:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.matched: str | None = None   # the stop string that ended the text (the earliest found)
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add new text; return (text safe to emit now, whether a stop string was hit).
@@ -60,9 +61,10 @@ class StopMatcher:
         if not self.stop:
             return self._emit(len(self.text)), False
         search_from = max(0, self.emitted - self.longest)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(at, s) for s, at in ((s, self.text.find(s, search_from)) for s in self.stop) if at >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            end, self.matched = min(hits, key=lambda hit: hit[0])   # a tie: the first listed
+            self.text = self.text[:end]
             self.stopped = True
             return self._emit(len(self.text)), True
         return self._emit(len(self.text) - self._partial_tail()), False

@@ -273,6 +273,7 @@ class Completion:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    stop_string: str | None = None
 
     def add(self, output: RequestOutput) -> None:
         self.token_ids += output.token_ids
@@ -281,7 +282,7 @@ class Completion:
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
-            self.finish_reason, self.error = output.finish_reason, output.error
+            self.finish_reason, self.error, self.stop_string = output.finish_reason, output.error, output.stop_string
 
 
 def plan_num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:

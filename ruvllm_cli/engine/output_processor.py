@@ -68,6 +68,7 @@ class OutputProcessor:
         output.finished = True
         output.finish_reason = request.finish_reason
         output.error = request.error
+        output.stop_string = request.stop_matcher.matched if request.stop_matcher is not None else None
         self.stats.prompt_tokens += request.num_prompt_tokens
         return output
 

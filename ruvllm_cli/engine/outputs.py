@@ -21,6 +21,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     timings: RequestTimings | None = None
     error: str | None = None
+    stop_string: str | None = None       # the stop string that ended it (vLLM's stop_reason); final only
 
 
 @dataclass

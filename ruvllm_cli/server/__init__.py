@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server (aiohttp) on the shared engine.
+"""An OpenAI-compatible HTTP server (aiohttp) on the shared engine, which also
+speaks Anthropic's Messages API.
 
 Layout: `app` (factory, runner helpers), `runner` (aiohttp's runner, answering
 protocol errors in our shape), `routes` (handlers), `body` (reading and checking
@@ -8,7 +9,8 @@ once as a `spec.Field`, which the validator and `openapi` both read; `messages`,
 tokenizing, per-sequence plans), `bridge` (engine submission and streams),
 `responses` (bodies and chunks), `sse`, `metrics`, `middlewares` (errors, CORS,
 API key), `state` (per-app state), `token_text` (token strings and bytes for
-logprobs), `web` (the chat page at /, its files in web/). The server never imports
+logprobs), `web` (the chat page at /, its files in web/), `messages_api` (Anthropic's
+/v1/messages: its fields, blocks, body, events and errors). The server never imports
 the CLI.
 """
 

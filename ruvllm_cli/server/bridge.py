@@ -29,6 +29,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    stop_string: str | None = None   # the stop string that ended it, if one did
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -49,6 +50,7 @@ class Choice:
         self.num_output_tokens = output.num_output_tokens or len(self.token_ids)
         if output.finished:
             self.finish_reason, self.error = output.finish_reason, output.error
+            self.stop_string = output.stop_string
             timings = output.timings
             if timings is not None and timings.scheduled is not None:
                 self.queue_wait = timings.scheduled - timings.arrival

@@ -1,9 +1,11 @@
-"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, or
+in another API's shape where a route answers as that API does (an ErrorShape,
+chosen by the error middleware)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -46,9 +48,11 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
-    def response(self) -> web.Response:
+    def response(self, shape: "ErrorShape | None" = None) -> web.Response:
+        """The answer, its body in OpenAI's shape unless `shape` gives another."""
+        body = shape(self) if shape is not None else self.body()
         # Never fails: a message may quote client input that UTF-8 cannot carry.
-        response = web.Response(body=json_bytes(self.body()), status=self.status, content_type="application/json",
+        response = web.Response(body=json_bytes(body), status=self.status, content_type="application/json",
                                 headers=self.headers)
         if self.close:
             response.force_close()
@@ -59,6 +63,10 @@ class ApiError(Exception):
     def from_ruvllm(cls, error: RuvllmError, param: str | None = None) -> "ApiError":
         """Our own exceptions carry an HTTP status; keep their message, drop the CLI hint."""
         return cls(error.http_status, error.message, param=param)
+
+
+# An error's body in some API's shape.
+ErrorShape = Callable[[ApiError], dict[str, Any]]
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:

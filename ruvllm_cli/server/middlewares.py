@@ -1,4 +1,4 @@
-"""Middlewares: errors in OpenAI's shape (and request metrics), CORS, API key."""
+"""Middlewares: errors in the route's API's shape (and request metrics), CORS, API key."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.errors import ApiError, ErrorShape
+from ruvllm_cli.server.messages_api.errors import anthropic_error_body
 from ruvllm_cli.server.state import get_state
 from ruvllm_cli.server.web import PAGE_PATHS
 
@@ -20,6 +21,9 @@ log = logging.getLogger("ruvllm.server")
 PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 # Status a client that went away gets in the metrics (nginx's convention).
 CLIENT_CLOSED = 499
+# Routes whose errors (their 401s and 413s included) take another API's shape; every
+# other route answers in OpenAI's.
+ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": anthropic_error_body}
 
 
 def endpoint_label(request: web.Request) -> str:
@@ -30,21 +34,23 @@ def endpoint_label(request: web.Request) -> str:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure becomes an OpenAI-shaped JSON error; no traceback reaches a client."""
+    """Every failure becomes a JSON error in the route's shape (ERROR_SHAPES, else
+    OpenAI's); no traceback reaches a client."""
     status = 500
+    shape = ERROR_SHAPES.get(request.path)
     try:
         response = await handler(request)
         status = CLIENT_CLOSED if request.get("client_gone") else response.status
         return response
     except ApiError as error:
         status = error.status
-        return error.response()
+        return error.response(shape)
     except web.HTTPException as error:
         if error.status < 400:
             status = error.status
             raise
         status = error.status
-        return http_error(request, error).response()
+        return http_error(request, error).response(shape)
     except (asyncio.CancelledError, ConnectionResetError):
         status = CLIENT_CLOSED
         raise
@@ -52,7 +58,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         state = get_state(request.app)
         log.error("internal error on %s %s: %s: %s", request.method, request.path, type(error).__name__, error,
                   exc_info=state.config.verbose)
-        return ApiError(500, "The server had an error while processing your request.").response()
+        return ApiError(500, "The server had an error while processing your request.").response(shape)
     finally:
         get_state(request.app).metrics.requests.labels(endpoint_label(request), str(status)).inc()
 
@@ -107,19 +113,29 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
 
 
 def auth_middleware(api_key: str) -> Callable:
-    """`Authorization: Bearer <key>` on every route but PUBLIC_PATHS, compared in constant time."""
+    """The key on every route but PUBLIC_PATHS, as `Authorization: Bearer <key>`
+    (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), compared in constant time."""
     expected = api_key.encode("utf-8")
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in PUBLIC_PATHS and request.method != "OPTIONS":
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+            keys = presented_keys(request)
+            if not keys:
+                raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            if not hmac.compare_digest(token.strip().encode("utf-8"), expected):
+            # Every key is compared (no early exit), so the time tells nothing either way.
+            if not sum(hmac.compare_digest(key.encode("utf-8", "surrogateescape"), expected) for key in keys):
                 raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
     return middleware
+
+
+def presented_keys(request: web.Request) -> list[str]:
+    """The non-empty keys a request carries: its bearer token, its x-api-key."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    keys = [token.strip()] if scheme.lower() == "bearer" else []
+    keys.append(request.headers.get("x-api-key", "").strip())
+    return [key for key in keys if key]

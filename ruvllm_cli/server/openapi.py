@@ -1,12 +1,14 @@
 """The server's OpenAPI 3.1 document (GET /openapi.json), built from the app's own
 router and from the request field specs the handlers validate with
-(protocol.REQUEST_FIELDS): a route or a field is in the document exactly when the
-server has it. The chat page's files (web.PAGE_PATHS) are left out: a browser
-loads them, no program calls them. The response schemas are checked against real
-answers by the fuzz test (tests/server/test_fuzz_openapi.py)."""
+(protocol.REQUEST_FIELDS, and messages_api.protocol's for /v1/messages): a route or
+a field is in the document exactly when the server has it. The chat page's files
+(web.PAGE_PATHS) are left out: a browser loads them, no program calls them. The
+response schemas are checked against real answers by the fuzz test
+(tests/server/test_fuzz_openapi.py)."""
 
 from __future__ import annotations
 
+from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -14,13 +16,15 @@ from aiohttp import web
 
 from ruvllm_cli import __version__
 from ruvllm_cli.server.errors import ERROR_TYPES
+from ruvllm_cli.server.messages_api import errors as anthropic_errors, protocol as messages_protocol
+from ruvllm_cli.server.messages_api.blocks import TEXT_BLOCK, TOOL_USE_BLOCK
+from ruvllm_cli.server.messages_api.responses import STOP_REASONS
 from ruvllm_cli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ruvllm_cli.server.middlewares import PUBLIC_PATHS
 from ruvllm_cli.server.protocol import REQUEST_FIELDS
 from ruvllm_cli.server.spec import Field, JsonSchema, object_schema
 from ruvllm_cli.server.web import PAGE_PATHS
 
-_ERROR_REF = {"$ref": "#/components/schemas/Error"}
 _NULL_STRING = {"type": ["string", "null"]}
 _LOGPROBS = {"type": ["object", "null"]}
 _FINISH = {"enum": ["stop", "length", "tool_calls", None]}
@@ -28,8 +32,12 @@ _HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"ty
          "system_fingerprint": {"type": "null"}}
 
 # One server-sent event of a stream (stream: true): a chunk's JSON, or an error
-# body, and `[DONE]` last.
+# body, and `[DONE]` last; on /v1/messages Anthropic's named events.
 _EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+# Every JSON route's fields; a ChainMap reads the dicts live (a test may add a field).
+ROUTE_FIELDS = ChainMap(REQUEST_FIELDS, messages_protocol.REQUEST_FIELDS)
+_ANTHROPIC_ERROR_TYPES = sorted({*anthropic_errors.ERROR_TYPES.values(), "invalid_request_error", "api_error"})
+_COUNT = {"type": "integer", "minimum": 0}
 SCHEMAS: dict[str, JsonSchema] = {
     "Error": {"type": "object", "required": ["error"], "additionalProperties": False, "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
@@ -62,6 +70,19 @@ SCHEMAS: dict[str, JsonSchema] = {
                 "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
                 "parent": {"type": ["string", "null"]},
                 "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}}}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "additionalProperties": False,
+                       "properties": {"type": {"const": "error"}, "error": {
+                           "type": "object", "required": ["type", "message"], "additionalProperties": False,
+                           "properties": {"type": {"enum": _ANTHROPIC_ERROR_TYPES},
+                                          "message": {"type": "string"}}}}},
+    "Message": {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason",
+                                               "stop_sequence", "usage"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+        "model": {"type": "string"}, "content": {"type": "array", "items": {"anyOf": [TEXT_BLOCK, TOOL_USE_BLOCK]}},
+        "stop_reason": {"enum": list(STOP_REASONS)}, "stop_sequence": _NULL_STRING,
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens"], "properties": {
+            "input_tokens": _COUNT, "output_tokens": _COUNT, "cache_read_input_tokens": _COUNT,
+            "cache_creation_input_tokens": _COUNT}}}},
     "Health": {"type": "object", "required": ["status"], "properties": {
         "status": {"enum": ["ok", "loading", "engine_failed", "shutting_down"]}, "model": {"type": "string"},
         "uptime_s": {"type": "number"}}},
@@ -78,6 +99,7 @@ class Operation:
     errors: tuple[int, ...] = ()             # statuses answered with an Error body
     same_body: tuple[int, ...] = ()          # statuses answered with the 200's body
     streams: bool = False                    # `stream: true` answers in server-sent events
+    error_schema: str = "Error"              # the errors' shape: OpenAI's, or AnthropicError
 
 
 _GENERATION_ERRORS = (400, 404, 408, 413, 429, 503)
@@ -92,6 +114,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                                 errors=_GENERATION_ERRORS, streams=True),
     ("POST", "/v1/completions"): Operation("A completion of a prompt.", "Completion",
                                            errors=_GENERATION_ERRORS, streams=True),
+    ("POST", "/v1/messages"): Operation("A reply in Anthropic's Messages API, with Anthropic's errors and "
+                                        "stream events.", "Message", errors=_GENERATION_ERRORS, streams=True,
+                                        error_schema="AnthropicError"),
     ("POST", "/v1/load_lora_adapter"): Operation(
         "Serve a LoRA adapter under a new model name (with --allow-runtime-lora).", content="text/plain",
         errors=(400, 404, 408, 413, 503)),
@@ -111,18 +136,22 @@ def openapi_document(app: web.Application, *, api_key: bool = False) -> JsonSche
         if key not in OPERATIONS:
             raise KeyError(f"{key[0]} {key[1]} has no entry in openapi.OPERATIONS")
         guarded = api_key and key[1] not in PUBLIC_PATHS
-        operation = operation_object(OPERATIONS[key], guarded, REQUEST_FIELDS.get(key[1], ()))
+        operation = operation_object(OPERATIONS[key], guarded, ROUTE_FIELDS.get(key[1], ()))
         paths.setdefault(key[1], {})[key[0].lower()] = operation
     document: JsonSchema = {
         "openapi": "3.1.0",
         "info": {"title": "ruvllm", "version": __version__,
-                 "description": "An OpenAI-compatible API. Every error body is {\"error\": {message, type, param, "
-                                "code}}; a request field that is null counts as absent."},
+                 "description": "An OpenAI-compatible API, and Anthropic's Messages API at /v1/messages. Every "
+                                "error body is {\"error\": {message, type, param, code}}, but on /v1/messages "
+                                "Anthropic's {\"type\": \"error\", \"error\": {type, message}}; a request field "
+                                "that is null counts as absent."},
         "paths": dict(sorted(paths.items())),
         "components": {"schemas": SCHEMAS},
     }
     if api_key:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return document
 
 
@@ -138,15 +167,17 @@ def operation_object(operation: Operation, guarded: bool, request: Sequence[Fiel
     for status in operation.same_body:
         responses[str(status)] = {"description": "Not ready", "content": {operation.content: ok}}
     for status in sorted(errors):
-        responses[str(status)] = _error_response()
-    responses["default"] = _error_response()
+        responses[str(status)] = _error_response(operation.error_schema)
+    responses["default"] = _error_response(operation.error_schema)
     result: JsonSchema = {"summary": operation.summary, "responses": responses}
     if request:
         result["requestBody"] = {"required": True, "content": {"application/json": {"schema": object_schema(request)}}}
     if guarded:
-        result["security"] = [{"bearer": []}]
+        result["security"] = [{"bearer": []}, {"apiKey": []}]   # either one
     return result
 
 
-def _error_response() -> JsonSchema:
-    return {"description": "An error in OpenAI's shape.", "content": {"application/json": {"schema": _ERROR_REF}}}
+def _error_response(schema: str) -> JsonSchema:
+    shape = "Anthropic's" if schema == "AnthropicError" else "OpenAI's"
+    return {"description": f"An error in {shape} shape.",
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}

@@ -1,7 +1,8 @@
 """OpenAI response bodies and stream chunks, built from accumulated choices.
 
-`ChatFormat` and `CompletionFormat` share one shape, so a single generation path
-(routes.generate) serves both endpoints, streaming or not."""
+`ChatFormat` and `CompletionFormat` share one shape (`ResponseFormat`) with
+Anthropic's `MessagesFormat`, so a single generation path (routes.generate) serves
+every endpoint, streaming or not."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.server.bridge import Choice
+from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.sse import DONE, Chunk
 from ruvllm_cli.server.token_text import TokenTexts
 from ruvllm_cli.server.tool_output import ToolReplies, calls_json, delta_json
 
@@ -39,14 +42,33 @@ class ResponseMeta:
 
 
 class ResponseFormat(Protocol):
+    """One endpoint's answers: a body, or a stream that opens each choice, sends
+    its deltas, flushes what a parser held back, finishes it (`final`), and ends
+    with `closing` (or with `error_chunks` when an error cut it short)."""
+
+    def opening(self, choice: Choice) -> Sequence[Chunk]: ...
+    def deltas(self, choice: Choice, output: RequestOutput) -> Sequence[Chunk]: ...
+    def flush(self, choice: Choice) -> Sequence[Chunk]: ...
+    def final(self, choice: Choice) -> Chunk: ...
+    def closing(self, choices: Sequence[Choice]) -> Sequence[Chunk]: ...
+    def error_chunks(self, error: ApiError) -> Sequence[Chunk]: ...
+    def body(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
+
+
+class OpenAIStreamEnd:
+    """How an OpenAI stream ends: the usage chunk when asked for, then [DONE]; after
+    an error, its body and [DONE]."""
+
     include_usage: bool
 
-    def opening(self, choice: Choice) -> list[dict[str, Any]]: ...
-    def deltas(self, choice: Choice, output: RequestOutput) -> list[dict[str, Any]]: ...
-    def flush(self, choice: Choice) -> list[dict[str, Any]]: ...
-    def final(self, choice: Choice) -> dict[str, Any]: ...
-    def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
-    def body(self, choices: Sequence[Choice]) -> dict[str, Any]: ...
+    def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def closing(self, choices: Sequence[Choice]) -> list[Chunk]:
+        return [self.usage_chunk(choices), DONE] if self.include_usage else [DONE]
+
+    def error_chunks(self, error: ApiError) -> list[Chunk]:
+        return [error.body(), DONE]
 
 
 def finish_reason(choice: Choice) -> str | None:
@@ -69,7 +91,7 @@ def usage(choices: Sequence[Choice]) -> dict[str, Any]:
 
 # ---- chat -------------------------------------------------------------------------------
 @dataclass
-class ChatFormat:
+class ChatFormat(OpenAIStreamEnd):
     meta: ResponseMeta
     texts: TokenTexts
     top_logprobs: int | None = None       # None: no logprobs
@@ -139,7 +161,7 @@ class ChatFormat:
 
 # ---- completions ----------------------------------------------------------------------------
 @dataclass
-class CompletionFormat:
+class CompletionFormat(OpenAIStreamEnd):
     meta: ResponseMeta
     texts: TokenTexts
     logprobs: int | None = None

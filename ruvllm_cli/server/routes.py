@@ -1,5 +1,5 @@
 """Request handlers: /health, /metrics, /openapi.json, /v1/models, /v1/chat/completions,
-/v1/completions."""
+/v1/completions, and Anthropic's /v1/messages on the chat path."""
 
 from __future__ import annotations
 
@@ -7,28 +7,32 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop, RequestStream
+from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
+from ruvllm_cli.engine.tool_parsers import ToolParser
+from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
+from ruvllm_cli.server.messages_api.protocol import parse_messages_request
+from ruvllm_cli.server.messages_api.responses import MessagesFormat
 from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot, read_engine_snapshot
 from ruvllm_cli.server.openapi import openapi_document
-from ruvllm_cli.engine.outputs import RequestOutput
-from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat,
-                                       tokenize_prompts)
-from ruvllm_cli.server.protocol import COMPLETION_MAX_TOKENS, parse_chat_request, parse_completion_request
+from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
+                                       tokenize_prompts, tool_sampling)
+from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, SamplingFields, parse_chat_request,
+                                        parse_completion_request)
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.sse import EventStream
+from ruvllm_cli.server.state import ServerState, get_state
 from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
 from ruvllm_cli.server.tool_output import ToolReplies
-from ruvllm_cli.server.prompts import template_tools, tool_sampling
-from ruvllm_cli.server.state import ServerState, get_state
 
 METRICS_TIMEOUT_S = 10.0
 log = logging.getLogger("ruvllm.server")
@@ -41,6 +45,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter)
 
@@ -110,23 +115,43 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine_loop = state.require_engine()
     chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
     options = dataclasses.replace(chat.options, adapter=state.check_model(chat.model))
-    engine = engine_loop.engine
     parser = state.require_tool_parser() if chat.tools and chat.tools.active else None
-    base = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
-
-    def prepare() -> list[SequencePlan]:
-        sampling = base
-        if parser is not None:
-            sampling = tool_sampling(engine.tokenizer, chat.tools, parser.name, sampling)
-        check_constraints(engine, sampling)
-        prompt_ids = render_chat(engine.tokenizer, chat.messages, template_tools(chat.tools, chat.messages))
-        return plan_sequences([prompt_ids], sampling, engine.max_model_len, "messages", options)
-
+    sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
+    prepare = chat_prepare(engine_loop.engine, chat.messages, chat.tools, parser, sampling, options)
     assert state.token_texts is not None
     fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
                      chat.streaming.include_usage, ToolReplies(parser) if parser is not None else None)
     return await generate(request, state, engine_loop, prepare, "messages", chat.sampling.n,
                           fmt, chat.streaming.stream, chat.sampling.structured, options)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API: a chat request in another shape (server/messages_api)."""
+    state = get_state(request.app)
+    engine_loop = state.require_engine()
+    job = parse_messages_request(await read_json(request, state.config.max_body_size))
+    options = dataclasses.replace(job.options, adapter=state.check_model(job.model))
+    parser = state.require_tool_parser() if job.tools and job.tools.active else None
+    prepare = chat_prepare(engine_loop.engine, job.messages, job.tools, parser, job.sampling, options)
+    fmt = MessagesFormat(job.model, ToolReplies(parser) if parser is not None else None)
+    return await generate(request, state, engine_loop, prepare, "messages", 1, fmt, job.stream, None, options)
+
+
+def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None, parser: ToolParser | None,
+                 sampling: SamplingFields, options: RequestOptions) -> Callable[[], list[SequencePlan]]:
+    """The work before submitting a chat reply (in a worker thread): the tools' grammar,
+    the constraints' checks, the prompt through the template, one plan per sequence."""
+
+    def prepare() -> list[SequencePlan]:
+        plan_sampling = sampling
+        if parser is not None:
+            assert tools is not None
+            plan_sampling = tool_sampling(engine.tokenizer, tools, parser.name, sampling)
+        check_constraints(engine, plan_sampling)
+        prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages))
+        return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, "messages", options)
+
+    return prepare
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -158,7 +183,7 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
                    options: RequestOptions = RequestOptions()) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
     never outlive the handler (a client that leaves cancels them, and so does the
-    end of the shutdown timeout: a 503, or on a stream an error event and [DONE])."""
+    end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
     started = time.perf_counter()
     with state.admission.reserve(num_sequences):
         plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
@@ -184,7 +209,8 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
                           fmt: ResponseFormat, stop: asyncio.Event, repair: bool = False) -> web.StreamResponse:
     """Every stream's outputs as SSE chunks; whatever ends it (all finished, an engine
-    error, the shutdown timeout), the client gets a complete stream ending in [DONE]."""
+    error, the shutdown timeout), the client gets a complete stream with the format's
+    ending (OpenAI's [DONE], Anthropic's message_stop or error event)."""
     sse = EventStream(request)
     try:
         await sse.open()
@@ -195,10 +221,8 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             error = await send_outputs(sse, streams, choices, fmt, stop, repair)
         except bridge.ShuttingDown:
             error = bridge.shutting_down()
-        if error is not None:
-            await sse.send(error.body())
-        elif fmt.include_usage:
-            await sse.send(fmt.usage_chunk(choices))
+        for chunk in fmt.error_chunks(error) if error is not None else fmt.closing(choices):
+            await sse.send(chunk)
         return await sse.close()
     except ConnectionResetError:
         request["client_gone"] = True   # counted as 499; the caller cancels the streams
@@ -227,8 +251,10 @@ async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choic
 async def send_final(sse: EventStream, fmt: ResponseFormat, choice: Choice, output: RequestOutput,
                      repair: bool) -> None:
     suffix = repair_truncated_json(choice, streamed=True) if repair else ""
-    chunks = fmt.deltas(choice, RequestOutput(output.request_id, [], suffix)) if suffix else []
-    for chunk in [*chunks, *fmt.flush(choice), mark_repaired(fmt.final(choice), [choice])]:
+    chunks = [*(fmt.deltas(choice, RequestOutput(output.request_id, [], suffix)) if suffix else []),
+              *fmt.flush(choice)]
+    final = fmt.final(choice)   # after flush, which settles the tool calls it reports
+    for chunk in [*chunks, mark_repaired(final, [choice]) if repair else final]:
         await sse.send(chunk)
 
 

@@ -1,9 +1,13 @@
-"""Server-sent events the way OpenAI streams: `data: {json}` per chunk, `data: [DONE]` last."""
+"""Server-sent events. OpenAI streams `data: {json}` chunks and `data: [DONE]` last;
+Anthropic names each event (`event: message_start`) and ends with its own last
+event. The response formats decide what to send (responses.py and
+messages_api/responses.py); this module only writes it."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
 from aiohttp import web
 
@@ -12,6 +16,20 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",   # keep reverse proxies from holding chunks back
 }
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event with an `event:` line (Anthropic's), or `data` that is sent as it is
+    (OpenAI's `[DONE]`)."""
+
+    data: Any
+    name: str | None = None
+
+
+DONE = Event("[DONE]")
+# What a format hands the stream: a chunk's JSON (sent as a `data:` line), or an Event.
+Chunk = Union[dict[str, Any], Event]
 
 
 class EventStream:
@@ -24,14 +42,21 @@ class EventStream:
     async def open(self) -> None:
         await self.response.prepare(self.request)
 
-    async def send(self, data: Any) -> None:
-        await self.response.write(encode_event(data))
+    async def send(self, chunk: Chunk) -> None:
+        await self.response.write(encode_event(chunk))
 
     async def close(self) -> web.StreamResponse:
-        await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
         return self.response
 
 
-def encode_event(data: Any) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+def encode_event(chunk: Chunk) -> bytes:
+    if not isinstance(chunk, Event):
+        return b"data: " + _json(chunk) + b"\n\n"
+    data = chunk.data.encode("utf-8") if isinstance(chunk.data, str) else _json(chunk.data)
+    head = f"event: {chunk.name}\n".encode("utf-8") if chunk.name else b""
+    return head + b"data: " + data + b"\n\n"
+
+
+def _json(data: Any) -> bytes:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

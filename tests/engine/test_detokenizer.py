@@ -18,7 +18,7 @@ def test_stop_matcher_holds_back_a_partial_stop():
     assert m.feed("abc E") == ("abc ", False)
     assert m.feed("N") == ("", False)
     assert m.feed("D tail") == ("", True)
-    assert m.text == "abc "
+    assert m.text == "abc " and m.matched == "END"
 
 
 def test_stop_matcher_releases_a_false_alarm_and_flushes():
@@ -34,6 +34,14 @@ def test_stop_split_over_many_deltas_and_earliest_wins():
     out = [m.feed(c) for c in "hello world"]
     assert "".join(o[0] for o in out) == "hel"
     assert any(hit for _, hit in out)
+    assert m.matched == "lo w"
+
+
+def test_the_matched_stop_string_is_the_earliest_then_the_first_listed():
+    m = StopMatcher(["cd", "bc", "b"])
+    assert m.feed("abcd") == ("a", True)
+    assert m.matched == "bc"
+    assert StopMatcher(["x"]).matched is None
 
 
 def test_streamed_text_equals_one_decode_of_the_reply(make_engine, loaded):

@@ -143,8 +143,9 @@ def test_stop_string_cuts_text_and_finishes(make_engine):
     stop = text[3:6]
     cut = engine.generate([PROMPTS[5]], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                        stop=(stop,)))[0]
-    assert cut.finish_reason is FinishReason.STOP
+    assert cut.finish_reason is FinishReason.STOP and cut.stop_string == stop
     assert cut.text == text[:text.find(stop)]
+    assert free.stop_string is None
 
 
 def test_logprobs_are_reported_with_alternatives(make_engine):

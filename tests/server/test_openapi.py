@@ -7,6 +7,7 @@ import httpx
 import pytest
 from openapi_spec_validator import validate
 
+from ruvllm_cli.server.messages_api.protocol import MESSAGES_FIELDS
 from ruvllm_cli.server.protocol import CHAT_FIELDS, COMPLETION_FIELDS, REQUEST_FIELDS
 from ruvllm_cli.server.spec import Field
 from ruvllm_cli.server.web import PAGE_PATHS
@@ -39,6 +40,12 @@ def test_the_document_is_valid_openapi_and_lists_every_route(server):
     assert list(completion["properties"]) == [field.name for field in COMPLETION_FIELDS]
     assert completion["properties"]["logprobs"]["type"] == ["integer", "null"]
     assert "security" not in document["paths"]["/v1/models"]["get"]
+    messages = request_schema(document, "/v1/messages")
+    assert list(messages["properties"]) == [field.name for field in MESSAGES_FIELDS]
+    assert messages["required"] == ["model", "max_tokens", "messages"]
+    responses = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/AnthropicError"}
+    assert responses["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Message"}
 
 
 def test_every_documented_bound_is_the_one_the_server_enforces(server):
@@ -75,7 +82,9 @@ def test_with_an_api_key_the_document_needs_it_and_says_so(make_server):
     assert_error(httpx.get(live.url + "/openapi.json", timeout=10), 401, code="invalid_api_key")
     document = httpx.get(live.url + "/openapi.json", headers={"Authorization": "Bearer s3cret"}, timeout=10).json()
     validate(document)
-    assert document["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
-    assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert document["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+    assert document["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}, {"apiKey": []}]
     assert "401" in document["paths"]["/v1/completions"]["post"]["responses"]
     assert "security" not in document["paths"]["/health"]["get"]   # /health stays open

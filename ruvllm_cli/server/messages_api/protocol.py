@@ -1,0 +1,143 @@
+"""The body of POST /v1/messages, read through the same Field specs as the OpenAI
+routes (so /openapi.json documents it) into the chat route's pieces. Every
+malformed field is a 400 naming its param; fields we do not know are ignored, as
+on the OpenAI routes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ruvllm_cli.engine.request import RequestOptions
+from ruvllm_cli.engine.tools import TOOL_NAME, Tool, ToolChoice, ToolRequest
+from ruvllm_cli.errors import UsageError
+from ruvllm_cli.server.errors import bad_request
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.messages_api.blocks import MESSAGES_SCHEMA, SYSTEM_SCHEMA, parse_messages, parse_system
+from ruvllm_cli.server.protocol import MODEL, SAMPLING, SERVING, SamplingFields
+from ruvllm_cli.server.spec import Field, read_fields
+from ruvllm_cli.server.tool_fields import MAX_TOOLS, tool_request
+
+PATH = "/v1/messages"
+# Anthropic documents no cap; the engine searches the new text for each one per step.
+MAX_STOP_SEQUENCES = 16
+# Anthropic's tool_choice types, as the engine's ToolChoice modes.
+CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    model: str
+    messages: list[dict[str, Any]]   # for the chat template: the system prompt first, if any
+    sampling: SamplingFields
+    stream: bool = False
+    tools: ToolRequest | None = None
+    options: RequestOptions = RequestOptions()   # metadata.user_id as `user`, cache_salt, priority
+
+
+def parse_messages_request(body: Any) -> MessagesRequest:
+    values = read_fields(Fields(body), REQUEST_FIELDS[PATH])
+    system = values["system"]
+    messages = [{"role": "system", "content": system}] if system else []
+    sampling = SamplingFields(
+        max_tokens=values["max_tokens"], stop=values["stop_sequences"], temperature=values["temperature"],
+        top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
+        ignore_eos=values["ignore_eos"])
+    metadata = values["metadata"] or {}
+    options = RequestOptions(cache_salt=values["cache_salt"] or None, priority=values["priority"],
+                             user=metadata.get("user_id") or None, session_id=values["session_id"] or None)
+    return MessagesRequest(values["model"], [*messages, *values["messages"]], sampling, values["stream"],
+                           _tool_request(values), options)
+
+
+def _tool_request(values: dict[str, Any]) -> ToolRequest | None:
+    """The engine's ToolRequest, its errors in Anthropic's words (`any`, not `required`)."""
+    tools, (choice, parallel) = values["tools"], values["tool_choice"]
+    if choice.forced and not tools:
+        kind = next(k for k, mode in CHOICE_MODES.items() if mode == choice.mode)
+        raise bad_request(f"'tool_choice' of type '{kind}' needs 'tools'.", "tool_choice", "invalid_value")
+    if choice.name is not None and choice.name not in {tool.name for tool in tools}:
+        raise invalid_value("tool_choice.name", "must be the name of one of the tools", choice.name)
+    return tool_request({"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel})
+
+
+# ---- the fields ------------------------------------------------------------------------
+def _stop_sequences(value: list[Any]) -> tuple[str, ...]:
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise invalid_value("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop sequences", f"{len(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise invalid_type(f"stop_sequences[{i}]", "a string", item)
+    return tuple(value)
+
+
+def _tools(value: list[Any]) -> list[Tool]:
+    if len(value) > MAX_TOOLS:
+        raise invalid_value("tools", f"at most {MAX_TOOLS} tools", f"{len(value)} tools")
+    return [_tool(item, f"tools[{i}]") for i, item in enumerate(value)]
+
+
+def _tool(item: Any, where: str) -> Tool:
+    """A client tool: name, description, input_schema. Anthropic's server tools
+    (web search, bash, ...) run on Anthropic's side, so they are refused here."""
+    if not isinstance(item, dict):
+        raise invalid_type(where, "an object", item)
+    if item.get("type") not in (None, "custom"):
+        raise invalid_value(f"{where}.type", "only custom tools (name, description, input_schema) are supported",
+                            item.get("type"))
+    fields = Fields(item, f"{where}.")
+    name = fields.string("name", required=True) or ""
+    schema = fields.object("input_schema")
+    if schema is None:
+        raise bad_request(f"Missing required parameter: '{where}.input_schema'.", f"{where}.input_schema",
+                          "missing_required_parameter")
+    try:
+        return Tool(name, schema.body, fields.string("description"))
+    except UsageError as error:
+        raise invalid_value(f"{where}.name", error.message, name) from error
+
+
+def _tool_choice(choice: Fields) -> tuple[ToolChoice, bool]:
+    """(the engine's ToolChoice, whether one reply may hold several calls)."""
+    kind = choice.body["type"]
+    name = choice.string("name")
+    if kind == "tool" and not name:
+        raise bad_request("Missing required parameter: 'tool_choice.name'.", "tool_choice.name",
+                          "missing_required_parameter")
+    return ToolChoice(CHOICE_MODES[kind], name if kind == "tool" else None), not choice.boolean(
+        "disable_parallel_tool_use")
+
+
+_TOOL = {"type": "object", "required": ["name", "input_schema"], "properties": {
+    "type": {"enum": ["custom", None]}, "name": {"type": "string", "pattern": TOOL_NAME.pattern},
+    "description": {"type": ["string", "null"]},
+    "input_schema": {"type": "object", "description": "A JSON schema of the tool's input."}}}
+_STOP = {"type": "array", "maxItems": MAX_STOP_SEQUENCES, "items": {"type": "string"}}
+_SHARED = {spec.name: spec for spec in (*SAMPLING, *SERVING)}
+
+MESSAGES_FIELDS = (
+    MODEL,
+    Field("max_tokens", "integer", "Most tokens to generate.", required=True, low=1),
+    Field("messages", "array", "The conversation: text, tool_use and tool_result blocks.", required=True,
+          parse=parse_messages, schema=MESSAGES_SCHEMA),
+    Field("system", None, "The system prompt, put through the chat template.", "", parse=parse_system,
+          schema=SYSTEM_SCHEMA),
+    Field("stop_sequences", "array", "Text that ends the reply (not included; echoed as stop_sequence).", (),
+          parse=_stop_sequences, schema=_STOP),
+    Field("temperature", "number", "0: greedy; 1 (Anthropic's highest): plain sampling.", 1.0, low=0.0, high=1.0),
+    _SHARED["top_p"], _SHARED["top_k"],
+    Field("stream", "boolean", "Send the reply as Anthropic's server-sent events, message_start to "
+                               "message_stop.", False),
+    Field("tools", "array", "Tools the model may call.", (), parse=_tools,
+          schema={"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL}),
+    Field("tool_choice", "object", "Whether and which tool the model must call.", (ToolChoice(), True),
+          parse=_tool_choice, properties=(
+              Field("type", "string", required=True, enum=tuple(CHOICE_MODES)),
+              Field("name", "string", "The tool, with type tool."),
+              Field("disable_parallel_tool_use", "boolean", "At most one call in the reply.", False))),
+    Field("metadata", "object", properties=(
+        Field("user_id", "string", "Who the request is for: kept with the request, logged."),)),
+    # ruvllm's and vLLM's extensions, which Anthropic's SDK sends through `extra_body`.
+    _SHARED["seed"], _SHARED["ignore_eos"], _SHARED["cache_salt"], _SHARED["priority"], _SHARED["session_id"],
+)
+REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {PATH: MESSAGES_FIELDS}
