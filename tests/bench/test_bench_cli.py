@@ -10,15 +10,14 @@ import copy
 import csv
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run import bench
+
 PROMPT, GEN = 16, 8
 SMALL = ["-q", "none", "--prompt-length", str(PROMPT), "--gen-length", str(GEN), "--warmup", "1", "-i", "3"]
 
@@ -52,14 +51,6 @@ REQUEST_FIELDS = ["prompt_tokens", "cached_prompt_tokens", "generated_tokens", "
                   "prefill_ms", "decode_ms", "e2e_ms", "decode_tokens_per_s", "itl_ms"]
 SECTIONS = {"model": MODEL_FIELDS, "config": CONFIG_FIELDS, "system": SYSTEM_FIELDS, "metrics": METRIC_FIELDS,
             "noise": NOISE_FIELDS}
-
-
-def bench(model: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONIOENCODING="utf-8", NO_COLOR="1",
-               RUVLLM_CACHE_DIR=str(home / "cache"), RUVLLM_CONFIG_DIR=str(home / "config"))
-    return subprocess.run([sys.executable, "-m", "ruvllm_cli", "benchmark", str(model), *args],
-                          env=env, capture_output=True, text=True, encoding="utf-8", timeout=120, cwd=home)
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run import bench
+
 PROMPT, GEN, ITERATIONS = 16, 24, 3
 SCHEMA = {
     "type": "object",
@@ -29,14 +27,6 @@ STRUCTURED_FIELDS = [
     "constrained_tokens_per_request", "constrained_requests", "constrained_completed_requests",
     "mask_ms_per_token", "grammar_compile_ms",
 ]
-
-
-def bench(model: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONIOENCODING="utf-8", NO_COLOR="1",
-               RUVLLM_CACHE_DIR=str(home / "cache"), RUVLLM_CONFIG_DIR=str(home / "config"))
-    return subprocess.run([sys.executable, "-m", "ruvllm_cli", "benchmark", str(model), *args],
-                          env=env, capture_output=True, text=True, encoding="utf-8", timeout=120, cwd=home)
 
 
 @pytest.fixture(scope="module")

@@ -7,30 +7,20 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.run import bench
+
 PROMPT, GEN, ITERATIONS, CONCURRENCY = 16, 8, 2, 3
 # The documented fields (docs/benchmark.md): renaming any must fail here.
 LORA_FIELDS = [
     "adapters", "aggregate_decode_tok_s_base", "aggregate_decode_tok_s_mixed", "ratio", "ttft_ms_p50_base",
     "ttft_ms_p50_mixed", "mixed_requests", "mixed_base_requests", "slot_loads_warmup", "slot_loads_measured",
 ]
-
-
-def bench(model: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONIOENCODING="utf-8", NO_COLOR="1",
-               RUVLLM_CACHE_DIR=str(home / "cache"), RUVLLM_CONFIG_DIR=str(home / "config"))
-    return subprocess.run([sys.executable, "-m", "ruvllm_cli", "benchmark", str(model), *args],
-                          env=env, capture_output=True, text=True, encoding="utf-8", timeout=120, cwd=home)
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,17 @@ def run_step(s: Scheduler, token: int = 7):
     return plan
 
 
+def two_prefilled(s: Scheduler) -> tuple[Request, Request]:
+    """Two 7-token requests (2 blocks of 4 each), prefilled and one token further:
+    the next token of each needs a third block."""
+    a, b = make(7, 0), make(7, 100)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    run_step(s)
+    return a, b
+
+
 def test_priority_admits_by_priority_then_arrival():
     s = scheduler(seqs=2)
     late_high = make(4, 100, priority=-1, arrival=1000.5)
@@ -133,11 +144,7 @@ def test_aging_admits_a_starved_request_within_its_bound():
 
 def test_swap_moves_the_victims_blocks_and_brings_them_back():
     s = scheduler("fcfs", blocks=4, mode="swap", swap=8)
-    a, b = make(7, 0), make(7, 100)
-    s.add(a)
-    s.add(b)
-    run_step(s)
-    run_step(s)
+    a, b = two_prefilled(s)
     b_blocks = list(b.block_table)
     plan = run_step(s)                       # b is preempted by swap: its 2 blocks go to swap 0, 1
     assert plan.preempted == [b]
@@ -158,11 +165,7 @@ def test_swap_moves_the_victims_blocks_and_brings_them_back():
 
 def test_a_full_swap_pool_falls_back_to_recompute():
     s = scheduler("fcfs", blocks=4, mode="swap", swap=1)   # one swap block: b needs two
-    a, b = make(7, 0), make(7, 100)
-    s.add(a)
-    s.add(b)
-    run_step(s)
-    run_step(s)
+    a, b = two_prefilled(s)
     plan = run_step(s)
     assert plan.preempted == [b] and plan.swap_out == [] and b.swapped is None
     assert s.preemptions == {(0, "recompute"): 1}
@@ -178,11 +181,7 @@ def test_priority_levels_by_name_and_number():
 
 def test_a_swapped_request_the_prefix_cache_fully_restores_copies_nothing_and_frees_its_swap_blocks():
     s = scheduler("fcfs", blocks=5, mode="swap", swap=8)
-    a, b = make(7, 0), make(7, 100)
-    s.add(a)
-    s.add(b)
-    run_step(s)
-    run_step(s)
+    a, b = two_prefilled(s)
     b_blocks = list(b.block_table)
     plan = run_step(s)          # a takes the free block; b has none left and is swapped out
     assert plan.preempted == [b] and len(plan.swap_out) == 2

@@ -197,3 +197,23 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def start_adapter_server(model: LoadedModel, adapters: dict[str, Any], *, engine: dict[str, Any] | None = None,
+                         **app_options: Any) -> LiveServer:
+    """A server whose engine serves LoRA `adapters` ({name: directory}). Give it a
+    LoadedModel of its own: adapters wrap the model's layers, and other tests'
+    servers must not see them."""
+    config = {"max_num_seqs": 4, "max_model_len": 512, **(engine or {})}
+    llm = LLMEngine(model, EngineConfig(device="cpu", quantization=Quantization.F32, **config))
+    for name, path in adapters.items():
+        llm.add_lora(name, path)
+    engine_loop = EngineLoop(llm)
+    live = LiveServer(ServerThread(create_app(engine_loop, ServerConfig(**app_options), served_names=NAMES)),
+                      engine_loop, NAMES, app_options.get("api_key"))
+    try:
+        live.thread.start()
+    except BaseException:
+        engine_loop.shutdown()
+        raise
+    return live

@@ -336,21 +336,13 @@ def test_x_api_key_or_bearer_and_a_missing_key_is_anthropics_401(make_server):
 
 @pytest.fixture
 def lora_live(tiny_model_dir, tmp_path):
-    from ruvllm_cli.engine.config import EngineConfig
-    from ruvllm_cli.engine.engine import LLMEngine
     from ruvllm_cli.engine.loader import load_model
-    from ruvllm_cli.engine.loop import EngineLoop
     from ruvllm_cli.quantization import Quantization
-    from ruvllm_cli.server import ServerConfig, create_app
     from ruvllm_cli.testing.tiny_lora import MLP, build_lora_adapter
-    from tests.server.conftest import NAMES, LiveServer, ServerThread
+    from tests.server.conftest import start_adapter_server
 
-    engine = LLMEngine(load_model(tiny_model_dir, "cpu", Quantization.F32),
-                       EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=4, max_model_len=512))
-    engine.add_lora("mlp", build_lora_adapter(tiny_model_dir, tmp_path / "mlp", rank=8, targets=MLP, seed=2))
-    engine_loop = EngineLoop(engine)
-    live = LiveServer(ServerThread(create_app(engine_loop, ServerConfig(), served_names=NAMES)), engine_loop)
-    live.thread.start()
+    adapter = build_lora_adapter(tiny_model_dir, tmp_path / "mlp", rank=8, targets=MLP, seed=2)
+    live = start_adapter_server(load_model(tiny_model_dir, "cpu", Quantization.F32), {"mlp": adapter})
     yield live
     live.assert_clean()
     live.stop()

@@ -131,7 +131,7 @@ def test_bad_prompts(http):
     assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [[1, 2], "x", 3]}), 400,
                  "prompt[2]", "invalid_type")
     assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": [5, 99999]}), 400, "prompt",
-                 contains="token ids must be in")
+                 contains="outside the vocabulary [0, 512)")
     assert_error(http.post("/v1/completions", json={"model": "tiny", "prompt": ""}), 400, "prompt",
                  contains="empty")
 

@@ -12,16 +12,12 @@ import httpx
 import openai
 import pytest
 
-from ruvllm_cli.engine.config import EngineConfig
-from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
-from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.server import ServerConfig, create_app
 from ruvllm_cli.testing.tiny_lora import ATTENTION, MLP, build_lora_adapter
 
-from tests.server.conftest import NAMES, LiveServer, ServerThread
+from tests.server.conftest import LiveServer, start_adapter_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,14 +42,8 @@ def lora_server(lora_model, adapters):
     made = []
 
     def make(names=("attn", "mlp"), **app_options) -> LiveServer:
-        engine = LLMEngine(lora_model, EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=8,
-                                                    max_model_len=512, block_size=4))
-        for name in names:
-            engine.add_lora(name, adapters[name])
-        engine_loop = EngineLoop(engine)
-        app = create_app(engine_loop, ServerConfig(**app_options), served_names=NAMES)
-        live = LiveServer(ServerThread(app), engine_loop, NAMES, app_options.get("api_key"))
-        live.thread.start()
+        live = start_adapter_server(lora_model, {name: adapters[name] for name in names},
+                                    engine={"max_num_seqs": 8, "block_size": 4}, **app_options)
         made.append(live)
         return live
 

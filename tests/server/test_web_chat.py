@@ -27,16 +27,12 @@ from typing import Any
 import httpx
 import pytest
 
-from ruvllm_cli.engine.config import EngineConfig
-from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
-from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.server import ServerConfig, create_app
 from ruvllm_cli.testing.browser import INSTALL_HINT, BrowserPaths, browser_required, find_browser, start_chromium
 from ruvllm_cli.testing.tiny_lora import MLP, build_lora_adapter
 
-from tests.server.conftest import NAMES, LiveServer, ServerThread
+from tests.server.conftest import LiveServer, start_adapter_server
 
 pytestmark = pytest.mark.timeout(120)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -216,12 +212,9 @@ def test_keys_shift_enter_new_line_enter_sends_esc_stops(server, page_for):
 @pytest.fixture
 def adapter_server(tiny_model_dir, tmp_path) -> Iterator[LiveServer]:
     """A server with one LoRA adapter, "mlp", on a model of its own (adapters wrap its layers)."""
-    engine = LLMEngine(load_model(tiny_model_dir, "cpu", Quantization.F32),
-                       EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=4, max_model_len=256))
-    engine.add_lora("mlp", build_lora_adapter(tiny_model_dir, tmp_path / "mlp", rank=8, targets=MLP, seed=2))
-    engine_loop = EngineLoop(engine)
-    live = LiveServer(ServerThread(create_app(engine_loop, ServerConfig(), served_names=NAMES)), engine_loop)
-    live.thread.start()
+    adapter = build_lora_adapter(tiny_model_dir, tmp_path / "mlp", rank=8, targets=MLP, seed=2)
+    live = start_adapter_server(load_model(tiny_model_dir, "cpu", Quantization.F32), {"mlp": adapter},
+                                engine={"max_model_len": 256})
     yield live
     live.assert_clean()
     live.stop()
