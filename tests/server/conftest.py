@@ -147,9 +147,12 @@ def server_model(tiny_model_dir) -> LoadedModel:
 
 def build_server(model: LoadedModel, *, names: tuple[str, ...] = NAMES, engine: dict[str, Any] | None = None,
                  shutdown_timeout: float = 5.0, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, attach: bool = True,
-                 **app_options: Any) -> LiveServer:
+                 adapters: dict[str, Any] | None = None, **app_options: Any) -> LiveServer:
     config = {"max_num_seqs": 16, "max_model_len": 1024, **(engine or {})}
-    engine_loop = EngineLoop(LLMEngine(model, EngineConfig(device="cpu", quantization=Quantization.F32, **config)))
+    llm = LLMEngine(model, EngineConfig(device="cpu", quantization=Quantization.F32, **config))
+    for name, path in (adapters or {}).items():
+        llm.add_lora(name, path)
+    engine_loop = EngineLoop(llm)
     app = create_app(engine_loop if attach else None, ServerConfig(**app_options), served_names=names)
     live = LiveServer(ServerThread(app, shutdown_timeout, idle_timeout), engine_loop, names,
                       app_options.get("api_key"))
@@ -204,16 +207,5 @@ def start_adapter_server(model: LoadedModel, adapters: dict[str, Any], *, engine
     """A server whose engine serves LoRA `adapters` ({name: directory}). Give it a
     LoadedModel of its own: adapters wrap the model's layers, and other tests'
     servers must not see them."""
-    config = {"max_num_seqs": 4, "max_model_len": 512, **(engine or {})}
-    llm = LLMEngine(model, EngineConfig(device="cpu", quantization=Quantization.F32, **config))
-    for name, path in adapters.items():
-        llm.add_lora(name, path)
-    engine_loop = EngineLoop(llm)
-    live = LiveServer(ServerThread(create_app(engine_loop, ServerConfig(**app_options), served_names=NAMES)),
-                      engine_loop, NAMES, app_options.get("api_key"))
-    try:
-        live.thread.start()
-    except BaseException:
-        engine_loop.shutdown()
-        raise
-    return live
+    return build_server(model, engine={"max_num_seqs": 4, "max_model_len": 512, **(engine or {})},
+                        adapters=adapters, **app_options)
