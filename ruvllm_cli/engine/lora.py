@@ -5,9 +5,9 @@ adapter is a property of each token, not of the step. `LoRALinear` wraps whateve
 linear module the loader produced (packed bf16/float32, fbgemm int8, int4,
 `nn.Linear`, bitsandbytes on CUDA: all of them have `in_features`,
 `out_features` and a forward) and adds `scaling * B_a(A_a x)` to the rows of each
-adapter `a`. The model runner publishes each step's (first token, end, slot)
-segments in a `LoRAStep` every wrapper holds by reference (docs/design.md sections
-8 and 11), with a 0/1 mask [tokens, slots x rank] built once per step from them, so
+adapter `a`. From each step's (first token, end, slot) segments the manager builds
+once a 0/1 mask [tokens, slots x rank], published in a `LoRAStep` every wrapper holds
+by reference (docs/design.md sections 8 and 11), so
 a wrapped layer adds every adapter's update in three calls whatever the mix:
 `(x @ A_all^T) * mask`, then `addmm` with the stacked, pre-scaled B (vLLM's
 BGMV idea in dense torch ops, measured faster here than a pair of matmuls per
@@ -182,30 +182,26 @@ def _scaling(config: Any, module: str, rank: int) -> float:
 # ---- the forward -----------------------------------------------------------------------------
 @dataclass
 class LoRAStep:
-    """What the wrappers read during one forward: (first token, end, slot) segments
-    of the step's packed tokens that use an adapter, and (first token, end, X-LoRA
-    adapter, scalings [tokens, layers, experts]) segments of X-LoRA tokens. Both
-    empty: the base model alone."""
+    """What the wrappers read during one forward: the LoRA tokens' mask, and (first
+    token, end, X-LoRA adapter, scalings [tokens, layers, experts]) segments of X-LoRA
+    tokens. No mask and no segment: the base model alone."""
 
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
     mixtures: list[tuple[int, int, Any, torch.Tensor]] = field(default_factory=list)
-    mask: torch.Tensor | None = None     # [tokens, width]: 1 where a token's slot owns the column
-    width: int = 0                       # columns of the stacked slots in use (slots up to the highest)
+    # [tokens, columns of the slots up to the highest in use]: 1 where a token's slot owns the column
+    mask: torch.Tensor | None = None
 
     def publish(self, num_tokens: int, segments: Sequence[tuple[int, int, int]], rank: int,
                 dtype: torch.dtype, device: torch.device) -> None:
-        """Set the step's (start, end, slot) segments and the mask they make."""
-        self.segments = list(segments)
-        self.mask, self.width = None, 0
-        if self.segments:
-            self.width = (max(slot for _, _, slot in self.segments) + 1) * rank
-            mask = torch.zeros(num_tokens, self.width, dtype=dtype)
-            for start, end, slot in self.segments:
+        """Set the mask the step's (start, end, slot) segments make (none without segments)."""
+        self.mask = None
+        if segments:
+            mask = torch.zeros(num_tokens, (max(slot for _, _, slot in segments) + 1) * rank, dtype=dtype)
+            for start, end, slot in segments:
                 mask[start:end, slot * rank:(slot + 1) * rank] = 1
             self.mask = mask.to(device)
 
     def clear(self) -> None:
-        self.segments, self.mixtures, self.mask, self.width = [], [], None, 0
+        self.mixtures, self.mask = [], None
 
 
 class LoRALinear(nn.Module):
@@ -237,12 +233,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         step = self.step
-        if not step.segments and not step.mixtures:
+        if step.mask is None and not step.mixtures:
             return out
         rows = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
         flat = out.view(-1, self.out_features)
         if step.mask is not None:
-            width = step.width
+            width = step.mask.shape[1]
             shrunk = (rows @ self.lora_a.view(-1, self.in_features)[:width].T).mul_(step.mask)
             expand = self.lora_b.view(-1, self.out_features)[:width]
             if flat.dtype == shrunk.dtype:
