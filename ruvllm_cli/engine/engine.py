@@ -14,12 +14,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-import torch
-
 from ruvllm_cli.engine.block_manager import BlockManager, SwapSpace
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
-from ruvllm_cli.engine.loader import LoadedModel, load_model
+from ruvllm_cli.engine.loader import LoadedModel, free_memory, load_model
 from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRAManager, read_adapter
 from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ruvllm_cli.engine.output_processor import OutputProcessor
@@ -291,12 +289,7 @@ def plan_num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: in
     per_block = kv_bytes_per_block(loaded.model.config, loaded.dtype, config.block_size)
     if config.kv_cache_memory is not None:
         return max(1, config.kv_cache_memory // per_block)
-    if loaded.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(loaded.device)
-        budget = int(free * 0.9)
-    else:
-        import psutil
-
-        budget = int(psutil.virtual_memory().available * config.kv_cache_fraction)
+    share = 0.9 if loaded.device.type == "cuda" else config.kv_cache_fraction
+    budget = int(free_memory(loaded.device) * share)
     useful = config.max_num_seqs * -(-max_model_len // config.block_size)
     return max(1, min(budget // per_block, useful))

@@ -129,19 +129,23 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     return (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: the GPU's free memory, else the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device,
                   quantization: Quantization) -> None:
     """Refuse early, with a clear message, a model that cannot fit, naming the
     quantization that would."""
-    import psutil
-
     needed = memory_needed(path, config, device, quantization)
     if not needed:
         return
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = psutil.virtual_memory().available
+    free = free_memory(device)
     if needed <= free:
         return
     smaller = ORDER[ORDER.index(quantization) + 1:] if quantization in ORDER else ()

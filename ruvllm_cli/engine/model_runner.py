@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import psutil
 import torch
 
 from ruvllm_cli.engine.attention import PagedKVCache, PrefillSegment, StepMetadata
+from ruvllm_cli.engine.loader import free_memory
 from ruvllm_cli.engine.lora import AdapterError, LoRAManager
 from ruvllm_cli.engine.request import Request
 from ruvllm_cli.engine.scheduler import ScheduledChunk
@@ -64,8 +64,7 @@ class ModelRunner:
         if self.scaling_cache is None:
             keys = self.cache.keys[0]
             needed = 2 * len(self.cache.keys) * keys.nbytes
-            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
-                    else psutil.virtual_memory().available)
+            free = free_memory(self.device)
             if needed > free * 0.9:
                 raise AdapterError(f"X-LoRA needs a second KV pool of {needed / 2**20:,.0f} MiB for its scaling "
                                    f"pass; {free / 2**20:,.0f} MiB is free (a smaller --kv-cache-memory leaves room)")
@@ -94,8 +93,9 @@ class ModelRunner:
             # one kept row to keep the LM head cheap, and drop the logits.
             sample_rows = [end - 1]
         segments = adapter_segments(ordered)
-        mixtures = self._mixtures(ordered, segments) if segments else []
-        segments = [s for s in segments if not self.lora.is_mixture(s[2])] if mixtures else segments
+        mixtures = self._mixtures(ordered) if segments else []
+        if mixtures:   # X-LoRA tokens take their experts, not a slot
+            segments = [s for s in segments if not self.lora.is_mixture(s[2])]
         if segments or mixtures:
             assert self.lora is not None
             self.lora.begin_step(input_ids.shape[1], segments, mixtures)
@@ -125,46 +125,31 @@ class ModelRunner:
         self._describe_prefills(step, list(ordered[len(decodes):]), offset=len(decodes))
         return self._tensor(input_ids).unsqueeze(0), self._tensor(positions).unsqueeze(0), step
 
-    def _mixtures(self, ordered: Sequence[ScheduledChunk], segments: list[tuple[int, int, int]]
-                  ) -> list[tuple[int, int, Any, torch.Tensor]]:
+    def _mixtures(self, ordered: Sequence[ScheduledChunk]) -> list[tuple[int, int, Any, torch.Tensor]]:
         """X-LoRA: the scaling pass over this step's X-LoRA chunks (their own KV pool),
         then each token's expert weights; as (start, end, adapter, scalings) segments
-        of the main pass."""
+        of the main pass, one per chunk."""
         assert self.lora is not None
-        mixed = [c for c in ordered if self.lora.is_mixture(c.request.adapter_uid)]
-        if not mixed:
+        placed, offset, row = [], 0, 0   # (chunk, first token in the main pass, in the scaling pass, adapter)
+        for chunk in ordered:
+            if self.lora.is_mixture(chunk.request.adapter_uid):
+                placed.append((chunk, offset, row, self.lora.by_uid(chunk.request.adapter_uid)))
+                row += chunk.num_new_tokens
+            offset += chunk.num_new_tokens
+        if not placed:
             return []
         assert self.scaling_cache is not None, "an X-LoRA adapter is installed with its KV pool"
-        input_ids, positions, step = self._pack(mixed, self.scaling_cache)
-        pass_segments, offset = [], 0
-        for chunk in mixed:
-            adapter = self.lora.by_uid(chunk.request.adapter_uid)
-            constant = adapter.pass_scalings(chunk.num_new_tokens)
-            if constant is not None:
-                pass_segments.append((offset, offset + chunk.num_new_tokens, adapter, constant))
-            offset += chunk.num_new_tokens
-        self.lora.begin_step(input_ids.shape[1], [], pass_segments)
+        input_ids, positions, step = self._pack([chunk for chunk, _, _, _ in placed], self.scaling_cache)
+        constant = [(row, row + chunk.num_new_tokens, adapter, scalings) for chunk, _, row, adapter in placed
+                    if (scalings := adapter.pass_scalings(chunk.num_new_tokens)) is not None]
+        self.lora.begin_step(input_ids.shape[1], [], constant)
         try:
             hidden = self.model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False,
                                               ruvllm_step=step).last_hidden_state[0]
         finally:
             self.lora.end_step()
-        # The main pass packs the same chunks in the same relative order.
-        found, offset = [], 0
-        for chunk in mixed:
-            adapter = self.lora.by_uid(chunk.request.adapter_uid)
-            found.append((adapter, adapter.scalings(hidden[offset:offset + chunk.num_new_tokens])))
-            offset += chunk.num_new_tokens
-        mixtures, index = [], 0
-        for start, end, uid in segments:
-            if not self.lora.is_mixture(uid):
-                continue
-            parts = []
-            while sum(p.shape[0] for p in parts) < end - start:
-                parts.append(found[index][1])
-                index += 1
-            mixtures.append((start, end, self.lora.by_uid(uid), torch.cat(parts)))
-        return mixtures
+        return [(start, start + chunk.num_new_tokens, adapter,
+                 adapter.scalings(hidden[row:row + chunk.num_new_tokens])) for chunk, start, row, adapter in placed]
 
     @torch.inference_mode()
     def swap(self, out: Sequence[tuple[int, int]], back: Sequence[tuple[int, int]]) -> None:
