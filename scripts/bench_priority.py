@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import signal
@@ -31,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from ruvllm_cli.bench.overload import HIGH, LOW, run_overload  # noqa: E402
+from ruvllm_cli.registry.memory import estimate_kv_bytes_per_token, kv_dtype_bytes  # noqa: E402
+from ruvllm_cli.registry.model_config import read_model_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [("fcfs", "recompute", False), ("fcfs", "recompute", True), ("fcfs", "swap", True),
@@ -39,11 +40,8 @@ LOW_TOKENS = 48
 
 
 def block_bytes(model: Path) -> int:
-    config = json.loads((model / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return 16 * 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4   # float32 (-q none)
+    """One 16-token KV block of `model` in float32 (-q none)."""
+    return 16 * estimate_kv_bytes_per_token(read_model_config(model), kv_dtype_bytes("none"))
 
 
 def free_port() -> int:
