@@ -21,6 +21,8 @@ log = logging.getLogger("ruvllm.server")
 PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 # Status a client that went away gets in the metrics (nginx's convention).
 CLIENT_CLOSED = 499
+# Set by a handler whose client left mid-stream (its response still reads 200).
+CLIENT_GONE = web.RequestKey("client_gone", bool)
 # Routes whose errors (their 401s and 413s included) take another API's shape; every
 # other route answers in OpenAI's.
 ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": anthropic_error_body}
@@ -40,7 +42,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     shape = ERROR_SHAPES.get(request.path)
     try:
         response = await handler(request)
-        status = CLIENT_CLOSED if request.get("client_gone") else response.status
+        status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status
         return response
     except ApiError as error:
         status = error.status

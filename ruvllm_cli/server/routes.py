@@ -22,6 +22,7 @@ from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
+from ruvllm_cli.server.middlewares import CLIENT_GONE
 from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot, read_engine_snapshot
 from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
@@ -225,7 +226,7 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             await sse.send(chunk)
         return await sse.close()
     except ConnectionResetError:
-        request["client_gone"] = True   # counted as 499; the caller cancels the streams
+        request[CLIENT_GONE] = True   # counted as 499; the caller cancels the streams
         return sse.response
 
 
