@@ -79,6 +79,10 @@ def sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Gener
     probs = scaled.softmax(-1)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return int(row.argmax())   # every token filtered out: the best one is the only sane pick
+    if generator is not None:
+        # A seeded request's generator lives on the CPU (one per request, cheap to
+        # create): its row goes there, so a seed gives the same draw on any device.
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -116,8 +120,9 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
             cols.append(token)
             values.append(bias)
     if rows:
-        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(values, dtype=logits.dtype),
-                          accumulate=True)
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import LoadedModel, load_model
 from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.testing.device import TEST_DEVICE
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
 
 
@@ -19,14 +20,14 @@ def engine_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(engine_model_dir) -> LoadedModel:
-    return load_model(engine_model_dir, "cpu", Quantization.F32)
+    return load_model(engine_model_dir, TEST_DEVICE, Quantization.F32)
 
 
 @pytest.fixture(scope="session")
 def reference(engine_model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(engine_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(engine_model_dir, dtype=torch.float32).to(TEST_DEVICE).eval()
     model.generation_config.eos_token_id = None  # generate() merges it back in otherwise
     return model
 
@@ -37,7 +38,7 @@ def make_engine(loaded):
 
     def make(**overrides) -> LLMEngine:
         overrides.setdefault("quantization", Quantization.F32)
-        overrides.setdefault("device", "cpu")
+        overrides.setdefault("device", TEST_DEVICE)
         return LLMEngine(loaded, EngineConfig(**overrides))
 
     return make
@@ -55,7 +56,7 @@ def greedy_reference(reference):
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
         with torch.inference_mode():
-            out = reference.generate(torch.tensor([prompt_ids]), generation_config=config)
+            out = reference.generate(torch.tensor([prompt_ids], device=TEST_DEVICE), generation_config=config)
         ids = out[0, len(prompt_ids):].tolist()
         assert len(ids) == max_new_tokens
         return ids

@@ -64,6 +64,11 @@ def limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
 
+def on_cpu(env: dict[str, str]) -> dict[str, str]:
+    """CUDA cannot start under the address-space limit: the loads stay on the CPU."""
+    return {**env, "CUDA_VISIBLE_DEVICES": ""}
+
+
 @pytest.fixture(scope="module")
 def mutated(tmp_path_factory, engine_model_dir) -> dict[str, Path]:
     """Every mutation written to its own file: name -> path."""
@@ -83,7 +88,7 @@ def run_worker(pairs: list[tuple[str, str]], list_file: Path, env: dict[str, str
                timeout: float) -> tuple[dict[str, dict], int]:
     list_file.write_text(json.dumps(pairs))
     try:
-        done = subprocess.run([sys.executable, "-c", WORKER, str(list_file)], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-c", WORKER, str(list_file)], env=on_cpu(env), capture_output=True,
                               text=True, timeout=timeout, preexec_fn=limit_address_space)
         stdout = done.stdout
     except subprocess.TimeoutExpired as expired:
@@ -126,7 +131,7 @@ def test_every_mutation_ends_in_one_model_load_error_line(mutated, cli_env, tmp_
 def test_the_cli_says_it_in_one_error_line(mutated, cli_env, name, message):
     path = mutated[name]
     result = subprocess.run([sys.executable, "-m", "ruvllm_cli", "chat", str(path), "--max-tokens", "4"],
-                            env=cli_env, input="hello\n", capture_output=True, text=True, timeout=120,
+                            env=on_cpu(cli_env), input="hello\n", capture_output=True, text=True, timeout=120,
                             preexec_fn=limit_address_space)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""

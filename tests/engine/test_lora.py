@@ -20,6 +20,7 @@ from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.adapters import parse_lora_specs
+from ruvllm_cli.testing.device import TEST_DEVICE
 from ruvllm_cli.testing.tiny_lora import ATTENTION, MLP, build_lora_adapter
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
 
@@ -52,7 +53,7 @@ def peft_reference(model_dir, adapters):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(TEST_DEVICE).eval()
     base.generation_config.eos_token_id = None  # generate() merges it back in otherwise
     names = list(adapters)
     model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
@@ -64,7 +65,7 @@ def peft_reference(model_dir, adapters):
     def generate(adapter: str | None, prompt_index: int) -> list[int]:
         key = (adapter, prompt_index)
         if key not in cache:
-            prompt = torch.tensor([PROMPTS[prompt_index]])
+            prompt = torch.tensor([PROMPTS[prompt_index]], device=TEST_DEVICE)
             with torch.inference_mode():
                 if adapter is None:
                     with model.disable_adapter():
@@ -81,12 +82,12 @@ def peft_reference(model_dir, adapters):
 @pytest.fixture(scope="module")
 def loaded(model_dir):
     # A model of its own: adapters wrap its linear layers.
-    return load_model(model_dir, "cpu", Quantization.F32)
+    return load_model(model_dir, TEST_DEVICE, Quantization.F32)
 
 
 def make_engine(loaded, adapters, names=("attn", "mlp", "all"), **overrides) -> LLMEngine:
     overrides.setdefault("quantization", Quantization.F32)
-    overrides.setdefault("device", "cpu")
+    overrides.setdefault("device", TEST_DEVICE)
     engine = LLMEngine(loaded, EngineConfig(**overrides))
     for name in names:
         engine.add_lora(name, adapters[name])

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ruvllm_cli.engine.grammar import GrammarError, GrammarSpec
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.testing.device import TEST_DEVICE
 from tests.engine.structured_schemas import SCHEMAS, obj
 
 SEEDS = (0, 1, 2)
@@ -31,7 +32,7 @@ def engine(loaded):
     from ruvllm_cli.engine.engine import LLMEngine
     from ruvllm_cli.quantization import Quantization
 
-    return LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=32))
+    return LLMEngine(loaded, EngineConfig(device=TEST_DEVICE, quantization=Quantization.F32, max_num_seqs=32))
 
 
 def test_every_schema_gives_valid_json_at_temperature_1(engine):

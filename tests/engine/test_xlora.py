@@ -12,6 +12,7 @@ from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.testing.device import TEST_DEVICE
 from ruvllm_cli.testing.tiny_lora import ATTENTION, build_lora_adapter, build_xlora_adapter
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
 
@@ -52,9 +53,9 @@ def peft_generate(model_dir, xlora_dir, prompt) -> list[int]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_cache=False).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_cache=False).to(TEST_DEVICE).eval()
     model = PeftModel.from_pretrained(base, xlora_dir).eval()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=TEST_DEVICE)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=NEW_TOKENS, pad_token_id=0, eos_token_id=None)
@@ -63,12 +64,12 @@ def peft_generate(model_dir, xlora_dir, prompt) -> list[int]:
 
 @pytest.fixture(scope="module")
 def loaded(model_dir):
-    return load_model(model_dir, "cpu", Quantization.F32)
+    return load_model(model_dir, TEST_DEVICE, Quantization.F32)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_xlora_matches_peft_with_a_kv_cache_per_pass(loaded, model_dir, xloras, case):
-    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32))
+    engine = LLMEngine(loaded, EngineConfig(device=TEST_DEVICE, quantization=Quantization.F32))
     engine.add_lora("mix", xloras[case])
     base = engine.generate(PROMPTS, GREEDY)
     mixed = engine.generate(PROMPTS, GREEDY, adapters="mix")
@@ -83,7 +84,7 @@ def test_xlora_matches_peft_with_a_kv_cache_per_pass(loaded, model_dir, xloras, 
 
 
 def test_xlora_beside_the_base_model_and_a_lora_in_one_batch(loaded, model_dir, xloras, experts, tmp_path):
-    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, max_num_batched_tokens=6,
+    engine = LLMEngine(loaded, EngineConfig(device=TEST_DEVICE, quantization=Quantization.F32, max_num_batched_tokens=6,
                                             block_size=4))
     engine.add_lora("mix", xloras["layerwise-topk"])
     engine.add_lora("one", experts[0])
