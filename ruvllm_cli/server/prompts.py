@@ -37,16 +37,16 @@ def check_constraints(engine: Any, sampling: SamplingFields) -> None:
     check_grammar(sampling.structured, engine)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The conversation through the model's chat template, ready for the assistant's turn."""
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                param: str = "messages") -> list[int]:
+    """The conversation through the model's chat template, ready for the assistant's turn;
+    `param` names the field it came in (`messages`, or the Responses API's `input`)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("This model has no chat template; use /v1/completions instead.", "messages")
+        raise bad_request("This model has no chat template; use /v1/completions instead.", param)
     try:
         return engine_render_chat(tokenizer, messages, tools)
     except UsageError as error:   # jinja's raise_exception and friends: the messages' fault
-        raise bad_request(f"The messages do not fit the model's chat template: {error.message}",
-                          "messages") from error
+        raise bad_request(f"'{param}' does not fit the model's chat template: {error.message}", param) from error
 
 
 def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

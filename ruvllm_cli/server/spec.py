@@ -116,6 +116,8 @@ def object_schema(specs: Sequence[Field]) -> JsonSchema:
 
 def nullable(schema: JsonSchema) -> JsonSchema:
     kind = schema.get("type")
+    if kind == "null":   # a field only null (absent) may take: refused whenever it is given
+        return schema
     if isinstance(kind, str) and "enum" not in schema:
         return {**schema, "type": [kind, "null"]}
     return {"anyOf": [schema, {"type": "null"}]}

@@ -68,7 +68,7 @@ def _response_format(response_format: Fields) -> Structured | None:
     if json_schema is None:
         raise bad_request("Missing required parameter: 'response_format.json_schema'.",
                           "response_format.json_schema", "missing_required_parameter")
-    return Structured(_spec("json_schema", json_schema.body["schema"], "response_format.json_schema.schema"),
+    return Structured(grammar_spec("json_schema", json_schema.body["schema"], "response_format.json_schema.schema"),
                       "response_format", strict=json_schema.boolean("strict"))
 
 
@@ -81,17 +81,17 @@ def _structured_outputs(options: Fields) -> Structured | None:
     param = f"structured_outputs.{key}"
     if key == "json_object":
         return Structured(GrammarSpec.json_object(), param, strict=False) if options.boolean(key) else None
-    return Structured(_spec(_VLLM_KINDS[key], options.raw(key), param), param)
+    return Structured(grammar_spec(_VLLM_KINDS[key], options.raw(key), param), param)
 
 
 def _guided(name: str) -> Callable[[Any], Structured]:
     def parse(value: Any) -> Structured:
-        return Structured(_spec(_VLLM_KINDS[_GUIDED[name]], value, name), name)
+        return Structured(grammar_spec(_VLLM_KINDS[_GUIDED[name]], value, name), name)
 
     return parse
 
 
-def _spec(kind: str, value: Any, param: str) -> GrammarSpec:
+def grammar_spec(kind: str, value: Any, param: str) -> GrammarSpec:
     """A GrammarSpec from a request value; a JSON schema may come as JSON text (vLLM)."""
     if kind == "json_schema" and isinstance(value, str):
         try:
