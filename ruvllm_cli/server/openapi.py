@@ -1,6 +1,7 @@
 """The server's OpenAPI 3.1 document (GET /openapi.json), built from the app's own
 router and from the request field specs the handlers validate with
-(protocol.REQUEST_FIELDS, and messages_api.protocol's for /v1/messages): a route or
+(protocol.REQUEST_FIELDS, messages_api.protocol's for /v1/messages and
+responses_api.protocol's for /v1/responses): a route or
 a field is in the document exactly when the server has it. The chat page's files
 (web.PAGE_PATHS) are left out: a browser loads them, no program calls them. The
 response schemas are checked against real answers by the fuzz test
@@ -22,6 +23,8 @@ from ruvllm_cli.server.messages_api.responses import STOP_REASONS
 from ruvllm_cli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ruvllm_cli.server.middlewares import PUBLIC_PATHS
 from ruvllm_cli.server.protocol import REQUEST_FIELDS
+from ruvllm_cli.server.responses_api import protocol as responses_protocol
+from ruvllm_cli.server.responses_api.output import RESPONSE_SCHEMA
 from ruvllm_cli.server.spec import Field, JsonSchema, object_schema
 from ruvllm_cli.server.web import PAGE_PATHS
 
@@ -32,10 +35,11 @@ _HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"ty
          "system_fingerprint": {"type": "null"}}
 
 # One server-sent event of a stream (stream: true): a chunk's JSON, or an error
-# body, and `[DONE]` last; on /v1/messages Anthropic's named events.
+# body, and `[DONE]` last; on /v1/messages Anthropic's named events, on /v1/responses
+# OpenAI's (response.created to response.completed).
 _EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 # Every JSON route's fields; a ChainMap reads the dicts live (a test may add a field).
-ROUTE_FIELDS = ChainMap(REQUEST_FIELDS, messages_protocol.REQUEST_FIELDS)
+ROUTE_FIELDS = ChainMap(REQUEST_FIELDS, messages_protocol.REQUEST_FIELDS, responses_protocol.REQUEST_FIELDS)
 _ANTHROPIC_ERROR_TYPES = sorted({*anthropic_errors.ERROR_TYPES.values(), "invalid_request_error", "api_error"})
 _COUNT = {"type": "integer", "minimum": 0}
 SCHEMAS: dict[str, JsonSchema] = {
@@ -83,6 +87,7 @@ SCHEMAS: dict[str, JsonSchema] = {
         "usage": {"type": "object", "required": ["input_tokens", "output_tokens"], "properties": {
             "input_tokens": _COUNT, "output_tokens": _COUNT, "cache_read_input_tokens": _COUNT,
             "cache_creation_input_tokens": _COUNT}}}},
+    "Response": RESPONSE_SCHEMA,
     "Health": {"type": "object", "required": ["status"], "properties": {
         "status": {"enum": ["ok", "loading", "engine_failed", "shutting_down"]}, "model": {"type": "string"},
         "uptime_s": {"type": "number"}}},
@@ -117,6 +122,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/messages"): Operation("A reply in Anthropic's Messages API, with Anthropic's errors and "
                                         "stream events.", "Message", errors=_GENERATION_ERRORS, streams=True,
                                         error_schema="AnthropicError"),
+    ("POST", "/v1/responses"): Operation("A reply in OpenAI's Responses API, stateless (nothing is stored), with "
+                                         "its stream events.", "Response", errors=_GENERATION_ERRORS, streams=True),
     ("POST", "/v1/load_lora_adapter"): Operation(
         "Serve a LoRA adapter under a new model name (with --allow-runtime-lora).", content="text/plain",
         errors=(400, 404, 408, 413, 503)),
@@ -141,7 +148,8 @@ def openapi_document(app: web.Application, *, api_key: bool = False) -> JsonSche
     document: JsonSchema = {
         "openapi": "3.1.0",
         "info": {"title": "ruvllm", "version": __version__,
-                 "description": "An OpenAI-compatible API, and Anthropic's Messages API at /v1/messages. Every "
+                 "description": "An OpenAI-compatible API (the Responses API at /v1/responses, stateless), and "
+                                "Anthropic's Messages API at /v1/messages. Every "
                                 "error body is {\"error\": {message, type, param, code}}, but on /v1/messages "
                                 "Anthropic's {\"type\": \"error\", \"error\": {type, message}}; a request field "
                                 "that is null counts as absent."},

@@ -1,5 +1,5 @@
 """Request handlers: /health, /metrics, /openapi.json, /v1/models, /v1/chat/completions,
-/v1/completions, and Anthropic's /v1/messages on the chat path."""
+/v1/completions, and on the chat path Anthropic's /v1/messages and OpenAI's /v1/responses."""
 
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_seq
 from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, SamplingFields, parse_chat_request,
                                         parse_completion_request)
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
+from ruvllm_cli.server.responses_api.events import ResponsesFormat
+from ruvllm_cli.server.responses_api.output import ResponseHead
+from ruvllm_cli.server.responses_api.protocol import parse_responses_request
 from ruvllm_cli.server.sse import EventStream
 from ruvllm_cli.server.state import ServerState, get_state
 from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
@@ -47,6 +50,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter)
 
@@ -73,7 +77,8 @@ async def list_models(request: web.Request) -> web.Response:
     engine_loop = state.require_engine()
     created = int(time.time() - (time.monotonic() - state.started))
     # Beyond OpenAI's fields: what a client needs to size its requests.
-    defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS}
+    defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS,
+                "/v1/responses": state.config.chat_max_tokens}
     common = {"object": "model", "created": created, "owned_by": "ruvllm",
               "max_model_len": engine_loop.engine.max_model_len, "max_tokens_default": defaults}
     # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
@@ -138,10 +143,26 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await generate(request, state, engine_loop, prepare, "messages", 1, fmt, job.stream, None, options)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API, stateless: a chat request in another shape (server/responses_api)."""
+    state = get_state(request.app)
+    engine_loop = state.require_engine()
+    job = parse_responses_request(await read_json(request, state.config.max_body_size))
+    options = dataclasses.replace(job.options, adapter=state.check_model(job.model))
+    parser = state.require_tool_parser() if job.tools and job.tools.active else None
+    sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens)
+    prepare = chat_prepare(engine_loop.engine, job.messages, job.tools, parser, sampling, options, "input")
+    fmt = ResponsesFormat(ResponseHead(job.model, job.echo), ToolReplies(parser) if parser is not None else None)
+    return await generate(request, state, engine_loop, prepare, "input", 1, fmt, job.stream, sampling.structured,
+                          options)
+
+
 def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None, parser: ToolParser | None,
-                 sampling: SamplingFields, options: RequestOptions) -> Callable[[], list[SequencePlan]]:
+                 sampling: SamplingFields, options: RequestOptions,
+                 param: str = "messages") -> Callable[[], list[SequencePlan]]:
     """The work before submitting a chat reply (in a worker thread): the tools' grammar,
-    the constraints' checks, the prompt through the template, one plan per sequence."""
+    the constraints' checks, the prompt through the template, one plan per sequence.
+    `param` is the field the conversation came in, for errors about it."""
 
     def prepare() -> list[SequencePlan]:
         plan_sampling = sampling
@@ -149,8 +170,8 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
             assert tools is not None
             plan_sampling = tool_sampling(engine.tokenizer, tools, parser.name, sampling)
         check_constraints(engine, plan_sampling)
-        prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages))
-        return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, "messages", options)
+        prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param)
+        return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, param, options)
 
     return prepare
 

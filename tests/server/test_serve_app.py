@@ -171,16 +171,19 @@ def test_a_chat_without_max_tokens_stops_at_the_server_default(make_server):
         completion = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "ignore_eos": True})
         asked = http.post("/v1/chat/completions", json={"model": "tiny", "messages": HELLO, "ignore_eos": True,
                                                         "max_tokens": 7})
+        response = http.post("/v1/responses", json={"model": "tiny", "input": HELLO, "ignore_eos": True})
         models = http.get("/v1/models").json()["data"]
     assert chat.json()["usage"]["completion_tokens"] == 5 and chat.json()["choices"][0]["finish_reason"] == "length"
     assert completion.json()["usage"]["completion_tokens"] == 16   # OpenAI's default for completions
     assert asked.json()["usage"]["completion_tokens"] == 7
-    assert models[0]["max_tokens_default"] == {"/v1/chat/completions": 5, "/v1/completions": 16}
+    assert response.json()["usage"]["output_tokens"] == 5 and response.json()["status"] == "incomplete"
+    assert models[0]["max_tokens_default"] == {"/v1/chat/completions": 5, "/v1/completions": 16, "/v1/responses": 5}
 
 
 def test_the_chat_default_is_1024_tokens(server):
     model = httpx.get(server.url + "/v1/models").json()["data"][0]
-    assert model["max_tokens_default"] == {"/v1/chat/completions": 1024, "/v1/completions": 16}
+    assert model["max_tokens_default"] == {"/v1/chat/completions": 1024, "/v1/completions": 16,
+                                           "/v1/responses": 1024}
 
 
 def slow_snapshot(seconds: float):

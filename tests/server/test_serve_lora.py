@@ -1,5 +1,5 @@
 """LoRA adapters through the server, with the official openai SDK: adapters are models
-(`model` = NAME, /v1/models with `parent`), their replies are the engine's for that
+(`model` = NAME on every generation route, /v1/models with `parent`), their replies are the engine's for that
 adapter, their prefix-cache blocks stay apart, and adapters load and unload at run
 time over HTTP (vLLM's routes) only when allowed and behind the API key."""
 
@@ -93,6 +93,21 @@ def test_streamed_chat_with_an_adapter(lora_server):
     stream = client.chat.completions.create(model="mlp", messages=messages, max_tokens=8, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole
+
+
+def test_the_responses_api_takes_an_adapter_as_its_model(lora_server):
+    live = lora_server(names=("mlp",))
+    client = client_for(live)
+    messages = [{"role": "user", "content": PROMPT}]
+    texts = set()
+    for model in ("tiny", "mlp"):
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].message.content
+        reply = client.responses.create(model=model, input=PROMPT, max_output_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert reply.model == model and reply.output_text == chat
+        texts.add(reply.output_text)
+    assert len(texts) == 2   # the adapter really changes the reply
 
 
 def test_prefix_cache_shared_within_an_adapter_not_across(lora_server):
