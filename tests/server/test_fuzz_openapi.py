@@ -2,7 +2,8 @@
 on the tiny model, positive and negative data for every route. No answer may be a
 5xx, no traceback may reach the log, every 4xx must be an error in OpenAI's shape
 (Anthropic's on /v1/messages), every 200 must match its documented schema and every
-stream must end in [DONE] (on /v1/messages: message_stop or an error event).
+stream must end in [DONE] (on /v1/messages: message_stop or an error event; on
+/v1/responses: response.completed, response.incomplete or an error event).
 
 The default run sends at least 1,000 cases; `scripts/test --slow
 tests/server/test_fuzz_openapi.py` adds a run of at least 10,000 with a random seed."""
@@ -32,6 +33,8 @@ CHECKS = [status_code_conformance, content_type_conformance, response_schema_con
 ERROR_KEYS = {"message", "type", "param", "code"}
 ANTHROPIC_ROUTES = {"/v1/messages"}
 ANTHROPIC_ENDS = ('event: message_stop\ndata: {"type":"message_stop"}\n\n',)
+RESPONSES_ROUTES = {"/v1/responses"}
+RESPONSES_ENDS = ("event: response.completed\n", "event: response.incomplete\n", "event: error\n")
 
 
 @dataclass
@@ -79,7 +82,7 @@ def response_problem(response: schemathesis.Response, path: str) -> str | None:
         if not (anthropic_error(response.json()) if anthropic else openai_error(response.json())):
             return f"error not in {'Anthropic' if anthropic else 'OpenAI'}'s shape: {response.text[:200]}"
     elif content_type.startswith("text/event-stream"):
-        if not stream_ended(response.text, anthropic):
+        if not stream_ended(response.text, path):
             return f"a stream that does not end as it should: {response.text[-200:]}"
     return None
 
@@ -93,10 +96,12 @@ def anthropic_error(body: Any) -> bool:
             and set(body["error"]) == {"type", "message"})
 
 
-def stream_ended(text: str, anthropic: bool) -> bool:
-    if not anthropic:
-        return text.endswith("data: [DONE]\n\n")
+def stream_ended(text: str, path: str) -> bool:
     last = text.rstrip("\n").rsplit("\n\n", 1)[-1]
+    if path in RESPONSES_ROUTES:
+        return last.startswith(RESPONSES_ENDS) and text.endswith("\n\n")
+    if path not in ANTHROPIC_ROUTES:
+        return text.endswith("data: [DONE]\n\n")
     return text.endswith(ANTHROPIC_ENDS) or (last.startswith("event: error\n") and text.endswith("\n\n"))
 
 
@@ -127,6 +132,8 @@ def served_document(url: str, model: str) -> dict[str, Any]:
                 properties["model"] = {"type": "string", "enum": [model]}
                 if path in ANTHROPIC_ROUTES:
                     narrow_messages_route(properties)
+                if path in RESPONSES_ROUTES:   # as for /v1/messages: one beyond the context is a 400
+                    properties["max_output_tokens"] = {"type": "integer", "minimum": 1, "maximum": 8}
     return document
 
 
