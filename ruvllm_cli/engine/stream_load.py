@@ -11,8 +11,10 @@ two forms for one layer at a time, never for the whole model.
 
 Only checkpoints whose tensor names are exactly the model's parameter names stream
 (Llama, Qwen2, Mistral, Phi-3 and most decoder-only families); anything else
-(renamed or fused keys, fp32-kept modules, GGUF, CUDA) raises `NotStreamable` and the
+(renamed or fused keys, fp32-kept modules, CUDA) raises `NotStreamable` and the
 loader takes transformers' own path, which also reports missing or damaged weights.
+`fill_model` reads through a `WeightSource`: this module's safetensors one, or a GGUF
+file's (engine/gguf_load.py).
 """
 
 from __future__ import annotations
