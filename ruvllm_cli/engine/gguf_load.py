@@ -31,7 +31,7 @@ from torch import nn
 
 from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo
 from ruvllm_cli.engine.gguf_plan import EMBEDDING, HEAD, INT4_GROUP, label, summary, type_name, unstreamable
-from ruvllm_cli.engine.quantize import WeightPlan
+from ruvllm_cli.engine.quantize import CHUNK_ROWS, WeightPlan
 from ruvllm_cli.engine.stream_load import NotStreamable, fill_model
 from ruvllm_cli.quantization import Quantization
 
@@ -159,12 +159,17 @@ class GGUFTensor:
 
         return torch.from_numpy(np.ascontiguousarray(quants.dequantize(self.raw(start, stop), self.ggml_type)))
 
-    def whole(self) -> torch.Tensor:
-        """The tensor in the model's shape ([rows, columns], or [columns] for a vector)."""
+    def whole(self, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor in the model's shape ([rows, columns], or [columns] for a vector),
+        filled a block of rows at a time: no float32 copy of a vocabulary matrix on the
+        way to bf16."""
         if self.rows == 1:
             vector = self.values(0, 1).reshape(-1)
-            return vector if self.order is None else vector[torch.from_numpy(self.order)]
-        return self.values(0, self.rows)
+            return (vector if self.order is None else vector[torch.from_numpy(self.order)]).to(dtype)
+        out = torch.empty(self.shape, dtype=dtype)
+        for start in range(0, self.rows, CHUNK_ROWS):
+            out[start:start + CHUNK_ROWS] = self.values(start, start + CHUNK_ROWS)
+        return out
 
     def blocks(self, rows: int) -> Iterator[torch.Tensor]:
         for start in range(0, self.rows, rows):
@@ -222,7 +227,7 @@ class GGUFSource:
         return set(self.tensors)
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self.tensors[name].whole().to(dtype)
+        return self.tensors[name].whole(dtype)
 
     def matrix(self, name: str, dtype: torch.dtype, plan: WeightPlan) -> torch.Tensor | GGUFTensor:
         """Quantized plans read it a block of rows at a time (or take its int4 groups); others whole."""
@@ -233,7 +238,7 @@ class GGUFSource:
         if self.rope_freqs is None:
             return
         rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-        factors = self.rope_freqs.whole()
+        factors = self.rope_freqs.whole(torch.float32)
         inv_freq = getattr(rotary, "inv_freq", None)
         if inv_freq is None or inv_freq.shape != factors.shape:
             raise NotStreamable(f"{ROPE_FREQS} does not fit the model's rotary frequencies")
