@@ -280,7 +280,7 @@ def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dty
     from ruvllm_cli.engine.stream_load import NotStreamable, stream_load
 
     if device.type != "cpu":
-        return None, f"{device.type} loads through transformers"
+        return None, f"on {device.type}"
     if os.environ.get(STREAM_ENV, "1") == "0":
         return None, f"{STREAM_ENV}=0"
     try:
