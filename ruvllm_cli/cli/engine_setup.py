@@ -18,6 +18,9 @@ DEFAULT_QUANTIZATION = Quantization.F16
 NO_BF16_NOTE = ("Loading float32 (-q none): this CPU has no bfloat16 kernels (oneDNN needs AVX-512), so 16-bit "
                 "weights would run unpacked and slower; -q f16 loads them 16-bit anyway")
 
+GGUF_ON_CUDA_NOTE = ("Loading float16 (-q f16): on CUDA q8/q4k go through bitsandbytes, which cannot read a GGUF "
+                     "file; --device cpu keeps the file's own type")
+
 
 def default_quantization(located: LocatedModel) -> Quantization:
     """A GGUF file keeps its own quantization, by its file type (a Q4_K_M file must
@@ -53,14 +56,19 @@ def gguf_conflict_note(located: LocatedModel, asked: Quantization) -> str | None
 
 def load_default(located: LocatedModel, device: str) -> tuple[Quantization, str | None]:
     """What to load with when -q was not given, and a note when that is not the
-    files' own type: float32 instead of 16-bit on a CPU without bfloat16 kernels."""
+    files' own type: float32 instead of 16-bit on a CPU without bfloat16 kernels, float16
+    for a quantized GGUF file on CUDA."""
     own = default_quantization(located)
+    from ruvllm_cli.engine.loader import select_device
+
+    target = select_device(device).type
+    if target == "cuda" and located.path.suffix == ".gguf" and own in (Quantization.Q8_0, Quantization.Q4_K_M):
+        return Quantization.F16, GGUF_ON_CUDA_NOTE
     if own is not Quantization.F16:
         return own, None
-    from ruvllm_cli.engine.loader import select_device
     from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
 
-    if select_device(device).type != "cpu" or cpu_has_bf16_kernels():
+    if target != "cpu" or cpu_has_bf16_kernels():
         return own, None
     # Float32 files stay what they are: nothing to explain.
     return Quantization.F32, None if _stored_as_float32(located) else NO_BF16_NOTE

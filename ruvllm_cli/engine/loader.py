@@ -221,6 +221,7 @@ def load_model(path: str | Path, device: str = "auto",
     path = Path(path).expanduser()
     source, config = _pretrained_args(path)
     target = select_device(device)
+    _check_gguf_device(path, target, quantization)
     dtype = dtype_for(quantization, target)
     _check_memory(path, config, target, quantization)
     hf_logging.disable_progress_bar()  # our own output says what is happening
@@ -356,6 +357,15 @@ def _own_weights(model: torch.nn.Module) -> None:
     on the Qwen2.5-0.5B shape): page-cache pages get no transparent huge pages."""
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
+
+
+def _check_gguf_device(path: Path, device: torch.device, quantization: Quantization) -> None:
+    """On CUDA, q8/q4k mean bitsandbytes, which transformers will not combine with a GGUF file."""
+    if path.suffix == ".gguf" and device.type == "cuda" and quantization in (Quantization.Q8_0,
+                                                                              Quantization.Q4_K_M):
+        raise ModelLoadError(f"-q {quantization.value} on CUDA quantizes through bitsandbytes, which cannot read "
+                             f"a GGUF file ({path.name})",
+                             "load it with -q f16 on the GPU, or with --device cpu, or use the safetensors model")
 
 
 def _bitsandbytes_options(quantization: Quantization, device: torch.device) -> dict[str, Any]:
