@@ -10,6 +10,7 @@ from typing import Sequence
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.engine_client import EngineClient
 from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
 from ruvllm_cli.server.routes import add_routes
 from ruvllm_cli.server.runner import ApiAppRunner
@@ -30,7 +31,7 @@ FINAL_GRACE = 0.2
 DEFAULT_IDLE_TIMEOUT = 15.0
 
 
-def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConfig(), *,
+def create_app(engine_loop: EngineLoop | EngineClient | None, config: ServerConfig = ServerConfig(), *,
                served_names: Sequence[str] = ()) -> web.Application:
     """An OpenAI-compatible app around `engine_loop`, set up by `config`.
 
@@ -58,7 +59,8 @@ def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConf
     return app
 
 
-def attach_engine(app: web.Application, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
+def attach_engine(app: web.Application, engine_loop: EngineLoop | EngineClient,
+                  served_names: Sequence[str]) -> None:
     """Fill the engine slot of a running app; the first name is the one /health reports."""
     get_state(app).attach(engine_loop, served_names)
 

@@ -11,19 +11,19 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
-from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
+from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
 from ruvllm_cli.server.middlewares import CLIENT_GONE
-from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot, read_engine_snapshot
+from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
                                        tokenize_prompts, tool_sampling)
@@ -62,10 +62,11 @@ async def health(request: web.Request) -> web.Response:
         return json_response({"status": "shutting_down"}, status=503)
     if state.engine_loop is None or state.ready_at is None:
         return json_response({"status": "loading"}, status=503)
+    extra = state.engine_loop.health()   # the replicas' states behind --replicas
     if not state.engine_loop.healthy:
-        return json_response({"status": "engine_failed"}, status=503)
+        return json_response({"status": "engine_failed", **extra}, status=503)
     return json_response({"status": "ok", "model": state.model_name,
-                          "uptime_s": round(time.monotonic() - state.ready_at, 3)})
+                          "uptime_s": round(time.monotonic() - state.ready_at, 3), **extra})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -97,12 +98,12 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def engine_snapshot(state: ServerState, engine_loop: EngineLoop) -> EngineSnapshot:
+async def engine_snapshot(state: ServerState, engine_loop: EngineClient) -> EngineSnapshot:
     """The engine's figures, read on its thread between steps; a 503 once the shutdown
     timeout runs out or after METRICS_TIMEOUT_S."""
     aio = asyncio.get_running_loop()
-    # EngineLoop.call waits for the current step to end: keep that off the event loop.
-    reading = aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot)
+    # The engine answers between steps (or replicas over the network): off the event loop.
+    reading = aio.run_in_executor(state.executor, engine_loop.snapshot)
     expired = asyncio.ensure_future(state.expired.wait())
     try:
         await asyncio.wait({reading, expired}, timeout=METRICS_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -199,7 +200,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                           fmt, job.streaming.stream, job.sampling.structured, options)
 
 
-async def generate(request: web.Request, state: ServerState, engine_loop: EngineLoop,
+async def generate(request: web.Request, state: ServerState, engine_loop: EngineClient,
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
                    fmt: ResponseFormat, stream: bool, structured: Structured | None = None,
                    options: RequestOptions = RequestOptions()) -> web.StreamResponse:
@@ -243,6 +244,8 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             error = await send_outputs(sse, streams, choices, fmt, stop, repair)
         except bridge.ShuttingDown:
             error = bridge.shutting_down()
+        except ApiError as failed:   # a replica behind --replicas died mid-stream: a 503 event
+            error = failed
         for chunk in fmt.error_chunks(error) if error is not None else fmt.closing(choices):
             await sse.send(chunk)
         return await sse.close()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.engine_client import EngineClient, as_client
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import ServerMetrics
 from ruvllm_cli.server.protocol import RequestLimits
@@ -104,7 +105,7 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.admission.requests, lambda: self.admission.in_flight)
         # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
-        self.engine_loop: EngineLoop | None = None
+        self.engine_loop: EngineClient | None = None   # the in-process engine or Ray replicas
         self.served_names: tuple[str, ...] = ()
         self.limits = config.limits
         self.token_texts: TokenTexts | None = None
@@ -115,8 +116,9 @@ class ServerState:
         # Set when the shutdown timeout runs out: every generation still going ends at once.
         self.expired = asyncio.Event()
 
-    def attach(self, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
+    def attach(self, engine_loop: EngineLoop | EngineClient, served_names: Sequence[str]) -> None:
         """Fill the engine slot: from now on /health is 200 and the API answers."""
+        engine_loop = as_client(engine_loop)
         names = tuple(dict.fromkeys(n for n in served_names if n))
         if not names:
             raise ValueError("a server needs at least one served model name")
@@ -132,7 +134,7 @@ class ServerState:
     def model_name(self) -> str:
         return self.served_names[0] if self.served_names else ""
 
-    def require_engine(self) -> EngineLoop:
+    def require_engine(self) -> EngineClient:
         if self.draining:
             raise ApiError(503, "The server is shutting down.", code="shutting_down")
         if self.engine_loop is None:
