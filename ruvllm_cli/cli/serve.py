@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import os
 import re
@@ -263,9 +262,10 @@ def cluster_options(options: dict[str, Any]) -> Any:
     from ruvllm_cli.cluster.spec import cluster_options as parse
 
     parsed = parse(options)
-    if parsed is not None and importlib.util.find_spec("ray") is None:
-        raise RuvllmError("--replicas needs Ray Serve, which is not installed",
-                          'pip install "ruvllm-cli[cluster]"')
+    if parsed is not None:
+        from ruvllm_cli.cluster.deploy import import_ray
+
+        import_ray(parsed)
     return parsed
 
 

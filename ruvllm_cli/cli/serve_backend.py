@@ -3,6 +3,7 @@ Ray Serve replicas with --replicas (Ray is imported only then)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -118,6 +119,9 @@ def load_cluster(app: AppContext, options: dict[str, Any], cluster_options: "Clu
 
     located = locate_model(options["model"], app.cache_dir, options["quantization"])
     app_name = app_name_for(located.served_name)
+    # The server writes nothing to stdout, but Ray's driver prints the cluster's error
+    # messages there ("a worker died"): logs belong on stderr.
+    sys.stdout = sys.stderr
     cluster = Cluster(cluster_options, app_name, app.verbose)
     pending.clusters.append(cluster)
     cluster.connect()

@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 
 from ruvllm_cli.cluster.model_view import ModelView
 from ruvllm_cli.cluster.replica import ReplicaHello, ReplicaJob
-from ruvllm_cli.cluster.router import routing_decisions
+from ruvllm_cli.cluster.prefix_table import routing_decisions
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
@@ -84,6 +84,7 @@ class ReplicaStream:
                 continue
             self.replica = hello
             self._client.in_flight[hello.replica_id] += 1
+            self._client.served[hello.replica_id] += 1
             return
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
@@ -104,7 +105,9 @@ class RayEngineClient:
         self._generate = handle.generate.options(stream=True)
         self.engine = view
         self.app_name, self.deployment_name = app_name, deployment_name
-        self.in_flight: Counter[str] = Counter()   # requests per replica id, as this front door sees them
+        # Per replica id, as this front door sees them: requests now, and since start.
+        self.in_flight: Counter[str] = Counter()
+        self.served: Counter[str] = Counter()
         self._ids = itertools.count()
         self._replicas: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -136,7 +139,8 @@ class RayEngineClient:
         return EngineSnapshot.total(snapshots)
 
     def health(self) -> dict[str, Any]:
-        replicas = [{**r, "in_flight": self.in_flight.get(r["replica_id"], 0)} for r in self._replicas]
+        replicas = [{**r, "in_flight": self.in_flight.get(r["replica_id"], 0),
+                     "requests": self.served.get(r["replica_id"], 0)} for r in self._replicas]
         states = Counter(r["state"] for r in replicas)
         return {"replicas": replicas, "replica_states": dict(states), "routing": routing_decisions()}
 

@@ -70,13 +70,23 @@ def app_name_for(served_name: str) -> str:
     return "ruvllm-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", served_name).strip("-") or "model")
 
 
-def connect(options: ClusterOptions, verbose: bool) -> None:
-    """Join --ray-address, or start a local cluster bound to 127.0.0.1."""
+def import_ray(options: ClusterOptions) -> None:
+    """Import Ray Serve (a one-line error when the `cluster` extra is missing), set up
+    for a local cluster when no --ray-address is given."""
     if options.ray_address is None:
         # Read by ray at import: the node's address becomes 127.0.0.1, so its servers bind
         # the loopback interface only (a local cluster has no other node to talk to).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as error:
+        raise RuvllmError("--replicas needs Ray Serve, which is not installed",
+                          'pip install "ruvllm-cli[cluster]"') from error
+
+
+def connect(options: ClusterOptions, verbose: bool) -> None:
+    """Join --ray-address, or start a local cluster bound to 127.0.0.1."""
     import ray
 
     level = logging.INFO if verbose else logging.WARNING

@@ -7,9 +7,18 @@ prompt through that block. A new prompt goes where its longest known prefix is."
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
+
+# How this process's routers placed requests, for /health: with their prefix's replica
+# ("affinity"), away from it because it was busy ("rebalanced"), or with no known
+# prefix ("spread"). Here, not in router.py: see the note there.
+DECISIONS: Counter[str] = Counter({"affinity": 0, "rebalanced": 0, "spread": 0})
+
+
+def routing_decisions() -> dict[str, int]:
+    return dict(DECISIONS)
 
 
 def prefix_hashes(prompt_ids: Sequence[int], block_size: int, max_blocks: int,

@@ -16,17 +16,12 @@ from typing import Any, Hashable, List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+# Ray Serve pickles this module by value into the handle's router: state shared with
+# the rest of the process (the decisions /health reports) lives in prefix_table, which
+# is reached through its module (pickled by reference).
+from ruvllm_cli.cluster import prefix_table
 from ruvllm_cli.cluster.prefix_table import PrefixTable, prefix_hashes
 from ruvllm_cli.cluster.spec import PREFIX_MAX_BLOCKS, PREFIX_TABLE_SIZE
-
-# How this process's routers placed requests, for /health: with their prefix's replica
-# ("affinity"), away from it because it was busy ("rebalanced"), or with no known
-# prefix ("spread"). Module-level: Ray Serve makes the router objects itself.
-DECISIONS: Counter[str] = Counter({"affinity": 0, "rebalanced": 0, "spread": 0})
-
-
-def routing_decisions() -> dict[str, int]:
-    return dict(DECISIONS)
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
@@ -55,7 +50,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         hashes = self._hashes(pending_request)
-        DECISIONS[self._kind(hashes, replica_id)] += 1
+        prefix_table.DECISIONS[self._kind(hashes, replica_id)] += 1
         self._table.record(hashes, replica_id)
         self._in_flight[replica_id] += 1
 
