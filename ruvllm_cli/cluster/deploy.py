@@ -16,7 +16,9 @@ from ruvllm_cli.errors import RuvllmError
 DEPLOYMENT = "EngineReplica"
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 30.0       # a step of a big prompt may hold the replica's loop a while
-GRACEFUL_SHUTDOWN_S = 5.0           # the front door has drained its requests before it stops them
+# A replica the autoscaler removes finishes its requests for up to this long first (at a
+# server stop the front door has already drained them, so it is quick then).
+GRACEFUL_SHUTDOWN_S = 60.0
 # Beyond its batch a replica may hold as many again waiting in its engine; more wait in the router.
 QUEUE_PER_BATCH = 2
 
