@@ -3,7 +3,8 @@
 `ruvllm serve` processes (docs/design.md section 16):
 
 1. latency added per request: the same sequential streamed requests against `serve
-   MODEL` and `serve MODEL --replicas 1 --threads-per-replica CORES` (same threads);
+   MODEL` and `serve MODEL --replicas 1 --threads-per-replica T` (T torch threads
+   both, --threads; OMP_NUM_THREADS for the single process);
    medians of TTFT, inter-token latency and end-to-end time, and their differences;
 2. start-up: seconds from launch until /health answers 200, for both and for
    `--replicas 2`;
@@ -50,7 +51,10 @@ class Server:
         self.url = f"http://127.0.0.1:{free_port()}"
         command = [sys.executable, "-m", "ruvllm_cli", "serve", args.model, "--port", self.url.rsplit(":", 1)[1],
                    "-q", args.quantization, "--served-model-name", "bench", "--max-context", "4096", *extra]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               # The same torch threads on both sides: the single process reads it at start,
+               # a replica gets --threads-per-replica (and Ray sets it to the replica's CPUs).
+               "OMP_NUM_THREADS": str(args.threads)}
         started = time.monotonic()
         self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True)
@@ -122,10 +126,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of each engine")
     args = parser.parse_args()
-    cores = str(os.cpu_count() or 1)
     report: dict[str, Any] = {}
-    for name, extra in (("single", ()), ("replicas_1", ("--replicas", "1", "--threads-per-replica", cores))):
+    for name, extra in (("single", ()), ("replicas_1", ("--replicas", "1", "--threads-per-replica", str(args.threads)))):
         print(f"{name}: starting", file=sys.stderr)
         server = Server(args, *extra)
         report[name] = {"healthy_after_s": round(server.healthy_after, 1), **latency(server, args)}
@@ -133,7 +137,7 @@ def main() -> None:
         print(f"{name}: {report[name]}", file=sys.stderr)
     report["added_ms"] = {k: round(report["replicas_1"][k] - report["single"][k], 2)
                           for k in ("ttft_ms", "itl_ms", "e2e_ms")}
-    server = Server(args, "--replicas", "2")
+    server = Server(args, "--replicas", "2", "--threads-per-replica", str(max(1, args.threads // 2)))
     report["replicas_2"] = {"healthy_after_s": round(server.healthy_after, 1), **routing(server, args)}
     server.stop()
     print(json.dumps(report, indent=2))

@@ -112,7 +112,8 @@ class RayEngineClient:
         self._replicas: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._refresh()
-        threading.Thread(target=self._watch, name="ruvllm-replicas", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="ruvllm-replicas", daemon=True)
+        self._watcher.start()
 
     # ---- EngineClient -------------------------------------------------------------
     @property
@@ -152,7 +153,10 @@ class RayEngineClient:
         return self._generate.remote(job)
 
     def close(self) -> None:
+        """Stop reading the replicas' states (before Ray shuts down: a read after it
+        would connect Ray again)."""
         self._stop.set()
+        self._watcher.join(STATUS_PERIOD_S + 5)
 
     def _running_actors(self) -> list[Any]:
         actors = []

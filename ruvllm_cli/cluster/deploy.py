@@ -104,6 +104,15 @@ def connect(options: ClusterOptions, verbose: bool) -> None:
                           "start one with `ray start --head`, or leave out --ray-address") from error
 
 
+class QueuedRequestsFilter(logging.Filter):
+    """Drops Serve's "Failed to route request after N attempts" warnings: with every
+    replica's queue full, requests wait in the router, which the server's own
+    admission (--max-queue) allows; the line repeats every few hundred attempts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to route request after")
+
+
 def deployment_options(options: ClusterOptions, block_size: int) -> dict[str, Any]:
     from ray.serve.config import RequestRouterConfig
 
@@ -135,6 +144,7 @@ def deploy(options: ClusterOptions, spec: ReplicaSpec, app_name: str) -> Any:
     from ruvllm_cli.engine.config import EngineConfig
 
     serve.start(proxy_location="Disabled")
+    logging.getLogger("ray.serve").addFilter(QueuedRequestsFilter())
     block_size = spec.engine_options.get("block_size") or EngineConfig.block_size
     deployment = serve.deployment(EngineReplica).options(**deployment_options(options, block_size))
     try:
@@ -156,8 +166,11 @@ def replica_details(app_name: str, deployment_name: str) -> list[dict[str, Any]]
     """Each replica's id, state, pid and node, from Serve's controller. The public
     `serve.status()` gives only counts per state; this is what `serve status -v`
     and the dashboard read (a private client method, kept in this one place)."""
+    import ray
     from ray.serve.context import _get_global_client
 
+    if not ray.is_initialized():
+        return []   # shut down: asking now would start a new cluster
     details = _get_global_client().get_serve_details()
     deployment = details.get("applications", {}).get(app_name, {}).get("deployments", {}).get(deployment_name, {})
     keep = ("replica_id", "state", "pid", "node_ip", "actor_name")
