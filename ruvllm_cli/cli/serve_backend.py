@@ -88,7 +88,8 @@ class ClusterBackend:
         count = f"{o.min_replicas}-{o.max_replicas} (autoscaled, {o.replicas} at start)" if o.autoscaling \
             else str(o.replicas)
         gpus = f", {o.gpus_per_replica:g} GPU" if o.gpus_per_replica else ""
-        return f"{count} x ({o.threads_per_replica} CPU threads{gpus}) on {where}; prefix-aware routing"
+        threads = f"{o.threads_per_replica} CPU thread{'s' if o.threads_per_replica != 1 else ''}"
+        return f"{count} x ({threads}{gpus}) on {where}; prefix-aware routing"
 
     def start(self, on_failure: Callable[[BaseException], None]) -> "EngineClient":
         return self.client   # Ray restarts a failed replica: the server itself goes on

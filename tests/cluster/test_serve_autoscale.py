@@ -59,5 +59,5 @@ def test_a_long_queue_adds_a_replica(tiny_model_dir: Path, tmp_path: Path):
         for client in clients:
             if client.ident is not None:
                 client.join(30)
-    assert "Replicas    1-2 (autoscaled, 1 at start) x (1 CPU threads)" in stderr
+    assert "Replicas    1-2 (autoscaled, 1 at start) x (1 CPU thread)" in stderr
     assert "Traceback" not in stderr

@@ -4,6 +4,7 @@ SDK in front. One server for the module (its start is most of the time)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import random
 import signal
@@ -55,7 +56,7 @@ def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         stdout, stderr = stop_server(process)
     assert process.returncode == 0, stderr
     assert stdout == ""
-    assert "Replicas    2 x (1 CPU threads) on a local Ray cluster (127.0.0.1); prefix-aware routing" in stderr
+    assert "Replicas    2 x (1 CPU thread) on a local Ray cluster (127.0.0.1); prefix-aware routing" in stderr
     assert "Traceback" not in stderr
 
 
@@ -71,11 +72,36 @@ def test_the_openai_sdk_through_the_router(replicas: Replicas):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 6
-    completion = client.completions.create(model="tiny", prompt=["Once upon", "a time"], max_tokens=4, n=2)
+    completion = client.completions.create(model="tiny", prompt=["Once upon", "a time"], max_tokens=4, n=2,
+                                           extra_body={"ignore_eos": True})
     assert len(completion.choices) == 4 and completion.usage.completion_tokens == 16
     health = replicas.health()
     assert health["status"] == "ok" and health["replica_states"] == {"RUNNING": 2}
     assert {r["node_ip"] for r in health["replicas"]} == {"127.0.0.1"}
+
+
+def loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)   # ::ffff:127.0.0.1
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_the_local_cluster_listens_on_the_loopback_interface(replicas: Replicas):
+    import psutil
+
+    outside: dict[str, list[str]] = {}
+    for process in [psutil.Process(replicas.process.pid), *psutil.Process(replicas.process.pid).children(True)]:
+        try:
+            sockets = process.net_connections(kind="inet")
+            name = process.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for sock in sockets:
+            if sock.status == psutil.CONN_LISTEN and not loopback(sock.laddr.ip):
+                outside.setdefault(f"{name} ({process.pid})", []).append(f"{sock.laddr.ip}:{sock.laddr.port}")
+    # Ray Serve binds each replica's inter-deployment gRPC server to [::]:0 itself
+    # (serve/_private/replica.py); every other Ray process keeps to 127.0.0.1.
+    assert all(name.startswith("ray::ServeRepli") and len(ports) == 1 for name, ports in outside.items()), outside
 
 
 def test_bad_requests_are_answered_by_the_front_door(replicas: Replicas):
@@ -160,7 +186,8 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(replicas: R
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.monotonic()
     # Meanwhile a new request is served by the other replica (or sent again if it met the dead one).
-    fresh = replicas.client.completions.create(model="tiny", prompt="after the kill", max_tokens=4)
+    fresh = replicas.client.completions.create(model="tiny", prompt="after the kill", max_tokens=4,
+                                              extra_body={"ignore_eos": True})
     assert fresh.usage.completion_tokens == 4
     for thread in threads:
         thread.join(120)
@@ -172,5 +199,6 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(replicas: R
         assert time.monotonic() - killed < 60, replicas.health()
         time.sleep(0.5)
     assert victim["replica_id"] not in {r["replica_id"] for r in replicas.health()["replicas"]}
-    after = replicas.client.completions.create(model="tiny", prompt="back again", max_tokens=4)
+    after = replicas.client.completions.create(model="tiny", prompt="back again", max_tokens=4,
+                                              extra_body={"ignore_eos": True})
     assert after.usage.completion_tokens == 4
