@@ -17,8 +17,8 @@ from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
-from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
 from ruvllm_cli.server.bridge import Choice
+from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
 from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
