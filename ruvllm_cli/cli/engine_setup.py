@@ -56,8 +56,8 @@ def gguf_conflict_note(located: LocatedModel, asked: Quantization) -> str | None
 
 def load_default(located: LocatedModel, device: str) -> tuple[Quantization, str | None]:
     """What to load with when -q was not given, and a note when that is not the
-    files' own type: float32 instead of 16-bit on a CPU without bfloat16 kernels, float16
-    for a quantized GGUF file on CUDA."""
+    files' own type: float32 instead of 16-bit on a CPU with neither bfloat16 kernels
+    nor our float16 kernel, float16 for a quantized GGUF file on CUDA."""
     own = default_quantization(located)
     from ruvllm_cli.engine.loader import select_device
 
@@ -66,9 +66,10 @@ def load_default(located: LocatedModel, device: str) -> tuple[Quantization, str 
         return Quantization.F16, GGUF_ON_CUDA_NOTE
     if own is not Quantization.F16:
         return own, None
+    from ruvllm_cli.engine.loader import half_weights_here
     from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
 
-    if target != "cpu" or cpu_has_bf16_kernels():
+    if target != "cpu" or cpu_has_bf16_kernels() or half_weights_here():
         return own, None
     # Float32 files stay what they are: nothing to explain.
     return Quantization.F32, None if _stored_as_float32(located) else NO_BF16_NOTE

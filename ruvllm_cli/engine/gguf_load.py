@@ -226,10 +226,10 @@ class GGUFSource:
     def names(self) -> set[str]:
         return set(self.tensors)
 
-    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self.tensors[name].whole(dtype)
+    def tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        return self.tensors[name].whole(dtype or torch.float32)   # None ("as stored"): dequantized to float32
 
-    def matrix(self, name: str, dtype: torch.dtype, plan: WeightPlan) -> torch.Tensor | GGUFTensor:
+    def matrix(self, name: str, dtype: torch.dtype | None, plan: WeightPlan) -> torch.Tensor | GGUFTensor:
         """Quantized plans read it a block of rows at a time (or take its int4 groups); others whole."""
         return self.tensors[name] if plan.quantized else self.tensor(name, dtype)
 

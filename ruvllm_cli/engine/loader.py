@@ -61,11 +61,26 @@ def select_device(name: str = "auto") -> torch.device:
 
 
 def dtype_for(quantization: Quantization, device: torch.device) -> torch.dtype:
-    """`none` is float32; `f16` is float16 on accelerators and bfloat16 on a CPU; the
+    """The activations' dtype. `none` is float32; `f16` is float16 on accelerators and
+    bfloat16 on a CPU with bfloat16 kernels, while on one without them it keeps float16
+    weights with float32 activations where our own kernel runs (engine/half.py); the
     quantized types keep 16-bit activations."""
     if quantization is Quantization.F32:
         return torch.float32
-    return torch.bfloat16 if device.type == "cpu" else torch.float16
+    if device.type != "cpu":
+        return torch.float16
+    if quantization is Quantization.F16 and half_weights_here():
+        return torch.float32
+    return torch.bfloat16
+
+
+def half_weights_here() -> bool:
+    """Whether `f16` on this CPU means float16 weights in our kernel: no bfloat16
+    kernels (AVX-512) for oneDNN, and the kernel builds and loads."""
+    from ruvllm_cli.engine.kernels import half_kernel
+    from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
+
+    return not cpu_has_bf16_kernels() and half_kernel() is not None
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -128,6 +143,8 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
         if quantization is Quantization.Q8_0:
             needed += rows * 16
         return int(needed)
+    if quantization is Quantization.F16 and dtype == torch.float32:
+        return weights * 2   # float16 weights; a tied head shares the embedding's copy (engine/half.py)
     return (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
 
 

@@ -391,7 +391,11 @@ class WeightPlan:
         """`int4_group` overrides q4k's group size (a GGUF file's own: 32)."""
         self.quantization, self.dtype = quantization, dtype
         self.quantized = quantization in (Quantization.Q8_0, Quantization.Q4_K_M)
-        self.packed = not self.quantized and packing_works(dtype)
+        # f16 with float32 activations: float16 weights in our own kernel (engine/half.py),
+        # which the loader picks only where it runs (dtype_for).
+        self.half = quantization is Quantization.F16 and dtype == torch.float32
+        self.packed = not self.quantized and not self.half and packing_works(dtype)
+        self._last_half: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.group = None
         if quantization is Quantization.Q4_K_M:
             self.group = int4_group or int4_group_size(hidden_size)
@@ -402,9 +406,16 @@ class WeightPlan:
         """A tied LM head gets its own packed or quantized copy (the embedding lookup
         keeps its own table): the vocabulary matrix is held twice, for the fastest
         head at every batch size (docs/design.md)."""
-        return self.quantized or self.packed
+        return self.quantized or self.packed or self.half
+
+    def read_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype to read a weight matrix in; None: as stored (the half path converts
+        once, from the file's own values, and sees any value float16 cannot hold)."""
+        return None if self.half else dtype
 
     def linear(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> nn.Module | None:
+        if self.half:
+            return self._half_linear(_whole(weight), bias)
         if not (self.quantized or self.packed):
             return None
         self.linears += 1
@@ -416,13 +427,42 @@ class WeightPlan:
         return DynamicInt8Linear.from_weight(weight, bias)  # q8, and odd shapes under q4k
 
     def embedding(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> nn.Module | None:
+        if self.half:
+            from ruvllm_cli.engine.half import HalfEmbedding
+
+            table = self._half_copy(_whole(weight))
+            return None if table is None else HalfEmbedding(table, padding_idx)
         if self.quantization is Quantization.Q8_0:
             return Int8Embedding.from_weight(weight, padding_idx)
         if self.quantization is Quantization.Q4_K_M:
             return Int4Embedding.from_weight(weight, padding_idx)
         return None
 
+    def _half_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        from ruvllm_cli.engine.half import HalfLinear
+        from ruvllm_cli.engine.kernels import half_kernel
+
+        kernel, half = half_kernel(), self._half_copy(weight)
+        if kernel is None or half is None or weight.shape[1] % 8:
+            return None
+        self.linears += 1
+        return HalfLinear(half, None if bias is None else bias.float(), kernel)
+
+    def _half_copy(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The float16 copy of `weight`, made once: a tied head and the embedding it
+        shares a matrix with take the same copy (asked one after the other)."""
+        from ruvllm_cli.engine.half import to_half
+
+        # The source is held until the next call, so no other tensor can take its address.
+        last = self._last_half
+        if last is None or last[0].data_ptr() != weight.data_ptr() or last[0].shape != weight.shape:
+            self._last_half = last = (weight, to_half(weight))
+        return last[1]
+
     def describe(self) -> str:
+        if self.half:
+            return (f"float16 weights with float32 arithmetic (ruvllm's AVX2 kernel), {self.linears} linear "
+                    "layers incl. LM head; float16 embeddings")
         if self.quantization is Quantization.Q8_0:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")

@@ -109,13 +109,15 @@ class SafetensorsSource:
     def names(self) -> set[str]:
         return set(self.files)
 
-    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return _read(self.files, [name])[name].to(dtype)
+    def tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """The named tensor in `dtype` (None: as stored, a view of the file's pages)."""
+        tensor = _read(self.files, [name])[name]
+        return tensor if dtype is None else tensor.to(dtype)
 
-    def matrix(self, name: str, dtype: torch.dtype, plan: WeightPlan) -> torch.Tensor | RowBlocks:
+    def matrix(self, name: str, dtype: torch.dtype | None, plan: WeightPlan) -> torch.Tensor | RowBlocks:
         """A weight matrix for `plan`: block by block where it is quantized (row blocks
         are all its quantizers need), else whole."""
-        if plan.quantized:
+        if plan.quantized and dtype is not None:
             rows = FileRows(self.files[name], name, dtype)
             if rows.shape[0] > CHUNK_ROWS:
                 return rows
@@ -127,9 +129,9 @@ class WeightSource(Protocol):
 
     def names(self) -> set[str]: ...
 
-    def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def tensor(self, name: str, dtype: torch.dtype | None) -> torch.Tensor: ...
 
-    def matrix(self, name: str, dtype: torch.dtype, plan: WeightPlan) -> torch.Tensor | RowBlocks: ...
+    def matrix(self, name: str, dtype: torch.dtype | None, plan: WeightPlan) -> torch.Tensor | RowBlocks: ...
 
 
 def _skeleton(path: Path, dtype: torch.dtype, attn_implementation: str) -> Any:
@@ -226,14 +228,14 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def _load_linear(model: nn.Module, name: str, linear: nn.Linear, source: WeightSource,
                  plan: WeightPlan) -> None:
     dtype = linear.weight.dtype
-    weight = source.matrix(f"{name}.weight", dtype, plan)
+    weight = source.matrix(f"{name}.weight", plan.read_dtype(dtype), plan)
     bias = None if linear.bias is None else source.tensor(f"{name}.bias", dtype)
     replacement = plan.linear(weight, bias)
     if replacement is not None:
         _set_module(model, name, replacement)
         return
     assert isinstance(weight, torch.Tensor)  # only quantized plans read by blocks
-    linear.weight = _plain(weight, dtype)
+    linear.weight = _plain(weight, dtype)   # as stored, or in the model's dtype
     if bias is not None:
         linear.bias = _plain(bias, dtype)
 
@@ -241,12 +243,15 @@ def _load_linear(model: nn.Module, name: str, linear: nn.Linear, source: WeightS
 def _load_embedding(model: Any, name: str, embedding: nn.Module, source: WeightSource,
                     plan: WeightPlan, tied_head: nn.Linear | None) -> None:
     dtype = embedding.weight.dtype
-    weight = source.matrix(f"{name}.weight", dtype, plan)
+    weight = source.matrix(f"{name}.weight", plan.read_dtype(dtype), plan)
     if tied_head is not None and plan.unties_head:
         head_name = next(n for n, m in model.named_modules() if m is tied_head)
         if tied_head.bias is not None:
             raise NotStreamable("a tied LM head with a bias")
-        _set_module(model, head_name, plan.linear(weight, None))
+        head = plan.linear(weight, None)
+        if head is None:
+            raise NotStreamable("the LM head's weights do not fit the plan's layout")
+        _set_module(model, head_name, head)
     replacement = plan.embedding(weight, getattr(embedding, "padding_idx", None))
     if replacement is not None:
         model.set_input_embeddings(replacement)

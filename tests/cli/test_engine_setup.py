@@ -13,12 +13,16 @@ from ruvllm_cli.quantization import Quantization
 
 
 def opened_dtype(model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *,
-                 bf16_kernels: bool, quantization: Quantization | None = None) -> tuple[torch.dtype, list[str]]:
-    """Open the engine on CPU as if the CPU had (or lacked) oneDNN's bfloat16 kernels:
-    (the loaded dtype, the stderr lines)."""
+                 bf16_kernels: bool, quantization: Quantization | None = None,
+                 half_kernel: bool = False) -> tuple[torch.dtype, list[str]]:
+    """Open the engine on CPU as if the CPU had (or lacked) oneDNN's bfloat16 kernels
+    and our float16 kernel: (the loaded dtype, the stderr lines)."""
+    import ruvllm_cli.engine.kernels as kernels
     import ruvllm_cli.engine.quantize as quantize
 
     monkeypatch.setattr(quantize, "cpu_has_bf16_kernels", lambda: bf16_kernels)
+    if not half_kernel:
+        monkeypatch.setattr(kernels, "half_kernel", lambda: None)
     monkeypatch.setenv("COLUMNS", "400")
     opened = open_engine(AppContext(no_color=True), str(model), quantization=quantization, device="cpu",
                          max_num_seqs=1, max_model_len=64)
@@ -30,9 +34,22 @@ def bf16_model_dir(make_tiny_model) -> Path:
     return make_tiny_model(dtype="bfloat16")
 
 
+def test_no_bf16_kernels_default_is_float16_weights_in_our_kernel(
+        bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 22: where our float16 kernel runs, `f16` stays the default on an AVX2-only CPU."""
+    from ruvllm_cli.engine.kernels import half_kernel
+
+    if half_kernel() is None:
+        pytest.skip("no C compiler or no AVX2/F16C here")
+    dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False, half_kernel=True)
+    assert dtype == torch.float32
+    assert len(lines) == 1 and "float32 (F16)" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
+
+
 def test_no_bf16_kernels_default_is_float32_with_one_line(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 23, item 1: on an AVX2-only CPU bfloat16 runs unpacked; unasked, load float32."""
+    """Issue 23, item 1: on an AVX2-only CPU without our kernel bfloat16 runs unpacked;
+    unasked, load float32."""
     dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False)
     assert dtype == torch.float32
     assert lines[0] == NO_BF16_NOTE

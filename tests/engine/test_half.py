@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -12,12 +14,23 @@ from ruvllm_cli.engine.half import HalfEmbedding, half_linear, to_half
 pytestmark = pytest.mark.skipif(not kernels.cpu_has(kernels.HALF_CPU_FLAGS), reason="needs AVX2, FMA and F16C")
 
 
-@pytest.fixture(autouse=True)
-def fresh_kernel(tmp_path, monkeypatch):
-    """Each test builds (or finds) the kernel in a cache of its own."""
-    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path / "cache"))
+@pytest.fixture(scope="module", autouse=True)
+def kernel_dir(tmp_path_factory):
+    """The module's tests share one build, in a directory of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        directory = tmp_path_factory.mktemp("kernels")
+        patch.setenv("RUVLLM_KERNEL_DIR", str(directory))
+        kernels.half_kernel.cache_clear()
+        yield directory
     kernels.half_kernel.cache_clear()
-    yield
+
+
+@pytest.fixture
+def fresh_kernel_dir(tmp_path, monkeypatch):
+    """A test that watches the build: an empty directory and no kernel loaded yet."""
+    monkeypatch.setenv("RUVLLM_KERNEL_DIR", str(tmp_path / "kernels"))
+    kernels.half_kernel.cache_clear()
+    yield tmp_path / "kernels"
     kernels.half_kernel.cache_clear()
 
 
@@ -65,17 +78,17 @@ def test_embedding_rows_come_out_float32():
     assert out.dtype == torch.float32 and torch.equal(out[0, 0], table[3].float())
 
 
-def test_built_once_into_the_cache_and_loaded_after(tmp_path, capfd):
+def test_built_once_into_the_cache_and_loaded_after(fresh_kernel_dir, capfd):
     assert kernels.half_kernel() is not None
     assert "building ruvllm's float16 kernel" in capfd.readouterr().err
-    built = list((tmp_path / "cache" / "kernels").glob("half_gemm-*.so"))
+    built = list(fresh_kernel_dir.glob("half_gemm-*.so"))
     assert len(built) == 1
     kernels.half_kernel.cache_clear()
     assert kernels.half_kernel() is not None
     assert capfd.readouterr().err == ""                                  # found, not rebuilt
 
 
-def test_turned_off_or_without_a_compiler_torch_keeps_the_layers(monkeypatch, capfd):
+def test_turned_off_or_without_a_compiler_torch_keeps_the_layers(fresh_kernel_dir, monkeypatch, capfd):
     monkeypatch.setenv("RUVLLM_COMPILE", "0")
     assert kernels.half_kernel() is None and half_linear(torch.randn(8, 8), None) is None
     kernels.half_kernel.cache_clear()
@@ -85,3 +98,45 @@ def test_turned_off_or_without_a_compiler_torch_keeps_the_layers(monkeypatch, ca
     lines = capfd.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("ruvllm: the float16 kernel could not be built") or \
         lines[-1].startswith("ruvllm: the float16 kernel did not build")
+
+
+def test_f16_without_bfloat16_kernels_streams_float16_weights_and_matches_float32_on_them(
+        engine_model_dir, monkeypatch):
+    """`-q f16` on a CPU without bfloat16 kernels: float16 weights, float32 arithmetic,
+    greedy tokens identical to transformers' float32 model with the weights rounded
+    to float16 (the only difference the layout makes)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from ruvllm_cli.engine import quantize
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.half import HalfEmbedding, HalfLinear
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.engine.sampling import SamplingParams
+    from ruvllm_cli.quantization import Quantization
+
+    monkeypatch.setattr(quantize, "cpu_has_bf16_kernels", lambda: False)
+    loaded = load_model(engine_model_dir, "cpu", Quantization.F16)
+    assert loaded.dtype == torch.float32 and loaded.streamed
+    assert loaded.quantization_path.startswith("float16 weights with float32 arithmetic")
+    layers = [m for m in loaded.model.modules() if isinstance(m, HalfLinear)]
+    assert len(layers) == 7 * loaded.config.num_hidden_layers + 1          # the LM head included
+    assert isinstance(loaded.model.get_input_embeddings(), HalfEmbedding)
+    # A tied head shares the embedding's float16 table (weight_bytes counts it once).
+    tied = json.loads((engine_model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
+    shared = loaded.model.get_output_embeddings().weight16 is loaded.model.get_input_embeddings().weight16
+    assert shared == tied
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F16))
+    prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [7] * 20]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = engine.generate(prompts, params)
+
+    reference = AutoModelForCausalLM.from_pretrained(engine_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            if parameter.dim() == 2:
+                parameter.copy_(parameter.half().float())
+    config = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for prompt, result in zip(prompts, results):
+        expected = reference.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):]
+        assert result.token_ids == expected.tolist()

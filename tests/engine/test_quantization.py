@@ -9,7 +9,7 @@ import torch
 
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
-from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.engine.loader import half_weights_here, load_model
 from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
                                         Int8Embedding, PackedLinear, bucket_rows, packing_works, quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
@@ -113,6 +113,8 @@ def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
 
 def test_full_precision_linears_are_packed_on_cpu(engines):
     for quant in (Q.F32, Q.F16):
+        if quant is Q.F16 and half_weights_here():
+            continue  # float16 weights in our own kernel instead (tests/engine/test_half.py)
         if not packing_works(engines[quant].loaded.dtype):
             continue  # a torch build or CPU without oneDNN's packed path keeps nn.Linear
         loaded = engines[quant].loaded
@@ -152,6 +154,9 @@ def test_packed_layers_see_few_row_counts():
 
 
 def test_packing_can_be_turned_off(model_dir, monkeypatch):
+    from ruvllm_cli.engine import kernels
+
+    monkeypatch.setattr(kernels, "half_kernel", lambda: None)   # f16: bfloat16 layers, not ours
     monkeypatch.setenv(PACK_ENV, "0")
     assert not packing_works(torch.bfloat16)
     loaded = load_model(model_dir, "cpu", Q.F16)

@@ -36,10 +36,17 @@ class HalfKernel:
         self.linear.restype = None
 
 
-def kernels_dir() -> Path:
-    from ruvllm_cli.paths import resolve_cache_dir
+KERNEL_DIR_ENV = "RUVLLM_KERNEL_DIR"
 
-    return resolve_cache_dir() / "kernels"
+
+def kernels_dir() -> Path:
+    """Built libraries: beside the user cache, not in the model cache (`--cache-dir`
+    moves models, and a model cache per test would rebuild the kernel each time)."""
+    if os.environ.get(KERNEL_DIR_ENV):
+        return Path(os.environ[KERNEL_DIR_ENV]).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ruvllm")) / "kernels"
 
 
 @functools.cache
