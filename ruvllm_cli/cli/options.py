@@ -39,7 +39,8 @@ DEVICE = click.Choice(["auto", "cpu", "cuda", "mps"], case_sensitive=False)
 
 # What chat, serve and benchmark load when -q is not given (cli/engine_setup.py decides).
 LOAD_DEFAULT = ("what the files are: a GGUF file keeps its type (Q4_K_M as q4k, Q8_0 as q8, F16 as none); "
-                "safetensors load as f16, or none on a CPU without bfloat16 kernels (AVX-512)")
+                "safetensors load as f16 (on a CPU without bfloat16 kernels: float16 weights in ruvllm's "
+                "kernel, or none where no C compiler builds it)")
 
 
 def quantization_option(help_text: str, default_text: str) -> Any:
