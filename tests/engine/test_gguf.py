@@ -39,7 +39,7 @@ def test_gguf_loads_with_its_tokenizer_and_matches_the_original(gguf_file, loade
     original = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Q.F32))
     engine = LLMEngine(from_gguf, EngineConfig(device="cpu", quantization=Q.F32))
     for prompt in ([5, 6, 7, 8, 9], list(range(40, 90))):
-        ref, got = next_token_logprobs(original, prompt), next_token_logprobs(engine, prompt)
+        ref, got = next_token_logprobs(original, prompt).cpu(), next_token_logprobs(engine, prompt)
         assert torch.sum(ref.exp() * (ref - got)).item() < 0.01   # Q8_0 rounding only
 
 
@@ -84,7 +84,7 @@ def test_quantization_is_read_from_the_file_name(name, expected):
 
 
 def test_chat_pipes_through_a_gguf_file(gguf_file, ruvllm):
-    result = ruvllm("chat", str(gguf_file), "--max-tokens", "4", input="hello\n")
+    result = ruvllm("chat", str(gguf_file), "--max-tokens", "4", "--device", "cpu", input="hello\n")
     assert result.returncode == 0, result.stderr
     assert "(Q8_0)" in result.stderr and "GGUF Q8_0 tiny-Q8_0.gguf, tensor by tensor" in result.stderr
     assert "Traceback" not in result.stderr
