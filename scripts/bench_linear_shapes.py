@@ -4,11 +4,13 @@
 so that every weight streams from memory as in a real step.
 
 Prints ms per step at 1 and 16 rows for nn.Linear and the oneDNN-packed layer (and,
-with --quantized, the q8 and q4k layers), the 16-row / 1-row cost ratio (which
-bounds the aggregate/single-stream decode ratio), and one layer's GFLOP/s with its
-weight resident in cache, for the compute ceiling.
+with --quantized, the q8 and q4k layers; with --half, float16 weights in ruvllm's own
+kernel, engine/half.py), the 16-row / 1-row cost ratio (which bounds the
+aggregate/single-stream decode ratio), and one layer's GFLOP/s with its weight
+resident in cache, for the compute ceiling. --dtype float32 runs the plain and packed
+layers in float32 (the only packed path on a CPU without bfloat16 kernels).
 
-    .venv/bin/python scripts/bench_linear_shapes.py [--threads 2] [--quantized]
+    .venv/bin/python scripts/bench_linear_shapes.py [--threads 2] [--quantized] [--half] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from ruvllm_cli.engine.half import half_linear  # noqa: E402
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear  # noqa: E402
 from ruvllm_cli.testing.tiny_model import QWEN25_05B_SHAPE as SHAPE  # noqa: E402
 
@@ -37,9 +40,9 @@ def shapes() -> list[tuple[int, int]]:
     return layer * LAYERS + [(VOCAB, HIDDEN)]
 
 
-def step_ms(layers: list[nn.Module], rows: int, repeats: int) -> tuple[float, float]:
+def step_ms(layers: list[nn.Module], rows: int, repeats: int, dtype: torch.dtype) -> tuple[float, float]:
     """(ms for the layers without the head, ms for the head) per step."""
-    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (HIDDEN, INTERMEDIATE)}
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (HIDDEN, INTERMEDIATE)}
     body, head = 0.0, 0.0
     for attempt in range(repeats + 1):
         start = time.perf_counter()
@@ -59,11 +62,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--quantized", action="store_true", help="also q8 (fbgemm int8) and q4k (int4pack)")
+    parser.add_argument("--half", action="store_true", help="also float16 weights in ruvllm's kernel")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     with torch.inference_mode():
-        plain = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for n, k in shapes()]
+        plain = [nn.Linear(k, n, bias=False, dtype=dtype) for n, k in shapes()]
         packed = [PackedLinear(layer) for layer in plain]
         flops = 2 * sum(n * k for n, k in shapes()[:-1])
         results = {}
@@ -71,18 +77,21 @@ def main() -> None:
         if args.quantized:
             kinds += [("q8 int8", lambda: [DynamicInt8Linear(layer) for layer in plain]),
                       ("q4k int4", lambda: [Int4Linear(layer) for layer in plain])]
+        if args.half:
+            kinds += [("f16 ours", lambda: [half_linear(layer.weight, None) for layer in plain])]
         for name, build in kinds:
             layers = build()
             for rows in (1, 16):
-                body, head = step_ms(layers, rows, args.repeats)
+                body, head = step_ms(layers, rows, args.repeats, dtype)
                 results[name, rows] = body + head
                 print(f"{name:9s} {rows:2d} rows: layers {body:6.1f} ms + LM head {head:5.1f} ms"
                       f"  ({rows * flops / body / 1e6:5.0f} GFLOP/s in the layers)")
+            del layers
             print(f"{name:9s} 16 rows cost {results[name, 16] / results[name, 1]:.2f}x one row: "
                   f"aggregate/single-stream decode bounded near "
                   f"{16 * results[name, 1] / results[name, 16]:.1f}x")
         layer = packed[4]  # 4864 x 896, 8.7 MB: fits the L3 cache
-        x = torch.randn(16, HIDDEN, dtype=torch.bfloat16)
+        x = torch.randn(16, HIDDEN, dtype=dtype)
         for _ in range(20):
             layer(x)
         start = time.perf_counter()
