@@ -232,7 +232,7 @@ def load_model(path: str | Path, device: str = "auto",
         quant_path = f"GGUF {path.name} dequantized, then {quant_path}"
     if cache is not None and cached is None:
         weight_cache.save(model, cache, quant_path)
-    _release_freed_memory()
+    release_freed_memory()
     load_seconds = time.perf_counter() - started
     if cached is not None:
         quant_path += "; read from the quantized-weight cache"
@@ -309,7 +309,7 @@ def _first_line(error: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the allocator's freed pages back to the system (glibc keeps them: 170 MiB
     of a 0.5B q8 load's temporaries stayed resident)."""
     import ctypes

@@ -6,8 +6,9 @@ collector as they were at that moment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections import Counter as Tally
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,6 +32,16 @@ class EngineSnapshot:
     preemptions: int
     steps: int
     preemptions_by: tuple[tuple[int, str, int], ...] = ()   # (priority, mode, count)
+
+    @classmethod
+    def total(cls, snapshots: Sequence["EngineSnapshot"]) -> "EngineSnapshot":
+        """Several engines' figures as one (the models loaded in one server): each count summed."""
+        counts = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in fields(cls) if f.type == "int"}
+        by: Tally[tuple[int, str]] = Tally()
+        for snapshot in snapshots:
+            for priority, mode, count in snapshot.preemptions_by:
+                by[(priority, mode)] += count
+        return cls(**counts, preemptions_by=tuple((p, m, n) for (p, m), n in sorted(by.items())))
 
 
 def read_engine_snapshot(engine: Any) -> EngineSnapshot:
