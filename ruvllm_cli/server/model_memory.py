@@ -16,8 +16,8 @@ def release_engine(box: list[Any]) -> None:
     served = box.pop()
     served.engine_loop.shutdown()
     del served
-    # The engine's objects point at each other (the scheduler, the runner, the model's
-    # modules), so reference counts alone leave them; the collector frees them now.
+    # The model's modules sit in reference cycles: with the engine dropped, a weakref
+    # showed the nn.Module (and so its weights) still alive until a collection ran.
     gc.collect()
     from ruvllm_cli.engine.loader import release_freed_memory
 
