@@ -60,7 +60,7 @@ BYTE_SIZE = ByteSize()
 
 
 @click.command("serve")
-@click.argument("model", nargs=-1, required=True, metavar="MODEL [MODEL ...]", shell_complete=complete_model)
+@click.argument("model", nargs=-1, required=True, shell_complete=complete_model)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("-p", "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Port to listen on (0: any free port).")
