@@ -44,12 +44,19 @@ def parse_quantization(name: str | Quantization) -> Quantization:
         raise UsageError(f"unknown quantization '{name}'", f"choose one of {CHOICES}") from None
 
 
+def int4_fits(out_features: int, in_features: int, group: int) -> bool:
+    """Whether the CPU int4 kernel takes a linear layer of this shape (else q4k keeps it int8)."""
+    return in_features % group == 0 and out_features % 8 == 0
+
+
 def quantization_of_gguf(file_name: str) -> Quantization | None:
-    """The quantization a GGUF file name announces (llama.cpp's naming), if any."""
+    """The quantization a GGUF file name announces (llama.cpp's naming), if any; the
+    file's own `general.file_type` comes first (engine/gguf_plan.py). F16 files load
+    as float32, which holds their values exactly (bfloat16 would round them)."""
     name = file_name.lower()
     for marker, quantization in (("q4_k", Quantization.Q4_K_M), ("q4_0", Quantization.Q4_K_M),
                                  ("q8_0", Quantization.Q8_0), ("bf16", Quantization.F16),
-                                 ("f16", Quantization.F16), ("fp16", Quantization.F16),
+                                 ("f16", Quantization.F32), ("fp16", Quantization.F32),
                                  ("f32", Quantization.F32)):
         if marker in name:
             return quantization

@@ -6,6 +6,11 @@ transformers' path (RUVLLM_STREAM_LOAD=0), and llama.cpp's `llama-bench` on the 
 when --llamacpp DIR is given (a directory where ../shared/tools/llamacpp.sh built
 its tools and converted the model: llbuild/bin/llama-bench, f16/Q8_0/Q4_K_M.gguf).
 
+With --llamacpp, GGUF rows follow: each file of --gguf loaded as it loads without -q
+(Q8_0 as q8, Q4_K_M as q4k, f16 as none), tensor by tensor (engine/gguf_load.py) and
+through transformers' GGUF path (which dequantizes the whole file), beside llama-bench
+on the same file; --gguf-only skips the safetensors rows.
+
 Peak is the process's VmHWM (resident high-water mark: anonymous memory and the
 file pages it mapped), after `import torch, transformers` and after the load;
 llama.cpp's is GNU time's maximum resident size of a whole `llama-bench -p 0 -n 16`
@@ -13,6 +18,7 @@ run. Ratios are taken inside one run of this script.
 
     .venv/bin/python scripts/bench_load.py [--model DIR] [--quantizations none,f16,q8,q4k]
     .venv/bin/python scripts/bench_load.py --llamacpp ~/.cache/llamacpp --format json
+    .venv/bin/python scripts/bench_load.py --llamacpp ~/.cache/llamacpp --gguf-only [--gguf Q8_0,Q4_K_M,f16]
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
 
 GGUF_NAME = {"f16": "f16.gguf", "q8": "Q8_0.gguf", "q4k": "Q4_K_M.gguf"}
+GGUF_LOADS_AS = {"Q8_0": "q8", "Q4_K_M": "q4k", "f16": "none"}  # each file's own default (no -q)
 
 CHILD = r"""
 import json, sys, time
@@ -83,9 +90,12 @@ def _child(model: Path, quantization: str, mode: str, threads: int) -> dict[str,
 
 def llamacpp_load(tools: Path, quantization: str, threads: int) -> dict[str, Any] | None:
     """GNU time's peak RSS of a short llama-bench run (load, 16 generated tokens)."""
-    gguf = tools / GGUF_NAME.get(quantization, "")
+    return llamacpp_run(tools, tools / GGUF_NAME.get(quantization, "-"), threads)
+
+
+def llamacpp_run(tools: Path, gguf: Path, threads: int) -> dict[str, Any] | None:
     bench = tools / "llbuild" / "bin" / "llama-bench"
-    if quantization not in GGUF_NAME or not gguf.is_file() or not bench.is_file():
+    if not gguf.is_file() or not bench.is_file():
         return None
     started = time.perf_counter()
     done = subprocess.run(["/usr/bin/time", "-f", "%M", str(bench), "-m", str(gguf), "-p", "0", "-n", "16",
@@ -96,23 +106,65 @@ def llamacpp_load(tools: Path, quantization: str, threads: int) -> dict[str, Any
     return {"peak_mib": int(done.stderr.strip().splitlines()[-1]) / 1024, "run_s": wall, "gguf": gguf.name}
 
 
+def gguf_rows(tools: Path, names: list[str], threads: int) -> list[dict[str, Any]]:
+    """Each GGUF file loaded as it loads without -q: tensor by tensor, through
+    transformers, and by llama-bench."""
+    rows = []
+    for name in names:
+        path, quantization = tools / f"{name}.gguf", GGUF_LOADS_AS[name]
+        if not path.is_file():
+            raise SystemExit(f"{path}: no such GGUF file (llamacpp.sh converts f16, Q8_0 and Q4_K_M)")
+        rows.append({"gguf": path.name, "quantization": quantization,
+                     "streamed": _child(path, quantization, "streamed", threads),
+                     "transformers": _child(path, quantization, "transformers", threads),
+                     "llamacpp": llamacpp_run(tools, path, threads)})
+    return rows
+
+
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("--quantizations", default="none,f16,q8,q4k")
     parser.add_argument("--llamacpp", type=Path, help="llamacpp.sh's WORKDIR (tools and GGUF files)")
+    parser.add_argument("--gguf", default="Q8_0,Q4_K_M", help="GGUF files of --llamacpp to load (Q8_0,Q4_K_M,f16)")
+    parser.add_argument("--gguf-only", action="store_true", help="only the GGUF rows")
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args()
-    model = script_model(args)
-    rows = []
-    for quantization in args.quantizations.split(","):
-        rows.append({"quantization": quantization,
-                     **{mode: ruvllm_load(model, quantization, mode, args.threads) for mode in MODES},
-                     "llamacpp": llamacpp_load(args.llamacpp, quantization, args.threads)
-                     if args.llamacpp else None})
+    if args.gguf_only and not args.llamacpp:
+        parser.error("--gguf-only needs --llamacpp DIR")
+    model = None if args.gguf_only else script_model(args)
+    rows = [] if model is None else [
+        {"quantization": quantization,
+         **{mode: ruvllm_load(model, quantization, mode, args.threads) for mode in MODES},
+         "llamacpp": llamacpp_load(args.llamacpp, quantization, args.threads) if args.llamacpp else None}
+        for quantization in args.quantizations.split(",")]
+    ggufs = gguf_rows(args.llamacpp, args.gguf.split(","), args.threads) if args.llamacpp else []
     if args.format == "json":
-        print(json.dumps({"model": str(model), "threads": args.threads, "rows": rows}, indent=2))
+        print(json.dumps({"model": str(model), "threads": args.threads, "rows": rows, "gguf_rows": ggufs},
+                         indent=2))
         return
-    print(f"{model} · {args.threads} threads · MiB of peak resident memory (VmHWM)")
+    if model is not None:
+        print_rows(model, rows, args.threads)
+    if ggufs:
+        print_gguf_rows(args.llamacpp, ggufs, args.threads)
+
+
+def print_gguf_rows(tools: Path, rows: list[dict[str, Any]], threads: int) -> None:
+    print(f"{tools} · GGUF files · {threads} threads · MiB of peak resident memory (VmHWM)")
+    print("file          quant  weights  peak: tensor by tensor / transformers' path  llama.cpp  "
+          "ours/llama.cpp  load s: tensor by tensor / transformers  llama.cpp run s")
+    for row in rows:
+        s, t, ll = row["streamed"], row["transformers"], row["llamacpp"]
+        llama = (f"{ll['peak_mib']:9.0f}  {s['peak_mib'] / ll['peak_mib']:13.2f}x" if ll
+                 else f"{'n/a':>9s}  {'n/a':>14s}")
+        print(f"{row['gguf']:12s}  {row['quantization']:5s}  {s['weights_mib']:7.0f}  "
+              f"{s['peak_mib']:21d} / {t['peak_mib']:6d}  {llama}  {s['load_s']:22.1f} / {t['load_s']:5.1f}  "
+              f"{ll['run_s'] if ll else float('nan'):15.1f}")
+        for mode, load in (("tensor by tensor", s), ("transformers", t)):
+            print(f"       {mode}: {load['path']}")
+
+
+def print_rows(model: Path, rows: list[dict[str, Any]], threads: int) -> None:
+    print(f"{model} · {threads} threads · MiB of peak resident memory (VmHWM)")
     print("quant  import  weights  peak: streamed / cached / transformers' path  llama.cpp  "
           "streamed/llama.cpp  cached/llama.cpp  load s: streamed / cached / transformers  llama.cpp run s")
     for row in rows:

@@ -6,7 +6,11 @@ transformers' generate() on the same weights and quantization config (each promp
 alone); then a LoRA adapter on each, against peft's generate(). Prints one line per
 check with the share of identical tokens; exits 1 if a check fails outright.
 
-    .venv/bin/python scripts/gpu_check.py [--tokens 24]
+    .venv/bin/python scripts/gpu_check.py [--tokens 24] [--cold-decode]
+
+--cold-decode also times single-stream decode on the Qwen2.5-0.5B-shaped model at
+prompt lengths the process has not seen, with SDPA's cuDNN backend allowed and left
+out (model_runner.sdpa_backends), alternating (docs/design.md, section 18).
 
 Token identity is expected for f16 and the LoRA rows; with bitsandbytes the batched
 and single kernels may round differently, so a near-tie can flip a token and the
@@ -99,9 +103,34 @@ def check(model_dir: Path, adapter_dir: Path, quantization: Quantization, tokens
     return ok
 
 
+def cold_decode() -> None:
+    """Single-stream tok/s at new prompt lengths: cuDNN builds a plan per key length."""
+    import contextlib
+
+    from ruvllm_cli.bench.harness import BENCH_MODEL_CACHE
+    from ruvllm_cli.engine import model_runner
+    from ruvllm_cli.testing.tiny_model import cached_tiny_model
+
+    model = cached_tiny_model(BENCH_MODEL_CACHE, bench=True)
+    engine = LLMEngine.from_path(str(model), EngineConfig(device="cuda", quantization=Quantization.F16))
+    without_cudnn = model_runner.sdpa_backends
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for index, length in enumerate((130, 400, 600, 900, 1200, 1500)):
+        cudnn = index % 2 == 0
+        model_runner.sdpa_backends = (lambda device: contextlib.nullcontext()) if cudnn else without_cudnn
+        request = engine.add_request(list(range(1000 * index + 100, 1000 * index + 100 + length)), params)
+        while engine.has_unfinished:
+            engine.step()
+        t = request.timings.token_times
+        print(f"cold single stream, {length:5d}-token prompt, cuDNN {'allowed' if cudnn else 'left out':8s}: "
+              f"{(len(t) - 1) / (t[-1] - t[0]):6.1f} tok/s")
+    model_runner.sdpa_backends = without_cudnn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--cold-decode", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here")
@@ -111,6 +140,8 @@ def main() -> None:
     adapter_dir = build_lora_adapter(model_dir, root / "lora", rank=8, alpha=16, seed=1)
     ok = all([check(model_dir, adapter_dir, q, args.tokens)
               for q in (Quantization.F16, Quantization.Q8_0, Quantization.Q4_K_M)])
+    if args.cold_decode:
+        cold_decode()
     sys.exit(0 if ok else 1)
 
 

@@ -50,9 +50,9 @@ print(getattr(build_meta, sys.argv[1])(sys.argv[2]))
 """
 
 
-def test_the_wheel_and_the_sdist_carry_the_chat_page(tmp_path: Path) -> None:
+def test_the_wheel_and_the_sdist_carry_the_chat_page_and_the_kernels_source(tmp_path: Path) -> None:
     """`ruvllm serve` reads the page's files from the installed package (server/web.py):
-    without them it could not start."""
+    without them it could not start; the C kernels are built from their installed source."""
     project = copy_project(tmp_path)
     built = []
     for kind in ("build_wheel", "build_sdist"):
@@ -64,8 +64,9 @@ def test_the_wheel_and_the_sdist_carry_the_chat_page(tmp_path: Path) -> None:
     wheel, sdist = built
     pages = sorted(p.name for p in (REPO_ROOT / "ruvllm_cli" / "server" / "web").iterdir())
     assert "index.html" in pages and "app.js" in pages
+    pages = [f"server/web/{n}" for n in pages] + ["engine/kernels/half_gemm.c"]
     with zipfile.ZipFile(wheel) as archive:
-        assert [n for n in pages if f"ruvllm_cli/server/web/{n}" not in archive.namelist()] == []
+        assert [n for n in pages if f"ruvllm_cli/{n}" not in archive.namelist()] == []
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-        assert [n for n in pages if f"ruvllm_cli/server/web/{n}" not in names] == []
+        assert [n for n in pages if f"ruvllm_cli/{n}" not in names] == []

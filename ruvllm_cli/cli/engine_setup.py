@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ruvllm_cli.cli.context import AppContext
+from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization, quantization_of_gguf
 from ruvllm_cli.registry.locate import LocatedModel, locate_model
 
@@ -17,25 +18,57 @@ DEFAULT_QUANTIZATION = Quantization.F16
 NO_BF16_NOTE = ("Loading float32 (-q none): this CPU has no bfloat16 kernels (oneDNN needs AVX-512), so 16-bit "
                 "weights would run unpacked and slower; -q f16 loads them 16-bit anyway")
 
+GGUF_ON_CUDA_NOTE = ("Loading float16 (-q f16): on CUDA q8/q4k go through bitsandbytes, which cannot read a GGUF "
+                     "file; --device cpu keeps the file's own type")
+
 
 def default_quantization(located: LocatedModel) -> Quantization:
-    """A GGUF file keeps its own quantization (a Q4_K_M file must not become a
-    16-bit model in memory); anything else loads 16-bit."""
+    """A GGUF file keeps its own quantization, by its file type (a Q4_K_M file must
+    not become a 16-bit model in memory); anything else loads 16-bit."""
     if located.path.suffix == ".gguf":
-        return quantization_of_gguf(located.path.name) or DEFAULT_QUANTIZATION
+        return gguf_quantization(located.path) or DEFAULT_QUANTIZATION
     return DEFAULT_QUANTIZATION
+
+
+def gguf_quantization(path: Path) -> Quantization | None:
+    """The file type's quantization (engine/gguf_plan.py), else its name's; None for a
+    file too damaged to say (the loader reports it)."""
+    from ruvllm_cli.engine.gguf_check import check_gguf
+    from ruvllm_cli.engine.gguf_plan import file_quantization
+
+    try:
+        return file_quantization(check_gguf(path))
+    except ModelLoadError:
+        return quantization_of_gguf(path.name)
+
+
+def gguf_conflict_note(located: LocatedModel, asked: Quantization) -> str | None:
+    """A line when -q asks a GGUF file for another layout than its own: -q wins, and
+    the file's blocks are requantized (or dequantized) into it."""
+    own = gguf_quantization(located.path) if located.path.suffix == ".gguf" else None
+    if own is None or own is asked:
+        return None
+    ways = {Quantization.F32: "dequantized into float32", Quantization.F16: "dequantized into bf16",
+            Quantization.Q8_0: "requantized into int8", Quantization.Q4_K_M: "requantized into int4"}
+    return (f"-q {asked.value}: the file's blocks are {ways[asked]} where their layout differs "
+            f"(without -q it loads as {own.value}; the load line counts each way)")
 
 
 def load_default(located: LocatedModel, device: str) -> tuple[Quantization, str | None]:
     """What to load with when -q was not given, and a note when that is not the
-    files' own type: float32 instead of 16-bit on a CPU without bfloat16 kernels."""
+    files' own type: float32 instead of 16-bit on a CPU without bfloat16 kernels, float16
+    for a quantized GGUF file on CUDA."""
     own = default_quantization(located)
+    from ruvllm_cli.engine.loader import select_device
+
+    target = select_device(device).type
+    if target == "cuda" and located.path.suffix == ".gguf" and own in (Quantization.Q8_0, Quantization.Q4_K_M):
+        return Quantization.F16, GGUF_ON_CUDA_NOTE
     if own is not Quantization.F16:
         return own, None
-    from ruvllm_cli.engine.loader import select_device
     from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
 
-    if select_device(device).type != "cpu" or cpu_has_bf16_kernels():
+    if target != "cpu" or cpu_has_bf16_kernels():
         return own, None
     # Float32 files stay what they are: nothing to explain.
     return Quantization.F32, None if _stored_as_float32(located) else NO_BF16_NOTE
@@ -99,8 +132,10 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
 
         if quantization is None:
             quantization, note = load_default(located, device)
-            if note:
-                out.info(f"[dim]{note}[/dim]")
+        else:
+            note = gguf_conflict_note(located, quantization)
+        if note:
+            out.info(f"[dim]{note}[/dim]")
         config_fields = {k: v for k, v in engine_options.items() if v is not None}
         config = EngineConfig(device=device, quantization=quantization, **config_fields)
         loaded = load_model(located.path, config.device, config.quantization, use_cache=weight_cache)

@@ -101,6 +101,29 @@ def memory_table(params: int | None, kv_shape: KVShape | None) -> dict[str, Any]
     return {q.value: estimate_memory(params, q, kv_shape, DEFAULT_CONTEXT) for q in Quantization}
 
 
+def gguf_record(path: Path) -> dict[str, Any]:
+    """A GGUF file's type, what it loads as without -q, and what each weight becomes
+    under every quantization (engine/gguf_plan.py: read from its header alone)."""
+    from ruvllm_cli.engine import gguf_plan
+    from ruvllm_cli.engine.gguf_check import check_gguf
+
+    try:
+        layout = check_gguf(path)
+    except ModelLoadError as error:
+        return {"path": str(path), "error": error.message}
+    return {"path": str(path), "file_type": gguf_plan.label(layout),
+            "default_quantization": gguf_plan.file_quantization(layout).value,
+            "through_transformers": gguf_plan.unstreamable(layout),
+            "tensors": {q.value: gguf_plan.summary(layout, q) for q in Quantization}}
+
+
+def _gguf_files(ref: ModelRef, downloads: list[DownloadedModel]) -> list[Path]:
+    if ref.local_path is not None and ref.local_path.suffix.lower() == ".gguf" and ref.local_path.is_file():
+        return [ref.local_path]
+    return [d.path / f.name for d in downloads for f in d.files
+            if f.name.lower().endswith(".gguf") and (d.path / f.name).is_file()]
+
+
 def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
     """Everything `info` shows, as JSON-ready data."""
     downloads = [] if ref.kind == "local" else find_downloads(ref, cache)
@@ -129,6 +152,7 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "parameter_source": source,
         "memory": memory_table(params, kv_shape),
         "memory_context": DEFAULT_CONTEXT,
+        "gguf": [gguf_record(path) for path in _gguf_files(ref, downloads)],
     }
 
 
@@ -212,10 +236,24 @@ def _render_memory(out: Output, data: dict[str, Any]) -> None:
               title="Memory estimates", caption=escape(caption))
 
 
+def _render_gguf(out: Output, record: dict[str, Any]) -> None:
+    if "error" in record:
+        out.warn(record["error"])
+        return
+    default = record["default_quantization"]
+    way = (f"through transformers ({record['through_transformers']}), dequantized whole"
+           if record["through_transformers"] else "tensor by tensor, straight into the layouts below")
+    rows = [("Path", record["path"]), ("Type", record["file_type"]), ("Loads as", f"{default} (without -q)"),
+            ("Loading", way), *((f"Tensors, -q {q}", text) for q, text in record["tensors"].items())]
+    _kv(out, "GGUF file", rows)
+
+
 def render(out: Output, data: dict[str, Any]) -> None:
     _render_model(out, data)
     _render_config(out, data)
     _render_cache(out, data)
+    for record in data["gguf"]:
+        _render_gguf(out, record)
     _render_memory(out, data)
 
 

@@ -38,8 +38,8 @@ DEVICE = click.Choice(["auto", "cpu", "cuda", "mps"], case_sensitive=False)
 
 
 # What chat, serve and benchmark load when -q is not given (cli/engine_setup.py decides).
-LOAD_DEFAULT = ("what the files are: a GGUF file keeps its type; safetensors load as f16, or none on a CPU "
-                "without bfloat16 kernels (AVX-512)")
+LOAD_DEFAULT = ("what the files are: a GGUF file keeps its type (Q4_K_M as q4k, Q8_0 as q8, F16 as none); "
+                "safetensors load as f16, or none on a CPU without bfloat16 kernels (AVX-512)")
 
 
 def quantization_option(help_text: str, default_text: str) -> Any:

@@ -20,7 +20,8 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.engine_setup import locate_adapters
 from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
-                                    prefix_caching, weight_cache_option)
+                                    weight_cache_option)
+from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.registry.locate import locate_model
 
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from ruvllm_cli.server.state import ServerConfig
 
 T = TypeVar("T")
-# How long a stopping server waits for the engine to finish its current step: the
-# process exits regardless (os._exit), and the replies have all been sent by then.
-ENGINE_STOP_TIMEOUT = 0.3
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 WILDCARD = {"0.0.0.0", "::", ""}
 
@@ -113,6 +111,18 @@ BYTE_SIZE = ByteSize()
                    "request names; behind --api-key when one is set).")
 @device_option()
 @pool_options()
+@click.option("--replicas", type=click.IntRange(min=1), default=None,
+              help="Run N engines as Ray Serve replicas behind this server, with prefix-aware routing "
+                   "(needs: pip install \"ruvllm-cli[cluster]\"; docs/scale-out.md).")
+@click.option("--min-replicas", type=click.IntRange(min=1), default=None,
+              help="With --max-replicas: autoscale between them on queue length (Ray Serve's autoscaler).")
+@click.option("--max-replicas", type=click.IntRange(min=1), default=None, help="See --min-replicas.")
+@click.option("--ray-address", default=None,
+              help="Join this Ray cluster (e.g. auto, or HOST:6379) instead of starting a local one.")
+@click.option("--threads-per-replica", type=click.IntRange(min=1), default=None,
+              help="CPU threads (and Ray CPUs) per replica (default: this machine's cores / replicas).")
+@click.option("--gpus-per-replica", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="GPUs per replica on a CUDA cluster (fractions share a GPU).")
 @global_options
 def command(**options: Any) -> None:
     """Serve MODELs over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
@@ -136,6 +146,7 @@ def command(**options: Any) -> None:
       ruvllm serve ./my-model --max-concurrent 32 --kv-cache-memory 2GiB
       ruvllm serve qwen --lora sql=./sql-lora --lora chat=user/chat-lora
       ruvllm serve qwen llama --models-max 1 --keep-alive 10m
+      ruvllm serve qwen --replicas 4 --threads-per-replica 2
     """
     app = app_context()
     configure_logging(app.verbose)
@@ -145,6 +156,7 @@ def command(**options: Any) -> None:
     for model in options["models"]:
         locate_model(model, app.cache_dir, options["quantization"])
     options["adapters"] = locate_adapters(app, options["lora"])
+    options["cluster"] = cluster_options(options)
     source = click.get_current_context().get_parameter_source("api_key")
     options["api_key_from_flag"] = source is ParameterSource.COMMANDLINE
     asyncio.run(serve(app, options))
@@ -173,7 +185,6 @@ def configure_logging(verbose: bool) -> None:
 
 async def serve(app: AppContext, options: dict[str, Any]) -> None:
     """Listen first (health 503), load, fill the engine slot, serve until a signal."""
-    from ruvllm_cli.engine.loop import EngineLoop
     from ruvllm_cli.server import attach_engine, create_app, start_server
 
     from rich.markup import escape
@@ -193,29 +204,34 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         from ruvllm_cli.cli.serve_models import serve_models
 
         return await serve_models(app, options, web_app, server, stop)
-    out.info(f"[dim]Listening on {escape(server.url)}; loading the model (/health answers 503 until it is ready)[/dim]")
+    waiting_for = "the replicas" if options["cluster"] else "the model"
+    out.info(f"[dim]Listening on {escape(server.url)}; loading {waiting_for} (/health answers 503 until it is "
+             "ready)[/dim]")
+    pending = Pending()
     try:
-        opened = await until_stopped(run_in_daemon_thread(lambda: load(app, options)), stop)
+        backend = await until_stopped(run_in_daemon_thread(lambda: load(app, options, pending)), stop)
     except BaseException:
         await server.stop()
+        pending.stop()
         raise
-    if opened is None:
+    if backend is None:
         await server.stop()
+        pending.stop()
         out.info("Stopped before the model finished loading.")
         return
     failures: list[BaseException] = []
-    engine_loop = EngineLoop(opened.engine, on_failure=stop_on_failure(stop, failures))
     try:
-        names = served_names(opened.located, options["model"], options["served_model_name"])
-        attach_engine(web_app, engine_loop, names)
-        print_banner(app, server.url, opened.describe(), names, options, opened.kv_summary())
+        names = served_names(backend.located, options["model"], options["served_model_name"])
+        attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)
+        print_banner(app, server.url, backend.describe(), names, options, backend.kv_summary(),
+                     backend.replicas_line())
         await stop.wait()
         out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s "
                  "(Ctrl+C again: end them now) ...")
         install_signal_handlers(lambda: end_now(server, out))
         await server.stop()
     finally:
-        engine_loop.shutdown(ENGINE_STOP_TIMEOUT)
+        backend.stop()
     if failures:
         # Exit non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
         raise RuvllmError(f"the engine failed: {type(failures[0]).__name__}: {failures[0]}",
@@ -250,17 +266,23 @@ def server_config(options: dict[str, Any], verbose: bool, cache_dir: Path | None
                         web_ui=not options["no_web_ui"])
 
 
-def load(app: AppContext, options: dict[str, Any]) -> Any:
-    from ruvllm_cli.cli.engine_setup import open_engine
+def load(app: AppContext, options: dict[str, Any], pending: Pending) -> Any:
+    """The backend: the model loaded here, or replicas on Ray with --replicas."""
+    if options["cluster"] is None:
+        return load_local(app, options)
+    return load_cluster(app, options, options["cluster"], pending)
 
-    return open_engine(
-        app, options["model"], quantization=options["quantization"], device=options["device"],
-        max_num_seqs=options["max_concurrent"], max_model_len=options["max_context"],
-        max_num_batched_tokens=options["max_num_batched_tokens"], kv_cache_memory=options["kv_cache_memory"],
-        enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
-        weight_cache=not options["no_weight_cache"], adapters=options["adapters"], max_loras=options["max_loras"],
-        max_lora_rank=options["max_lora_rank"], scheduling_policy=options["scheduling_policy"],
-        preemption_mode=options["preemption_mode"], swap_space=options["swap_space"])
+
+def cluster_options(options: dict[str, Any]) -> Any:
+    """--replicas and friends as ClusterOptions (None without them); a missing Ray is an error here."""
+    from ruvllm_cli.cluster.spec import cluster_options as parse
+
+    parsed = parse(options)
+    if parsed is not None:
+        from ruvllm_cli.cluster.deploy import import_ray
+
+        import_ray(parsed)
+    return parsed
 
 
 def served_names(located: Any, model_arg: str, extra: tuple[str, ...]) -> list[str]:
@@ -332,7 +354,7 @@ def run_in_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":
 
 
 def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any],
-                 kv_cache: str | None = None, models: Sequence[str] = ()) -> None:
+                 kv_cache: str | None = None, replicas: str | None = None, models: Sequence[str] = ()) -> None:
     from rich.markup import escape
 
     out = app.output()
@@ -351,6 +373,8 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     out.info(escape(f"  Metrics     {url}/metrics"))
     if kv_cache:
         out.info(escape(f"  KV cache    {kv_cache}"))
+    if replicas:
+        out.info(escape(f"  Replicas    {replicas}"))
     if options.get("scheduling_policy", "fcfs") != "fcfs" or options.get("preemption_mode", "recompute") != "recompute":
         swap = (f" ({options['swap_space'] / 2**30:.2f} GiB pool)" if options["preemption_mode"] == "swap" else "")
         out.info(escape(f"  Scheduling  {options['scheduling_policy']}, preemption by {options['preemption_mode']}{swap}"))

@@ -87,6 +87,15 @@ def check_models(options: dict[str, Any]) -> None:
     if len(models) > 1 and options["served_model_name"]:
         raise UsageError("--served-model-name names one model, and several MODELs are given",
                          "with several, each is served as its alias, hub id and the MODEL as typed")
+    if pooled(options) and clustered(options):
+        # Each replica runs one engine; a pool of models per replica is not built (design section 17).
+        raise UsageError("--replicas serves one MODEL, without --models-max or --keep-alive",
+                         "serve several models without --replicas, or one model with it")
+
+
+def clustered(options: dict[str, Any]) -> bool:
+    """Whether Ray Serve replicas run the engine (--replicas, --min-replicas or --max-replicas)."""
+    return any(options[name] is not None for name in ("replicas", "min_replicas", "max_replicas"))
 
 
 def pool_settings(options: dict[str, Any]) -> "PoolSettings":
@@ -125,13 +134,13 @@ def model_specs(app: "AppContext", options: dict[str, Any],
 def loader(app: "AppContext", options: dict[str, Any], model: str,
            on_failure: Callable[[BaseException], None]) -> Callable[[Sequence[Any]], "EngineLoop"]:
     """Loads `model` with serve's engine options, serving the adapters the pool gives."""
-    from ruvllm_cli.cli.serve import load
+    from ruvllm_cli.cli.serve_backend import load_local
     from ruvllm_cli.engine.loop import EngineLoop
 
     def load_model(adapters: Sequence[Any]) -> EngineLoop:
         with LOAD_LOCK:
-            opened = load(app, {**options, "model": model, "adapters": list(adapters)})
-        return EngineLoop(opened.engine, on_failure=on_failure)
+            backend = load_local(app, {**options, "model": model, "adapters": list(adapters)})
+        return backend.start(on_failure)
 
     return load_model
 

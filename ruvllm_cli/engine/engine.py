@@ -143,15 +143,7 @@ class LLMEngine:
         return prompt_ids
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise UsageError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise UsageError(f"the prompt has {len(prompt_ids)} tokens; the context limit is "
-                             f"{self.max_model_len}, including the reply")
-        if not all(isinstance(i, int) for i in prompt_ids):
-            raise UsageError("prompt token ids must be integers")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab_size:
-            raise UsageError(f"prompt token ids must be in [0, {self._vocab_size})")
+        check_prompt_ids(prompt_ids, self.max_model_len, self._vocab_size)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request at any point; returns its final output (None if unknown)."""
@@ -257,6 +249,20 @@ class LLMEngine:
         self.block_manager.check_integrity(self.live_requests())
         if self.swap_space is not None:
             self.swap_space.check_integrity(self.live_requests())
+
+
+def check_prompt_ids(prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """A prompt the engine can take (UsageError if not): non-empty, room for a reply,
+    ids in the vocabulary. Also what a server in front of remote engines checks."""
+    if not prompt_ids:
+        raise UsageError("the prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise UsageError(f"the prompt has {len(prompt_ids)} tokens; the context limit is "
+                         f"{max_model_len}, including the reply")
+    if not all(isinstance(i, int) for i in prompt_ids):
+        raise UsageError("prompt token ids must be integers")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise UsageError(f"prompt token ids must be in [0, {vocab_size})")
 
 
 @dataclass

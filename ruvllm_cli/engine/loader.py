@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import torch
 
 from ruvllm_cli.engine import attention, weight_cache
 from ruvllm_cli.engine.gguf_check import check_gguf
+from ruvllm_cli.engine.stream_load import release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 
@@ -103,8 +106,7 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     sizes and config.json alone (nothing is read)."""
     dtype = dtype_for(quantization, device)
     if config is None:
-        # A GGUF file: loading dequantizes it all first, a 4-bit file growing about 4x in 16-bit.
-        return path.stat().st_size * (8 if dtype == torch.float32 else 4)
+        return _gguf_memory(path, device, dtype, quantization)
     on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     file_dtype = _config_dtype(config)
     weights = on_disk // file_dtype.itemsize
@@ -127,6 +129,21 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
             needed += rows * 16
         return int(needed)
     return (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
+
+
+def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantization: Quantization) -> int:
+    """A GGUF file's weights once loaded: each tensor in its layout where it streams
+    (gguf_plan), else transformers' path, which dequantizes the whole file first (a
+    4-bit file grows about 4x in 16-bit)."""
+    from ruvllm_cli.engine import gguf_plan
+    from ruvllm_cli.engine.quantize import WeightPlan
+
+    layout = check_gguf(path)
+    if device.type != "cpu" or gguf_plan.unstreamable(layout) or os.environ.get(STREAM_ENV, "1") == "0":
+        return path.stat().st_size * (8 if dtype == torch.float32 else 4)
+    hidden = layout.metadata.get(f"{layout.metadata['general.architecture']}.embedding_length", 1)
+    unties = WeightPlan(quantization, dtype, hidden, int4_group=gguf_plan.INT4_GROUP).unties_head
+    return gguf_plan.loaded_bytes(layout, quantization, dtype.itemsize, unties)
 
 
 def free_memory(device: torch.device) -> int:
@@ -201,35 +218,31 @@ def load_model(path: str | Path, device: str = "auto",
     read and write the quantized-weight cache unless `use_cache` is False."""
     from transformers.utils import logging as hf_logging
 
-    from ruvllm_cli.engine.quantize import quantize_model
-
     path = Path(path).expanduser()
     source, config = _pretrained_args(path)
     target = select_device(device)
+    _check_gguf_device(path, target, quantization)
     dtype = dtype_for(quantization, target)
     _check_memory(path, config, target, quantization)
     hf_logging.disable_progress_bar()  # our own output says what is happening
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
+    # The tokenizer first: transformers' GGUF reader parses the whole vocabulary (about
+    # 250 MiB passing through for 150k tokens), over before the weights arrive.
+    tokenizer = _tokenizer(path, source)
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
         use_cache and config is not None and weight_cache.enabled(quantization, target)) else None
     cached = weight_cache.load(cache, path, dtype, attention.register()) if cache is not None else None
-    streamed = cached or _stream(path, config, target, dtype, quantization)
+    streamed, not_streamed = (cached, None) if cached else _stream(path, config, target, dtype, quantization)
     if streamed is not None:
-        tokenizer, (model, quant_path) = _tokenizer(path, source), streamed
+        model, quant_path = streamed
     else:
-        tokenizer, model = _from_pretrained(path, source, dtype, extra)
-        if not extra:
-            model.to(target)
-        model.eval()
-        quant_path = quantize_model(model, quantization, target)
-        if target.type == "cpu":
-            # After quantizing: packed and quantized layers are already fresh copies, so
-            # only what is left (embeddings, norms, biases, unpacked layers) is copied.
-            _own_weights(model)
-    if path.suffix == ".gguf":
-        quant_path = f"GGUF {path.name} dequantized, then {quant_path}"
+        model = _from_pretrained(path, source, dtype, extra)
+        quant_path = _quantize_loaded(model, quantization, target, bool(extra))
+    if path.suffix == ".gguf" and streamed is None:
+        quant_path = (f"GGUF {path.name} through transformers ({not_streamed}), which dequantizes the whole "
+                      f"file, then {quant_path}")
     if cache is not None and cached is None:
         weight_cache.save(model, cache, quant_path)
     release_freed_memory()
@@ -244,41 +257,51 @@ def load_model(path: str | Path, device: str = "auto",
                        from_weight_cache=cached is not None)
 
 
+def _quantize_loaded(model: Any, quantization: Quantization, target: torch.device, bitsandbytes: bool) -> str:
+    """transformers' path: the loaded model moved and quantized in place."""
+    from ruvllm_cli.engine.quantize import quantize_model
+
+    if not bitsandbytes:
+        model.to(target)
+    model.eval()
+    quant_path = quantize_model(model, quantization, target)
+    if target.type == "cpu":
+        # After quantizing: packed and quantized layers are already fresh copies, so
+        # only what is left (embeddings, norms, biases, unpacked layers) is copied.
+        _own_weights(model)
+    return quant_path
+
+
 def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype,
-            quantization: Quantization) -> tuple[Any, str] | None:
-    """The model loaded one module at a time (`stream_load`), or None where it takes
-    transformers' path: GGUF files, other devices, checkpoints whose names differ."""
-    from ruvllm_cli.engine.stream_load import stream_load
+            quantization: Quantization) -> tuple[tuple[Any, str] | None, str | None]:
+    """The model loaded one module (or GGUF tensor) at a time (`stream_load`,
+    `gguf_load`), or None and why it takes transformers' path: other devices,
+    checkpoints whose names differ, GGUF architectures not mapped."""
+    from ruvllm_cli.engine.gguf_load import stream_gguf
+    from ruvllm_cli.engine.stream_load import NotStreamable, stream_load
 
-    if config is None or device.type != "cpu" or os.environ.get(STREAM_ENV, "1") == "0":
-        return None
+    if device.type != "cpu":
+        return None, f"on {device.type}"
+    if os.environ.get(STREAM_ENV, "1") == "0":
+        return None, f"{STREAM_ENV}=0"
     try:
-        return stream_load(path, dtype, quantization, attention.register())
-    except Exception as error:  # noqa: BLE001 - transformers' path loads it, or says what is wrong
+        if config is None:
+            return stream_gguf(path, check_gguf(path), dtype, quantization, attention.register()), None
+        return stream_load(path, dtype, quantization, attention.register()), None
+    except NotStreamable as error:
         log.debug("streamed load of %s not used: %s", path, error)
-        return None
+        return None, str(error)
+    except Exception as error:  # noqa: BLE001 - transformers' path loads it, or says what is wrong
+        log.debug("streamed load of %s not used: %s", path, error, exc_info=True)
+        return None, f"{type(error).__name__}: {_first_line(error)}"
 
 
-def _tokenizer(path: Path, source: dict[str, Any]) -> Any:
-    from transformers import AutoTokenizer
-
+@contextmanager
+def _transformers_errors(path: Path) -> Iterator[None]:
+    """Whatever transformers raises on a bad file (tokenizer or model) becomes one
+    ModelLoadError line."""
     try:
-        return AutoTokenizer.from_pretrained(**source)
-    except (ValueError, OSError) as error:
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {_first_line(error)}") from None
-
-
-def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype,
-                     extra: dict[str, Any]) -> tuple[Any, Any]:
-    """Tokenizer and model; whatever transformers raises on a bad file becomes one
-    ModelLoadError line, and a file that lacks weights is refused (transformers would
-    fill them with random values)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(**source)
-        model, info = AutoModelForCausalLM.from_pretrained(
-            **source, dtype=dtype, attn_implementation=attention.register(), output_loading_info=True, **extra)
+        yield
     except ValueError as error:
         raise ModelLoadError(f"unsupported model in {path}: {_first_line(error)}") from None
     except OSError as error:
@@ -286,12 +309,29 @@ def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype,
     except Exception as error:  # noqa: BLE001 - a file transformers cannot build a model from
         raise ModelLoadError(f"cannot load the model in {path}: {_build_failure(error)}",
                              "the file may be damaged: download it again") from error
+
+
+def _tokenizer(path: Path, source: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    with _transformers_errors(path):
+        return AutoTokenizer.from_pretrained(**source)
+
+
+def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype, extra: dict[str, Any]) -> Any:
+    """The model through transformers; a file that lacks weights is refused
+    (transformers would fill them with random values)."""
+    from transformers import AutoModelForCausalLM
+
+    with _transformers_errors(path):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            **source, dtype=dtype, attn_implementation=attention.register(), output_loading_info=True, **extra)
     missing = sorted(info["missing_keys"])
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelLoadError(f"{path} lacks weights the model needs: {missing[0]}{more}",
                              "the file is damaged or incomplete: download it again")
-    return tokenizer, model
+    return model
 
 
 def _build_failure(error: Exception) -> str:
@@ -309,19 +349,6 @@ def _first_line(error: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
-def release_freed_memory() -> None:
-    """Hand the allocator's freed pages back to the system (glibc keeps them: 170 MiB
-    of a 0.5B q8 load's temporaries stayed resident)."""
-    import ctypes
-    import sys
-
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # musl and others: nothing to do
-            pass
-
-
 @torch.no_grad()
 def _own_weights(model: torch.nn.Module) -> None:
     """Copy weights that still map the safetensors file into process memory.
@@ -330,6 +357,15 @@ def _own_weights(model: torch.nn.Module) -> None:
     on the Qwen2.5-0.5B shape): page-cache pages get no transparent huge pages."""
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
+
+
+def _check_gguf_device(path: Path, device: torch.device, quantization: Quantization) -> None:
+    """On CUDA, q8/q4k mean bitsandbytes, which transformers will not combine with a GGUF file."""
+    if path.suffix == ".gguf" and device.type == "cuda" and quantization in (Quantization.Q8_0,
+                                                                              Quantization.Q4_K_M):
+        raise ModelLoadError(f"-q {quantization.value} on CUDA quantizes through bitsandbytes, which cannot read "
+                             f"a GGUF file ({path.name})",
+                             "load it with -q f16 on the GPU, or with --device cpu, or use the safetensors model")
 
 
 def _bitsandbytes_options(quantization: Quantization, device: torch.device) -> dict[str, Any]:

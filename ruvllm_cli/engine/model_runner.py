@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Sequence
 
 import torch
@@ -39,6 +40,17 @@ def adapter_segments(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, i
                 segments.append((offset, end, uid))
         offset = end
     return segments
+
+
+def sdpa_backends(device: torch.device) -> AbstractContextManager[Any]:
+    """On CUDA, SDPA without its cuDNN backend: cuDNN builds a plan for every new
+    key length, and a decode step brings a new one each time (a cold single stream
+    ran at a quarter of its warm rate on an H100; docs/design.md section 5)."""
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class ModelRunner:
@@ -100,8 +112,9 @@ class ModelRunner:
             assert self.lora is not None
             self.lora.begin_step(input_ids.shape[1], segments, mixtures)
         try:
-            out = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=self._tensor(sample_rows),
-                             use_cache=False, ruvllm_step=step)
+            with sdpa_backends(self.device):
+                out = self.model(input_ids=input_ids, position_ids=positions,
+                                 logits_to_keep=self._tensor(sample_rows), use_cache=False, ruvllm_step=step)
         finally:
             if segments or mixtures:
                 self.lora.end_step()

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.quantization import Quantization, int4_fits
 
 INT4_GROUP = 128      # weights per scale/zero group (llama.cpp's Q4_K uses 32-weight sub-blocks)
 INT4_INNER_K_TILES = 2
@@ -188,11 +188,11 @@ class Int4Linear(nn.Module):
         n, k = weight.shape
         packed = torch.empty(n, k // 2, dtype=torch.uint8)  # filled in place: no second copy to concatenate
         scales = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
-        for start, rows in _row_chunks(weight):  # float32 codes of a few rows at a time, not the matrix
-            q, scales_and_zeros = quantize_int4(rows.float(), group_size)
-            block = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INT4_INNER_K_TILES)
-            packed[start:start + len(rows)] = block
-            scales[:, start:start + len(rows)] = scales_and_zeros
+        for start, codes, group_scales, lows in int4_chunks(weight, group_size):  # a few rows at a time
+            end = start + len(codes)
+            packed[start:end] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32), INT4_INNER_K_TILES)
+            scales[:, start:end] = int4_kernel_params(group_scales, lows)
         self.register_buffer("qweight", packed)
         self.register_buffer("scales_and_zeros", scales)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16, copy=True),
@@ -224,11 +224,31 @@ def _row_chunks(weight: torch.Tensor | RowBlocks) -> Iterator[tuple[int, torch.T
 
 
 class RowBlocks(Protocol):
-    """A [N, K] matrix handed over a block of rows at a time."""
+    """A [N, K] matrix handed over a block of rows at a time. A source may also offer
+    `int4_groups(rows, group)`: its own 4-bit codes, scales and lows per group (a GGUF
+    file's Q4_K blocks), or None where it has none of that group size (`int4_chunks`)."""
 
     shape: tuple[int, int]
 
     def blocks(self, rows: int) -> Iterator[torch.Tensor]: ...
+
+
+Int4Chunk = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def int4_chunks(weight: torch.Tensor | RowBlocks, group_size: int) -> Iterator[Int4Chunk]:
+    """(first row, codes 0..15 [r, K], scales [r, K/g], lows [r, K/g]) a block of rows
+    at a time, w = code * scale + low: the source's own groups where it has them (kept
+    as they are), else quantized from its float rows."""
+    own = getattr(weight, "int4_groups", None)
+    groups = own(CHUNK_ROWS, group_size) if own is not None else None
+    if groups is None:
+        groups = (int4_groups(rows.float(), group_size) for _, rows in _row_chunks(weight))
+    start = 0
+    for codes, scales, lows in groups:
+        rows = len(codes)
+        yield start, codes, scales.reshape(rows, -1), lows.reshape(rows, -1)
+        start += rows
 
 
 def int8_rows(weight: torch.Tensor | RowBlocks) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,11 +289,16 @@ def int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, to
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int32 codes 0..15 [N, K], bf16 scales+zeros [K/g, N, 2]);
     w ≈ (q - 8) * scale + zero, the int4 kernel's convention."""
-    n = weight.shape[0]
     q, scales, low = int4_groups(weight, group_size)
-    zeros = low + scales * 8
-    packed = torch.cat([scales.reshape(n, -1, 1), zeros.reshape(n, -1, 1)], dim=2)
-    return q, packed.transpose(0, 1).contiguous().to(torch.bfloat16)
+    return q, int4_kernel_params(scales, low)
+
+
+def int4_kernel_params(scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    """Scales and lows per group ([N, K/g] float32) as the int4 kernel's bf16 scales
+    and zeros [K/g, N, 2], for w = (q - 8) * scale + zero."""
+    n = scales.shape[0]
+    scales, zeros = scales.reshape(n, -1, 1), (lows + scales * 8).reshape(n, -1, 1)
+    return torch.cat([scales, zeros], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
 class Int8Embedding(nn.Module):
@@ -329,13 +354,12 @@ class Int4Embedding(nn.Module):
         packed = torch.empty(self.num_embeddings, self.embedding_dim // 2, dtype=torch.uint8)
         scales = torch.empty(self.num_embeddings, groups, dtype=torch.bfloat16)
         lows = torch.empty(self.num_embeddings, groups, dtype=torch.bfloat16)
-        for start, rows in _row_chunks(weight):
-            codes, block_scales, low = int4_groups(rows.float(), self.group_size)
+        for start, codes, block_scales, low in int4_chunks(weight, self.group_size):
             codes = codes.to(torch.uint8)
-            end = start + len(rows)
+            end = start + len(codes)
             packed[start:end] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-            scales[start:end] = block_scales.squeeze(-1)
-            lows[start:end] = low.squeeze(-1)
+            scales[start:end] = block_scales
+            lows[start:end] = low
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("lows", lows)
@@ -362,11 +386,15 @@ class WeightPlan:
     `linear`/`embedding` return the replacement module, or None where the plain one
     stays (unpacked 16/32-bit weights, and the embedding outside q8/q4k)."""
 
-    def __init__(self, quantization: Quantization, dtype: torch.dtype, hidden_size: int) -> None:
+    def __init__(self, quantization: Quantization, dtype: torch.dtype, hidden_size: int,
+                 int4_group: int | None = None) -> None:
+        """`int4_group` overrides q4k's group size (a GGUF file's own: 32)."""
         self.quantization, self.dtype = quantization, dtype
         self.quantized = quantization in (Quantization.Q8_0, Quantization.Q4_K_M)
         self.packed = not self.quantized and packing_works(dtype)
-        self.group = int4_group_size(hidden_size) if quantization is Quantization.Q4_K_M else None
+        self.group = None
+        if quantization is Quantization.Q4_K_M:
+            self.group = int4_group or int4_group_size(hidden_size)
         self.linears = 0
 
     @property
@@ -383,7 +411,7 @@ class WeightPlan:
         if self.packed:
             return PackedLinear.from_weight(_whole(weight), bias)
         out_features, in_features = weight.shape
-        if self.group is not None and in_features % self.group == 0 and out_features % 8 == 0:
+        if self.group is not None and int4_fits(out_features, in_features, self.group):
             return Int4Linear.from_weight(weight, bias, self.group)
         return DynamicInt8Linear.from_weight(weight, bias)  # q8, and odd shapes under q4k
 

@@ -42,7 +42,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             if model.adapter is not None:
                 raise ApiError(400, f"'{model.adapter}' is a LoRA adapter; name its base model.", param="model",
                                code="invalid_value")
-            await _off_loop(state, lambda: model.engine_loop.call(lambda engine: engine.add_lora(name, adapter)))
+            await _off_loop(state, lambda: model.client.call(lambda engine: engine.add_lora(name, adapter)))
             state.models.keep_adapter(model.entry, name, located)
     except ApiError:
         raise
@@ -71,7 +71,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     try:
         if entry.status not in (ModelStatus.UNLOADED, ModelStatus.FAILED):   # else only its record goes
             async with state.model_for(name) as model:
-                await _off_loop(state, lambda: model.engine_loop.call(lambda engine: engine.remove_lora(name)))
+                await _off_loop(state, lambda: model.client.call(lambda engine: engine.remove_lora(name)))
     except AdapterNotFoundError as error:
         raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                        code="model_not_found") from error

@@ -10,6 +10,7 @@ from typing import Sequence
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.engine_client import EngineClient
 from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
 from ruvllm_cli.server.routes import add_routes
 from ruvllm_cli.server.runner import ApiAppRunner
@@ -34,7 +35,7 @@ DEFAULT_IDLE_TIMEOUT = 15.0
 ENGINE_STOP_TIMEOUT = 0.3
 
 
-def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConfig(), *,
+def create_app(engine_loop: EngineLoop | EngineClient | None, config: ServerConfig = ServerConfig(), *,
                served_names: Sequence[str] = ()) -> web.Application:
     """An OpenAI-compatible app around `engine_loop`, set up by `config`.
 
@@ -62,7 +63,8 @@ def create_app(engine_loop: EngineLoop | None, config: ServerConfig = ServerConf
     return app
 
 
-def attach_engine(app: web.Application, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
+def attach_engine(app: web.Application, engine_loop: EngineLoop | EngineClient,
+                  served_names: Sequence[str]) -> None:
     """Fill the engine slot of a running app; the first name is the one /health reports."""
     get_state(app).attach(engine_loop, served_names)
 

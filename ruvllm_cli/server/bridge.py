@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.lora import AdapterNotFoundError
-from ruvllm_cli.engine.loop import EngineLoop, RequestStream
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.errors import UsageError
+from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.prompts import SequencePlan
 
@@ -77,7 +77,7 @@ def check_finished(choice: Choice) -> None:
 
 
 # ---- submission -------------------------------------------------------------------
-async def submit(engine_loop: EngineLoop, executor: Executor, prepare: Callable[[], list[SequencePlan]],
+async def submit(engine_loop: EngineClient, executor: Executor, prepare: Callable[[], list[SequencePlan]],
                  param: str) -> tuple[list[SequencePlan], list[RequestStream]]:
     """Run `prepare` (chat template, tokenizing) and submit its plans in a worker
     thread, keeping that CPU work off the event loop."""
@@ -91,14 +91,14 @@ async def submit(engine_loop: EngineLoop, executor: Executor, prepare: Callable[
         raise
 
 
-def _prepare_and_submit(engine_loop: EngineLoop, aio: asyncio.AbstractEventLoop,
+def _prepare_and_submit(engine_loop: EngineClient, aio: asyncio.AbstractEventLoop,
                         prepare: Callable[[], list[SequencePlan]], param: str
                         ) -> tuple[list[SequencePlan], list[RequestStream]]:
     plans = prepare()
     streams: list[RequestStream] = []
     try:
         for plan in plans:
-            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.options, loop=aio))
+            streams.append(engine_loop.submit(plan.prompt_ids, plan.params, plan.options, aio))
     except AdapterNotFoundError as error:   # unloaded since the handler checked the name
         cancel_all(streams)
         raise ApiError(404, error.message, param="model", code="model_not_found") from error

@@ -6,7 +6,7 @@ collector as they were at that moment."""
 
 from __future__ import annotations
 
-from collections import Counter as Tally
+from collections import Counter as Counter_
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Sequence
 
@@ -35,9 +35,9 @@ class EngineSnapshot:
 
     @classmethod
     def total(cls, snapshots: Sequence["EngineSnapshot"]) -> "EngineSnapshot":
-        """Several engines' figures as one (the models loaded in one server): each count summed."""
+        """Several engines' figures as one (replicas behind one server): each count summed."""
         counts = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in fields(cls) if f.type == "int"}
-        by: Tally[tuple[int, str]] = Tally()
+        by: Counter_[tuple[int, str]] = Counter_()
         for snapshot in snapshots:
             for priority, mode, count in snapshot.preemptions_by:
                 by[(priority, mode)] += count

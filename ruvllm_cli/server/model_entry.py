@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.engine_client import EngineClient, as_client
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.token_text import TokenTexts
 
@@ -50,12 +51,21 @@ class PoolSettings:
 
 
 class ServedModel:
-    """A loaded model: its engine loop and what the handlers read from it."""
+    """A loaded model: the EngineClient the handlers go through (this process's
+    EngineLoop, or Ray Serve replicas) and what they read from its engine."""
 
-    def __init__(self, engine_loop: EngineLoop, tool_call_parser: str | None) -> None:
-        self.engine_loop = engine_loop
-        self.token_texts = TokenTexts(engine_loop.engine.tokenizer)
-        self.tool_parser = pick_tool_parser(engine_loop.engine, tool_call_parser)
+    def __init__(self, engine: EngineLoop | EngineClient, tool_call_parser: str | None) -> None:
+        self.client = as_client(engine)
+        # The loop this process runs, which `shutdown` stops; a client made elsewhere
+        # (the replicas) is stopped by whoever made it.
+        self.engine_loop = engine if isinstance(engine, EngineLoop) else None
+        self.token_texts = TokenTexts(self.client.engine.tokenizer)
+        self.tool_parser = pick_tool_parser(self.client.engine, tool_call_parser)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine thread this process runs for it (if any)."""
+        if self.engine_loop is not None:
+            self.engine_loop.shutdown(timeout)
 
 
 def pick_tool_parser(engine: Any, name: str | None) -> ToolParser | None:
@@ -92,7 +102,7 @@ class ModelEntry:
     def adapter_names(self) -> list[str]:
         """Its LoRA adapters, served as models of their own (loaded or not)."""
         if self.served is not None:
-            return self.served.engine_loop.engine.lora.names()
+            return self.served.client.engine.lora.names()
         return list(self.adapters)
 
     def cancel_timer(self) -> None:
@@ -117,12 +127,12 @@ class Lease:
         return self._served
 
     @property
-    def engine_loop(self) -> EngineLoop:
-        return self.served.engine_loop
+    def client(self) -> EngineClient:
+        return self.served.client
 
     @property
     def engine(self) -> Any:
-        return self.served.engine_loop.engine
+        return self.served.client.engine
 
     @property
     def token_texts(self) -> TokenTexts:

@@ -14,7 +14,7 @@ def release_engine(box: list[Any]) -> None:
 
     Blocks until the engine thread has finished its step (run it off the event loop)."""
     served = box.pop()
-    served.engine_loop.shutdown()
+    served.shutdown()
     del served
     # The model's modules sit in reference cycles: with the engine dropped, a weakref
     # showed the nn.Module (and so its weights) still alive until a collection ran.

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.server.engine_client import EngineClient
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.model_entry import (OCCUPYING, Lease, Loader, ModelEntry, ModelSpec, ModelStatus,
                                           PoolSettings, ServedModel)
@@ -46,9 +47,9 @@ class ModelPool:
         self._closed = False
 
     # ---- the models ----------------------------------------------------------------------
-    def attach(self, names: Sequence[str], engine_loop: EngineLoop) -> None:
+    def attach(self, names: Sequence[str], client: EngineClient) -> None:
         """A model loaded by someone else, who also stops it: never unloaded."""
-        served = ServedModel(engine_loop, self._parser)
+        served = ServedModel(client, self._parser)
         self._add(ModelEntry(tuple(names), None, status=ModelStatus.LOADED, served=served))
 
     def add(self, spec: ModelSpec) -> None:
@@ -89,7 +90,15 @@ class ModelPool:
 
     @property
     def healthy(self) -> bool:
-        return all(served.engine_loop.healthy for served in self.loaded())
+        return all(served.client.healthy for served in self.loaded())
+
+    def health(self) -> dict[str, Any]:
+        """The fields the loaded models' clients add to /health (the replicas' states
+        behind --replicas, which serves one model)."""
+        extra: dict[str, Any] = {}
+        for served in self.loaded():
+            extra.update(served.client.health())
+        return extra
 
     # ---- leases --------------------------------------------------------------------------
     @asynccontextmanager
@@ -194,7 +203,7 @@ class ModelPool:
             self.report(f"{entry.name} failed to load: {entry.error}")
         else:
             if self._closed:   # the server stopped while it loaded
-                served.engine_loop.shutdown(0)
+                served.shutdown(0)
                 return
             entry.status, entry.served, entry.error = ModelStatus.LOADED, served, None
             entry.counts["loads"] += 1
@@ -247,7 +256,7 @@ class ModelPool:
         for entry in self.entries:
             entry.cancel_timer()
             if entry.load is not None and entry.served is not None:
-                entry.served.engine_loop.shutdown(timeout)
+                entry.served.shutdown(timeout)
                 entry.served, entry.status = None, ModelStatus.UNLOADED
 
 

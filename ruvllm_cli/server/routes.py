@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
-from ruvllm_cli.engine.loop import EngineFailedError, EngineLoop, RequestStream
+from ruvllm_cli.engine.loop import EngineFailedError
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.tool_parsers import ToolParser
@@ -19,11 +19,12 @@ from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
+from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
 from ruvllm_cli.server.errors import ApiError, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
 from ruvllm_cli.server.middlewares import CLIENT_GONE
-from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot, read_engine_snapshot
+from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
                                        tokenize_prompts, tool_sampling)
@@ -64,10 +65,11 @@ async def health(request: web.Request) -> web.Response:
     if state.ready_at is None:
         return json_response({"status": "loading"}, status=503)
     models = {entry.name: entry.status.value for entry in state.models.entries}
+    extra = state.models.health()   # the replicas' states behind --replicas
     if not state.models.healthy:
-        return json_response({"status": "engine_failed", "models": models}, status=503)
+        return json_response({"status": "engine_failed", "models": models, **extra}, status=503)
     return json_response({"status": "ok", "model": state.model_name, "models": models,
-                          "uptime_s": round(time.monotonic() - state.ready_at, 3)})
+                          "uptime_s": round(time.monotonic() - state.ready_at, 3), **extra})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -85,7 +87,7 @@ async def list_models(request: web.Request) -> web.Response:
     for entry in state.models.entries:
         # `status`: loaded, loading, unloading, unloaded or failed (a model loads on first use).
         common = {"object": "model", "created": created, "owned_by": "ruvllm", "status": entry.status.value,
-                  "max_model_len": entry.served.engine_loop.engine.max_model_len if entry.served else None,
+                  "max_model_len": entry.served.client.engine.max_model_len if entry.served else None,
                   "max_tokens_default": defaults}
         # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
         data += [{"id": name, **common, "parent": None} for name in entry.names]
@@ -100,19 +102,19 @@ async def metrics(request: web.Request) -> web.Response:
     with state.admission.scraping():   # a shutdown waits for it, as for a generation
         for served in state.models.loaded():
             try:
-                snapshots.append(await engine_snapshot(state, served.engine_loop))
+                snapshots.append(await engine_snapshot(state, served.client))
             except EngineFailedError:
                 pass   # unloaded meanwhile (or dead: /health says so)
     body = state.metrics.render(EngineSnapshot.total(snapshots) if snapshots else None)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def engine_snapshot(state: ServerState, engine_loop: EngineLoop) -> EngineSnapshot:
+async def engine_snapshot(state: ServerState, engine_loop: EngineClient) -> EngineSnapshot:
     """The engine's figures, read on its thread between steps; a 503 once the shutdown
     timeout runs out or after METRICS_TIMEOUT_S."""
     aio = asyncio.get_running_loop()
-    # EngineLoop.call waits for the current step to end: keep that off the event loop.
-    reading = aio.run_in_executor(state.executor, engine_loop.call, read_engine_snapshot)
+    # The engine answers between steps (or replicas over the network): off the event loop.
+    reading = aio.run_in_executor(state.executor, engine_loop.snapshot)
     expired = asyncio.ensure_future(state.expired.wait())
     try:
         await asyncio.wait({reading, expired}, timeout=METRICS_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -228,7 +230,7 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
     end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
     started = time.perf_counter()
     with state.admission.reserve(num_sequences):
-        plans, streams = await bridge.submit(model.engine_loop, state.executor, prepare, param)
+        plans, streams = await bridge.submit(model.client, state.executor, prepare, param)
         choices = bridge.choices_for(plans)
         try:
             repair = structured is not None and structured.repairable
@@ -263,6 +265,8 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             error = await send_outputs(sse, streams, choices, fmt, stop, repair)
         except bridge.ShuttingDown:
             error = bridge.shutting_down()
+        except ApiError as failed:   # a replica behind --replicas died mid-stream: a 503 event
+            error = failed
         for chunk in fmt.error_chunks(error) if error is not None else fmt.closing(choices):
             await sse.send(chunk)
         return await sse.close()

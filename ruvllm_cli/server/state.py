@@ -13,6 +13,7 @@ from typing import AsyncContextManager, Iterator, Sequence
 from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.server.engine_client import EngineClient, as_client
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import ServerMetrics
 from ruvllm_cli.server.model_metrics import PoolCollector
@@ -112,8 +113,9 @@ class ServerState:
         # Set when the shutdown timeout runs out: every generation still going ends at once.
         self.expired = asyncio.Event()
 
-    def attach(self, engine_loop: EngineLoop, served_names: Sequence[str]) -> None:
+    def attach(self, engine_loop: EngineLoop | EngineClient, served_names: Sequence[str]) -> None:
         """Fill the engine slot: from now on /health is 200 and the API answers."""
+        engine_loop = as_client(engine_loop)
         names = tuple(dict.fromkeys(n for n in served_names if n))
         if not names:
             raise ValueError("a server needs at least one served model name")

@@ -1,14 +1,17 @@
 """Write a tiny LLaMA-architecture model directory as a llama.cpp-style GGUF file.
 
-Test fixture for GGUF input: 2-D weights in Q8_0 (a real quantized type), norms in
-F32, the byte-level BPE tokenizer as a "gpt2" GGUF tokenizer with its merges, and the
-chat template. Q and K are permuted the way llama.cpp's converter does (transformers
-undoes it when it loads the file).
+Test fixture for GGUF input: 2-D weights in Q8_0 (a real quantized type) or the
+types a `types` function picks per tensor (F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K, ...),
+norms and biases in F32, the byte-level BPE tokenizer as a "gpt2" GGUF tokenizer with
+its merges, and the chat template. As llama.cpp's converter does, a `llama` file has
+Q and K permuted (transformers undoes it when it loads the file); a `qwen2` file
+has them as they are, and q/k/v biases but no output-projection bias.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +41,8 @@ def gguf_name(hf_name: str) -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     _, _, index, rest = hf_name.split(".", 3)       # model.layers.<i>.<rest>
+    if rest.endswith(".bias"):
+        return f"blk.{index}.{LAYER_NAMES[rest.removesuffix('.bias') + '.weight'].removesuffix('.weight')}.bias"
     return f"blk.{index}.{LAYER_NAMES[rest]}"
 
 
@@ -47,34 +52,41 @@ def permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
         .swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model_dir: str | Path, out_file: str | Path, *, alignment: int | None = None) -> Path:
+def write_gguf(model_dir: str | Path, out_file: str | Path, *, alignment: int | None = None,
+               types: Callable[[str], str] | None = None, arch: str = "llama",
+               file_type: str | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """The model in `model_dir` as a GGUF file; `alignment` writes `general.alignment`
-    (the default 32 is implied when the key is absent)."""
+    (the default 32 is implied when the key is absent); `types` names the ggml type of
+    each 2-D weight by its GGUF name (Q8_0 for all when not given); `file_type` the
+    `general.file_type` (LlamaFileType's name without MOSTLY_; from the types when
+    all weights share one); `extra` adds F32 tensors (e.g. llama 3's rope_freqs)."""
     import gguf
     from safetensors.numpy import load_file
 
     model_dir, out_file = Path(model_dir), Path(out_file)
     config = json.loads((model_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(out_file), "llama")
+    writer = gguf.GGUFWriter(str(out_file), arch)
     if alignment is not None:
         writer.add_custom_alignment(alignment)
-    _write_config(writer, config)
-    _write_tokenizer(writer, model_dir)
     tensors = load_file(str(model_dir / "model.safetensors"))
+    written = set()
     for name, array in sorted(tensors.items()):
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+        if (name == "lm_head.weight" and config.get("tie_word_embeddings")) or (
+                arch == "qwen2" and name.endswith("o_proj.bias")):
             continue
         array = array.astype(np.float32)
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and ".q_proj." in name:
             array = permute_qk(array, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and ".k_proj." in name:
             array = permute_qk(array, config["num_key_value_heads"])
-        if array.ndim == 2:
-            kind = gguf.GGMLQuantizationType.Q8_0
-            # The writer takes the quantized bytes' own shape and derives the logical one.
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(gguf_name(name), array)
+        kind = (types or (lambda _: "Q8_0"))(gguf_name(name)) if array.ndim == 2 else "F32"
+        written.add(kind if array.ndim == 2 else None)
+        _add_tensor(writer, gguf_name(name), array, kind)
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array.astype(np.float32))
+    written.discard(None)
+    _write_config(writer, config, file_type or (written.pop() if len(written) == 1 else "Q4_K_M"))
+    _write_tokenizer(writer, model_dir)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -82,7 +94,25 @@ def write_gguf(model_dir: str | Path, out_file: str | Path, *, alignment: int | 
     return out_file
 
 
-def _write_config(writer: "gguf.GGUFWriter", config: dict) -> None:
+def _add_tensor(writer: "gguf.GGUFWriter", name: str, array: np.ndarray, kind_name: str) -> None:
+    """`array` stored as the ggml type `kind_name`; the writer takes quantized bytes with
+    their own shape and derives the logical one."""
+    import gguf
+
+    from ruvllm_cli.testing.gguf_blocks import quantize_q4_k, quantize_q6_k
+
+    kind = gguf.GGMLQuantizationType[kind_name]
+    if kind is gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, array)
+    elif kind is gguf.GGMLQuantizationType.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(kind_name)
+        data = ours(array) if ours else gguf.quants.quantize(array, kind)
+        writer.add_tensor(name, data, raw_dtype=kind)
+
+
+def _write_config(writer: "gguf.GGUFWriter", config: dict, file_type: str) -> None:
     import gguf
 
     heads = config["num_attention_heads"]
@@ -97,7 +127,8 @@ def _write_config(writer: "gguf.GGUFWriter", config: dict) -> None:
     writer.add_rope_freq_base(float(config.get("rope_theta") or 10000.0))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    named = {"F32": "ALL_F32", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M"}
+    writer.add_file_type(gguf.LlamaFileType[named.get(file_type, f"MOSTLY_{file_type}")])
 
 
 def _write_tokenizer(writer: "gguf.GGUFWriter", model_dir: Path) -> None:

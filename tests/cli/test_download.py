@@ -155,7 +155,8 @@ def test_labels_say_what_the_files_are_and_q_applies_at_load(ruvllm: Run, fake_h
 
 def test_each_command_help_shows_its_quantization_default(ruvllm: Run, cli_env: dict[str, str]) -> None:
     for command, default in (("download", "[default: the alias's recommended one (ruvllm list), else q4k]"),
-                             ("chat", "[default: what the files are: a GGUF file keeps its type;"),
+                             ("chat", "[default: what the files are: a GGUF file keeps its type "
+                                      "(Q4_K_M as q4k, Q8_0 as q8, F16 as none);"),
                              ("serve", "[default: what the files are"), ("benchmark", "[default: what the files are")):
         text = " ".join(ruvllm(command, "--help", env={**cli_env, "COLUMNS": "2000"}).stdout.split())
         assert default in text, (command, text)

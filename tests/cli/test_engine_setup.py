@@ -86,3 +86,37 @@ def test_no_weight_cache_neither_reads_nor_writes_it(make_tiny_model, tmp_path, 
     assert on.loaded.from_weight_cache
     for command in ("chat", "serve", "benchmark"):
         assert "--no-weight-cache" in CliRunner().invoke(cli, [command, "--help"]).output
+
+
+def test_a_gguf_file_loads_as_its_file_type_and_another_q_says_what_happens(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 27, item 2: the file type (not the file name) picks the default; -q wins."""
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")          # Q8_0, and its name says nothing
+    _, lines = opened_dtype(path, monkeypatch, capsys, bf16_kernels=False)
+    assert len(lines) == 1 and "(Q8_0)" in lines[0] and "GGUF Q8_0 tiny.gguf, tensor by tensor" in lines[0]
+    _, lines = opened_dtype(path, monkeypatch, capsys, bf16_kernels=False, quantization=Quantization.Q4_K_M)
+    assert lines[0] == ("-q q4k: the file's blocks are requantized into int4 where their layout differs "
+                        "(without -q it loads as q8; the load line counts each way)")
+    assert len(lines) == 2 and "(Q4_K_M)" in lines[1] and "15 Q8_0 requantized into int4" in lines[1]
+
+
+def test_a_quantized_gguf_on_cuda_defaults_to_16_bit_and_refuses_q8(tiny_model_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes (q8/q4k on CUDA) cannot read a GGUF file: found on a lent GPU, where
+    `ruvllm chat FILE.gguf` failed with transformers' error. Decided here without a GPU."""
+    from ruvllm_cli.cli.engine_setup import GGUF_ON_CUDA_NOTE, load_default
+    from ruvllm_cli.engine import loader
+    from ruvllm_cli.errors import ModelLoadError
+    from ruvllm_cli.registry.locate import locate_model
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")          # Q8_0
+    monkeypatch.setattr(loader, "select_device", lambda device: torch.device("cuda"))
+    located = locate_model(str(path), tmp_path / "cache", None)
+    assert load_default(located, "auto") == (Quantization.F16, GGUF_ON_CUDA_NOTE)
+    with pytest.raises(ModelLoadError, match="-q q8 on CUDA quantizes through bitsandbytes") as error:
+        loader.load_model(path, "cuda", Quantization.Q8_0)
+    assert "-q f16" in error.value.hint

@@ -210,6 +210,31 @@ def test_info_local_gguf_file(ruvllm: Run, tmp_path: Path) -> None:
     assert data["kind"] == "local" and data["local"]["format"] == "gguf"
     assert data["local"]["weights"] == ["model-Q4_K_M.gguf"] and data["local"]["size_bytes"] == 64
     assert data["parameters"] is None and data["memory"] is None
+    assert data["gguf"] == [{"path": str(gguf), "error": f"{gguf} is not a valid GGUF file: it is version 0; "
+                                                         "ruvllm reads little-endian GGUF versions 2 and 3"}]
+
+
+def test_info_gguf_says_what_each_tensor_becomes(ruvllm: Run, cli_env: dict[str, str], tiny_model_dir: Path,
+                                                 tmp_path: Path) -> None:
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    result = subprocess.run([*_python_importtime(), "info", str(path), "--json"], env=cli_env, cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in result.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert "gguf" in imported and "torch" not in imported
+    record, = json.loads(result.stdout)["gguf"]
+    assert record == {"path": str(path), "file_type": "Q8_0", "default_quantization": "q8",
+                      "through_transformers": None, "tensors": {
+                          "q4k": "15 Q8_0 requantized into int4; 5 norms and biases",
+                          "q8": "15 Q8_0 requantized into int8; 5 norms and biases",
+                          "f16": "15 Q8_0 rounded into bf16; 5 norms and biases",
+                          "none": "15 Q8_0 dequantized exactly into float32; 5 norms and biases"}}
+    table = ruvllm("info", str(path), env=wide_env(cli_env)).stdout
+    for text in ("GGUF file", "q8 (without -q)", "tensor by tensor", "15 Q8_0 requantized into int8"):
+        assert text in table, text
 
 
 def test_info_downloaded_alias_reads_the_snapshot(ruvllm: Run, isolated_env: Any, tiny_model_dir: Path) -> None:

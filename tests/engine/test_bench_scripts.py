@@ -50,3 +50,20 @@ def test_grammar_benchmark_script_starts():
     result = subprocess.run([sys.executable, str(SCRIPTS / "bench_grammar.py"), "--help"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--libraries" in result.stdout
+
+
+@pytest.mark.slow
+def test_load_benchmark_gguf_rows_load_each_file_both_ways(engine_model_dir, tmp_path):
+    import json
+
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    write_gguf(engine_model_dir, tmp_path / "Q8_0.gguf")   # llamacpp.sh's name; no llama-bench here
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_load.py"), "--llamacpp", str(tmp_path),
+                             "--gguf-only", "--gguf", "Q8_0", "--format", "json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    row, = json.loads(result.stdout)["gguf_rows"]
+    assert (row["gguf"], row["quantization"], row["llamacpp"]) == ("Q8_0.gguf", "q8", None)
+    assert row["streamed"]["streamed"] and not row["transformers"]["streamed"]
+    assert row["streamed"]["peak_mib"] >= row["streamed"]["import_mib"] > 0

@@ -35,7 +35,7 @@ def test_gguf_loads_with_its_tokenizer_and_matches_the_original(gguf_file, loade
     text = "Hello wörld, 日本語 🎉 and more"
     assert from_gguf.tokenizer.encode(text) == loaded.tokenizer.encode(text)
     assert from_gguf.tokenizer.chat_template
-    assert "GGUF tiny-Q8_0.gguf dequantized" in from_gguf.quantization_path
+    assert from_gguf.streamed and from_gguf.quantization_path.startswith("GGUF Q8_0 tiny-Q8_0.gguf, ")
     original = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Q.F32))
     engine = LLMEngine(from_gguf, EngineConfig(device="cpu", quantization=Q.F32))
     for prompt in ([5, 6, 7, 8, 9], list(range(40, 90))):
@@ -77,7 +77,7 @@ def test_missing_gguf_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("name, expected", [
     ("qwen2.5-0.5b-instruct-q4_k_m.gguf", Q.Q4_K_M), ("Qwen2.5-7B-Instruct-Q8_0.gguf", Q.Q8_0),
-    ("Llama-3.2-3B-Instruct-f16.gguf", Q.F16), ("model-BF16.gguf", Q.F16), ("x-F32.gguf", Q.F32),
+    ("Llama-3.2-3B-Instruct-f16.gguf", Q.F32), ("model-BF16.gguf", Q.F16), ("x-F32.gguf", Q.F32),
     ("model.gguf", None)])
 def test_quantization_is_read_from_the_file_name(name, expected):
     assert quantization_of_gguf(name) is expected
@@ -86,5 +86,5 @@ def test_quantization_is_read_from_the_file_name(name, expected):
 def test_chat_pipes_through_a_gguf_file(gguf_file, ruvllm):
     result = ruvllm("chat", str(gguf_file), "--max-tokens", "4", input="hello\n")
     assert result.returncode == 0, result.stderr
-    assert "Q8_0" in result.stderr and "dequantized" in result.stderr
+    assert "(Q8_0)" in result.stderr and "GGUF Q8_0 tiny-Q8_0.gguf, tensor by tensor" in result.stderr
     assert "Traceback" not in result.stderr

@@ -228,6 +228,10 @@ def test_keep_alive_durations(text, seconds):
     (("{m}", "{m}"), "Error: MODEL {m} is given twice"),
     (("{m}", "other", "--served-model-name", "x"), "Error: --served-model-name names one model, and several"),
     (("{m}", "--keep-alive", "soon"), "'soon' is not a duration"),
+    # --replicas is Ray's path, with one model: refused before Ray is imported or started.
+    (("{m}", "other", "--replicas", "2"), "Error: --replicas serves one MODEL, without --models-max or --keep-alive"),
+    (("{m}", "--models-max", "1", "--replicas", "2"), "Error: --replicas serves one MODEL"),
+    (("{m}", "--keep-alive", "5m", "--max-replicas", "2"), "Error: --replicas serves one MODEL"),
 ])
 def test_ambiguous_or_bad_model_options_are_refused_in_one_line(ruvllm, tiny_model_dir, args, message):
     result = ruvllm("serve", *(arg.format(m=tiny_model_dir) for arg in args))

@@ -134,12 +134,12 @@ def test_shutdown_ends_what_outlives_the_timeout_cleanly(make_server):
 
 
 def test_an_internal_error_is_a_500_without_a_traceback(make_server, monkeypatch, caplog):
-    from ruvllm_cli.server import routes
+    from ruvllm_cli.server import engine_client
 
     def explode(engine):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(routes, "read_engine_snapshot", explode)
+    monkeypatch.setattr(engine_client, "read_engine_snapshot", explode)
     live = make_server()
     with caplog.at_level("ERROR", logger="ruvllm.server"):
         response = httpx.get(live.url + "/metrics")
@@ -211,9 +211,9 @@ def scrape_in_background(url: str) -> tuple[threading.Thread, list]:
 
 
 def test_shutdown_waits_for_a_metrics_scrape_in_flight(make_server, monkeypatch):
-    from ruvllm_cli.server import routes
+    from ruvllm_cli.server import engine_client
 
-    monkeypatch.setattr(routes, "read_engine_snapshot", slow_snapshot(1.0))
+    monkeypatch.setattr(engine_client, "read_engine_snapshot", slow_snapshot(1.0))
     live = make_server(shutdown_timeout=5)
     thread, answers = scrape_in_background(live.url)
     time.sleep(0.3)   # the scrape waits on the engine thread
@@ -227,9 +227,9 @@ def test_shutdown_waits_for_a_metrics_scrape_in_flight(make_server, monkeypatch)
 
 
 def test_a_metrics_scrape_that_outlives_the_shutdown_timeout_gets_a_503(make_server, monkeypatch):
-    from ruvllm_cli.server import routes
+    from ruvllm_cli.server import engine_client
 
-    monkeypatch.setattr(routes, "read_engine_snapshot", slow_snapshot(3.0))
+    monkeypatch.setattr(engine_client, "read_engine_snapshot", slow_snapshot(3.0))
     live = make_server(shutdown_timeout=0.3)
     thread, answers = scrape_in_background(live.url)
     time.sleep(0.3)

@@ -1,0 +1,177 @@
+"""Start or join a Ray cluster and deploy the replicas (Ray Serve, no HTTP proxy:
+our aiohttp app is the front door, and it reaches the replicas through a handle)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+from typing import Any
+
+from ruvllm_cli.cluster.spec import ClusterOptions, ReplicaSpec
+from ruvllm_cli.errors import RuvllmError
+
+DEPLOYMENT = "EngineReplica"
+HEALTH_CHECK_PERIOD_S = 5.0
+HEALTH_CHECK_TIMEOUT_S = 30.0       # a step of a big prompt may hold the replica's loop a while
+# A replica the autoscaler removes finishes its requests for up to this long first (at a
+# server stop the front door has already drained them, so it is quick then).
+GRACEFUL_SHUTDOWN_S = 60.0
+# Beyond its batch a replica may hold as many again waiting in its engine; more wait in the router.
+QUEUE_PER_BATCH = 2
+
+
+class Cluster:
+    """Ray as `ruvllm serve --replicas` joined or started it, until `stop`.
+
+    Ray starts a local cluster's processes with PR_SET_PDEATHSIG, which Linux ties to
+    the *thread* that started them: started from the short-lived loading thread they
+    were killed the moment it ended. So one thread connects and then lives, idle,
+    until the server stops."""
+
+    def __init__(self, options: ClusterOptions, app_name: str, verbose: bool) -> None:
+        self.app_name = app_name
+        self.started_ray = options.ray_address is None   # a local cluster of our own: shut down whole
+        self._stopping = threading.Event()
+        self._connected: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._host, args=(options, verbose), name="ruvllm-ray", daemon=True)
+
+    def connect(self) -> None:
+        self._thread.start()
+        error = self._connected.get()
+        if error is not None:
+            raise error
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._stopping.set()
+            self._thread.join(timeout)
+
+    def _host(self, options: ClusterOptions, verbose: bool) -> None:
+        try:
+            connect(options, verbose)
+        except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
+            self._connected.put(error)
+            return
+        self._connected.put(None)
+        self._stopping.wait()
+        import ray
+        from ray import serve
+
+        try:
+            if not self.started_ray:
+                serve.delete(self.app_name)   # leave the cluster as we found it
+        finally:
+            ray.shutdown()
+
+
+def app_name_for(served_name: str) -> str:
+    """One app per model: restarting `ruvllm serve` for it replaces the old replicas."""
+    return "ruvllm-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", served_name).strip("-") or "model")
+
+
+def import_ray(options: ClusterOptions) -> None:
+    """Import Ray Serve (a one-line error when the `cluster` extra is missing), set up
+    for a local cluster when no --ray-address is given."""
+    if options.ray_address is None:
+        # Read by ray at import: the node's address becomes 127.0.0.1, so its servers bind
+        # the loopback interface only (a local cluster has no other node to talk to).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError as error:
+        raise RuvllmError("--replicas needs Ray Serve, which is not installed",
+                          'pip install "ruvllm-cli[cluster]"') from error
+
+
+def connect(options: ClusterOptions, verbose: bool) -> None:
+    """Join --ray-address, or start a local cluster bound to 127.0.0.1."""
+    import ray
+
+    level = logging.INFO if verbose else logging.WARNING
+    if options.ray_address is None:
+        cpus = max(os.cpu_count() or 1, options.max_replicas * options.threads_per_replica)
+        ray.init(address="local", include_dashboard=False, num_cpus=cpus, logging_level=level,
+                 log_to_driver=verbose)
+        return
+    try:
+        ray.init(address=options.ray_address, logging_level=level, log_to_driver=verbose)
+    except (ConnectionError, ValueError) as error:
+        raise RuvllmError(f"cannot join the Ray cluster at {options.ray_address}: {error}",
+                          "start one with `ray start --head`, or leave out --ray-address") from error
+
+
+class QueuedRequestsFilter(logging.Filter):
+    """Drops Serve's "Failed to route request after N attempts" warnings: with every
+    replica's queue full, requests wait in the router, which the server's own
+    admission (--max-queue) allows; the line repeats every few hundred attempts."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Failed to route request after")
+
+
+def deployment_options(options: ClusterOptions, block_size: int) -> dict[str, Any]:
+    from ray.serve.config import RequestRouterConfig
+
+    from ruvllm_cli.cluster.router import PrefixAffinityRouter
+
+    batch = options.max_concurrent
+    scaling: dict[str, Any] = {"num_replicas": options.replicas}
+    if options.autoscaling:
+        # Ray Serve's autoscaler works on requests per replica, running plus queued:
+        # one full batch each is the target.
+        scaling = {"autoscaling_config": {"min_replicas": options.min_replicas, "max_replicas": options.max_replicas,
+                                          "initial_replicas": options.replicas, "target_ongoing_requests": batch}}
+    router = RequestRouterConfig(request_router_class=PrefixAffinityRouter,
+                                 request_router_kwargs={"block_size": block_size, "imbalance": options.imbalance})
+    actor = {"num_cpus": options.threads_per_replica, "num_gpus": options.gpus_per_replica}
+    return {"name": DEPLOYMENT, "ray_actor_options": actor, "max_ongoing_requests": batch * QUEUE_PER_BATCH,
+            "health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+            "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S, "request_router_config": router,
+            "logging_config": {"enable_access_log": False, "log_level": "WARNING"}, **scaling}
+
+
+def deploy(options: ClusterOptions, spec: ReplicaSpec, app_name: str) -> Any:
+    """Deploy the replicas and wait until they are running; the RayEngineClient."""
+    from ray import serve
+
+    from ruvllm_cli.cluster.client import RayEngineClient
+    from ruvllm_cli.cluster.model_view import ModelView
+    from ruvllm_cli.cluster.replica import EngineReplica
+    from ruvllm_cli.engine.config import EngineConfig
+
+    serve.start(proxy_location="Disabled")
+    logging.getLogger("ray.serve").addFilter(QueuedRequestsFilter())
+    block_size = spec.engine_options.get("block_size") or EngineConfig.block_size
+    deployment = serve.deployment(EngineReplica).options(**deployment_options(options, block_size))
+    try:
+        handle = serve.run(deployment.bind(spec), name=app_name, route_prefix=None)
+    except RuntimeError as error:   # Serve gave up on the replicas' constructors
+        raise RuvllmError(f"the replicas did not start: {last_error_line(error)}",
+                          "run with --verbose to see the replicas' logs") from error
+    facts = handle.facts.remote().result()
+    return RayEngineClient(handle, ModelView(facts, options.max_replicas), app_name, DEPLOYMENT)
+
+
+def last_error_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)]
+    return (errors or lines or [type(error).__name__])[-1]
+
+
+def replica_details(app_name: str, deployment_name: str) -> list[dict[str, Any]]:
+    """Each replica's id, state, pid and node, from Serve's controller. The public
+    `serve.status()` gives only counts per state; this is what `serve status -v`
+    and the dashboard read (a private client method, kept in this one place)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    if not ray.is_initialized():
+        return []   # shut down: asking now would start a new cluster
+    details = _get_global_client().get_serve_details()
+    deployment = details.get("applications", {}).get(app_name, {}).get("deployments", {}).get(deployment_name, {})
+    keep = ("replica_id", "state", "pid", "node_ip", "actor_name")
+    return [{key: replica.get(key) for key in keep} for replica in deployment.get("replicas", [])]

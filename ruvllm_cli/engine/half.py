@@ -1,0 +1,85 @@
+"""float16 weights with float32 arithmetic, for CPUs without bfloat16 kernels.
+
+On such a CPU (every AVX2-only x86-64: most laptops) oneDNN cannot pack bfloat16,
+so a 16-bit model ran float32: twice the memory and a quarter of the speed of
+llama.cpp's F16. Here the weights stay float16 (a bfloat16 checkpoint converts
+exactly, its 7-bit mantissa fitting in float16's 10, except for values below
+float16's normal range) and `kernels.half_kernel()` widens them in registers, so
+every sum is float32 as in `-q none` (docs/design.md, section 5a).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ruvllm_cli.engine.kernels import HalfKernel, half_kernel
+
+_scratch = threading.local()   # engines of a multi-model server step in threads of their own
+
+
+def _scratch_buffer(size: int) -> torch.Tensor:
+    """Per-thread float32 room for the kernel's widened weight blocks, grown as needed."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _scratch.buffer = torch.empty(size, dtype=torch.float32)
+    return buffer
+
+
+def to_half(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float16 copy of `weight` in process memory, or None where float16 cannot hold
+    it (values beyond its range would become infinities)."""
+    copy = weight.to(torch.float16, copy=True).contiguous()
+    if bool(torch.isinf(copy).any()) and not bool(torch.isinf(weight).any()):
+        return None
+    return copy
+
+
+class HalfLinear(nn.Module):
+    """A linear layer whose [out, in] weight is float16 and whose inputs, outputs and
+    bias are float32; the product runs in ruvllm's C kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: HalfKernel) -> None:
+        super().__init__()
+        assert weight.dtype == torch.float16 and weight.is_contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight16", weight)
+        self.bias = None if bias is None else nn.Parameter(bias.float().clone(), requires_grad=False)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        count = rows.shape[0]
+        out = torch.empty(count, self.out_features, dtype=torch.float32)
+        threads = torch.get_num_threads()
+        scratch = _scratch_buffer(threads * 4 * self.in_features) if count > 1 else None
+        self._kernel.linear(rows.data_ptr(), count, self.in_features, self.weight16.data_ptr(),
+                            self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                            out.data_ptr(), None if scratch is None else scratch.data_ptr(), threads)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class HalfEmbedding(nn.Module):
+    """An embedding table kept in float16; looked-up rows come out float32."""
+
+    def __init__(self, weight: torch.Tensor, padding_idx: int | None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("weight16", weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight16).float()
+
+
+def half_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> HalfLinear | None:
+    """A HalfLinear for `weight` (any float dtype), or None where the kernel cannot take
+    it: no kernel here, an input width not a multiple of 8, or values float16 cannot hold."""
+    kernel = half_kernel()
+    if kernel is None or weight.shape[1] % 8:
+        return None
+    half = weight if weight.dtype == torch.float16 else to_half(weight)
+    return None if half is None else HalfLinear(half, bias, kernel)

@@ -1,0 +1,101 @@
+/* Linear layers with float16 weights and float32 activations, for x86-64 CPUs with
+ * AVX2, FMA and F16C (every such CPU since 2013) but no bfloat16 arithmetic.
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): w is read as float16 and widened
+ * in registers, so a decode step streams half the bytes of float32 weights while the
+ * sums stay float32. One activation row reads the weights straight (the decode
+ * GEMV, bandwidth-bound); several rows widen four weight rows once into a float32
+ * scratch and run two activation rows at a time against it (docs/design.md, 5a).
+ * Threads split the output columns (OpenMP: the runtime torch already loaded). */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <omp.h>
+
+#define ROWS 4
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __m256 load_half(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* One activation row against four weight rows read as float16. */
+static void gemv_block(const float *x, int64_t K, const uint16_t *r0, float *o) {
+    const uint16_t *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(load_half(r0 + k), xv, a0);
+        a1 = _mm256_fmadd_ps(load_half(r1 + k), xv, a1);
+        a2 = _mm256_fmadd_ps(load_half(r2 + k), xv, a2);
+        a3 = _mm256_fmadd_ps(load_half(r3 + k), xv, a3);
+    }
+    o[0] = hsum(a0); o[1] = hsum(a1); o[2] = hsum(a2); o[3] = hsum(a3);
+}
+
+/* Two activation rows against four weight rows already widened into `s`. */
+static void gemm_block2(const float *x0, const float *x1, int64_t K, const float *s, float *o0, float *o1) {
+    const float *s1 = s + K, *s2 = s1 + K, *s3 = s2 + K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
+        __m256 w0 = _mm256_loadu_ps(s + k), w1 = _mm256_loadu_ps(s1 + k);
+        a0 = _mm256_fmadd_ps(w0, u, a0); b0 = _mm256_fmadd_ps(w0, v, b0);
+        a1 = _mm256_fmadd_ps(w1, u, a1); b1 = _mm256_fmadd_ps(w1, v, b1);
+        __m256 w2 = _mm256_loadu_ps(s2 + k), w3 = _mm256_loadu_ps(s3 + k);
+        a2 = _mm256_fmadd_ps(w2, u, a2); b2 = _mm256_fmadd_ps(w2, v, b2);
+        a3 = _mm256_fmadd_ps(w3, u, a3); b3 = _mm256_fmadd_ps(w3, v, b3);
+    }
+    o0[0] = hsum(a0); o0[1] = hsum(a1); o0[2] = hsum(a2); o0[3] = hsum(a3);
+    o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
+}
+
+static float dot(const float *x, const uint16_t *r, int64_t K) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load_half(r + k), _mm256_loadu_ps(x + k), a);
+    return hsum(a);
+}
+
+/* Output columns n0..n0+4 for every activation row. */
+static void block_all_rows(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                           int64_t n0, float *scratch, float *out) {
+    float t0[ROWS], t1[ROWS];
+    const uint16_t *rows = w + n0 * K;
+    if (M == 1) {
+        gemv_block(x, K, rows, out + n0);
+        return;
+    }
+    for (int64_t i = 0; i < ROWS * K; i += 8) _mm256_storeu_ps(scratch + i, load_half(rows + i));
+    int64_t m = 0;
+    for (; m + 1 < M; m += 2) {
+        gemm_block2(x + m * K, x + (m + 1) * K, K, scratch, t0, t1);
+        for (int j = 0; j < ROWS; ++j) { out[m * N + n0 + j] = t0[j]; out[(m + 1) * N + n0 + j] = t1[j]; }
+    }
+    if (m < M) {
+        gemm_block2(x + m * K, x + m * K, K, scratch, t0, t1);
+        for (int j = 0; j < ROWS; ++j) out[m * N + n0 + j] = t0[j];
+    }
+}
+
+/* x [M, K] float32, w [N, K] float16 bits, bias [N] or NULL, out [M, N]; K % 8 == 0.
+ * `scratch` holds threads * 4 * K floats (one widened block per thread; unused at M == 1). */
+void ruvllm_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                       const float *bias, float *out, float *scratch, int threads) {
+    const int64_t blocks = N / ROWS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b)
+        block_all_rows(x, M, K, w, N, b * ROWS, scratch + (int64_t)omp_get_thread_num() * ROWS * K, out);
+    for (int64_t n = blocks * ROWS; n < N; ++n)
+        for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot(x + m * K, w + n * K, K);
+    if (bias != NULL)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
+}
