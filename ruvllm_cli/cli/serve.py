@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -18,6 +18,7 @@ from click.core import ParameterSource
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.engine_setup import locate_adapters
+from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     weight_cache_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
@@ -57,7 +58,7 @@ BYTE_SIZE = ByteSize()
 
 
 @click.command("serve")
-@click.argument("model", shell_complete=complete_model)
+@click.argument("model", nargs=-1, required=True, shell_complete=complete_model)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("-p", "--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Port to listen on (0: any free port).")
@@ -109,6 +110,7 @@ BYTE_SIZE = ByteSize()
               help="Accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: they load files a "
                    "request names; behind --api-key when one is set).")
 @device_option()
+@pool_options()
 @click.option("--replicas", type=click.IntRange(min=1), default=None,
               help="Run N engines as Ray Serve replicas behind this server, with prefix-aware routing "
                    "(needs: pip install \"ruvllm-cli[cluster]\"; docs/scale-out.md).")
@@ -123,7 +125,7 @@ BYTE_SIZE = ByteSize()
               help="GPUs per replica on a CUDA cluster (fractions share a GPU).")
 @global_options
 def command(**options: Any) -> None:
-    """Serve MODEL over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
+    """Serve MODELs over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, ...).
 
     Binds 127.0.0.1 unless --host says otherwise. / is a chat page in the browser
     (--no-web-ui: none). /health answers 503 while the model loads, then 200;
@@ -131,18 +133,28 @@ def command(**options: Any) -> None:
     Ctrl+C or SIGTERM stops accepting, lets running requests finish (--shutdown-timeout),
     then exits; a second Ctrl+C ends them at once.
 
+    With several MODELs (or --models-max or --keep-alive) a request's `model` picks
+    one, loaded on its first request (which waits for it); at most --models-max stay
+    loaded, and one idle for --keep-alive is unloaded. /health answers 200 at once,
+    and /v1/models gives each model's status. -q and the engine options apply to every
+    model, --lora to the first.
+
     \b
     Examples:
       ruvllm serve qwen
       ruvllm serve qwen --port 8080 --api-key secret
       ruvllm serve ./my-model --max-concurrent 32 --kv-cache-memory 2GiB
       ruvllm serve qwen --lora sql=./sql-lora --lora chat=user/chat-lora
+      ruvllm serve qwen llama --models-max 1 --keep-alive 10m
       ruvllm serve qwen --replicas 4 --threads-per-replica 2
     """
     app = app_context()
     configure_logging(app.verbose)
+    options["models"], options["model"] = options["model"], options["model"][0]
+    check_models(options)
     # A missing or undownloaded model fails here, before the port is bound or announced.
-    locate_model(options["model"], app.cache_dir, options["quantization"])
+    for model in options["models"]:
+        locate_model(model, app.cache_dir, options["quantization"])
     options["adapters"] = locate_adapters(app, options["lora"])
     options["cluster"] = cluster_options(options)
     source = click.get_current_context().get_parameter_source("api_key")
@@ -188,6 +200,10 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
                           "pick another --port, or stop whatever uses it") from error
     stop = asyncio.Event()
     install_signal_handlers(stop.set)
+    if pooled(options):
+        from ruvllm_cli.cli.serve_models import serve_models
+
+        return await serve_models(app, options, web_app, server, stop)
     waiting_for = "the replicas" if options["cluster"] else "the model"
     out.info(f"[dim]Listening on {escape(server.url)}; loading {waiting_for} (/health answers 503 until it is "
              "ready)[/dim]")
@@ -338,7 +354,7 @@ def run_in_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":
 
 
 def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any],
-                 kv_cache: str | None = None, replicas: str | None = None) -> None:
+                 kv_cache: str | None = None, replicas: str | None = None, models: Sequence[str] = ()) -> None:
     from rich.markup import escape
 
     out = app.output()
@@ -349,6 +365,8 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}' % names[0]
     out.info(f"[bold]ruvllm serve[/bold] · {escape(described)}")
     out.info(escape(f"  OpenAI API  {url}/v1   (model: {', '.join(names)})"))
+    for position, line in enumerate(models):   # several models: each one's state
+        out.info(escape(f"  {'Models' if position == 0 else '':<10}  {line}"))
     if not options.get("no_web_ui"):
         out.info(escape(f"  Web chat    {curl_url}/"))
     out.info(escape(f"  Health      {url}/health"))

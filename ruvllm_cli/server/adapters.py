@@ -4,6 +4,9 @@
 Off unless the server runs with --allow-runtime-lora: loading reads files (or
 fetches a hub id) that a request names, which an exposed server must not do for
 anyone who can reach it. With --api-key both routes need the key like the rest.
+
+With several models the body's `model` names the base (default: the first); the
+pool remembers the adapter, so it comes back when its model is loaded again.
 """
 
 from __future__ import annotations
@@ -14,35 +17,33 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError
+from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, read_adapter
 from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.fields import Fields
+from ruvllm_cli.server.models import ModelStatus
 from ruvllm_cli.server.protocol import LOAD_LORA_FIELDS, UNLOAD_LORA_FIELDS
 from ruvllm_cli.server.spec import read_fields
 from ruvllm_cli.server.state import ServerState, get_state
-
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
     state = _runtime_lora(request)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), LOAD_LORA_FIELDS)
     name, path = values["lora_name"], values["lora_path"]
-    if name in state.served_names or name in state.adapter_names():
+    if name in state.models.all_names():
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                        code="invalid_value")
-    cache_dir = state.config.cache_dir
     try:
-        from ruvllm_cli.engine.lora import read_adapter
-        from ruvllm_cli.registry.adapters import locate_adapter
-
-        if cache_dir is None and not Path(path).expanduser().is_dir():
-            raise ApiError(400, f"'{path}' is not a directory on this server.", param="lora_path",
-                           code="invalid_value")
-        located = await _off_loop(state, lambda: locate_adapter(path, Path(cache_dir or ".")))
+        located = await _off_loop(state, lambda: _locate(state, path))
         adapter = await _off_loop(state, lambda: read_adapter(name, located))
-        await _off_loop(state, lambda: state.require_engine().call(lambda engine: engine.add_lora(name, adapter)))
+        async with state.model_for(values["model"] or state.model_name) as model:
+            if model.adapter is not None:
+                raise ApiError(400, f"'{model.adapter}' is a LoRA adapter; name its base model.", param="model",
+                               code="invalid_value")
+            await _off_loop(state, lambda: model.client.call(lambda engine: engine.add_lora(name, adapter)))
+            state.models.keep_adapter(model.entry, name, located)
     except ApiError:
         raise
     except RuvllmError as error:
@@ -51,24 +52,39 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
+def _locate(state: ServerState, path: str) -> Path:
+    from ruvllm_cli.registry.adapters import locate_adapter
+
+    cache_dir = state.config.cache_dir
+    if cache_dir is None and not Path(path).expanduser().is_dir():
+        raise ApiError(400, f"'{path}' is not a directory on this server.", param="lora_path", code="invalid_value")
+    return locate_adapter(path, Path(cache_dir or "."))
+
+
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     state = _runtime_lora(request)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), UNLOAD_LORA_FIELDS)
     name = values["lora_name"]
+    entry = state.models.adapter_owner(name)
+    if entry is None:
+        raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")
     try:
-        await _off_loop(state, lambda: state.require_engine().call(lambda engine: engine.remove_lora(name)))
+        if entry.status not in (ModelStatus.UNLOADED, ModelStatus.FAILED):   # else only its record goes
+            async with state.model_for(name) as model:
+                await _off_loop(state, lambda: model.client.call(lambda engine: engine.remove_lora(name)))
     except AdapterNotFoundError as error:
         raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                        code="model_not_found") from error
     except AdapterInUseError as error:
         raise ApiError(409, f"The lora adapter '{name}' is in use: {error.message}.", param="lora_name",
                        code="adapter_in_use") from error
+    entry.adapters.pop(name, None)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 def _runtime_lora(request: web.Request) -> ServerState:
     state = get_state(request.app)
-    state.require_engine()
+    state.require_ready()
     if not state.config.allow_runtime_lora:
         raise ApiError(404, "Loading LoRA adapters at run time is off; start the server with "
                             "--allow-runtime-lora.", code="runtime_lora_disabled")

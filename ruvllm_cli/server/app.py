@@ -14,6 +14,7 @@ from ruvllm_cli.server.engine_client import EngineClient
 from ruvllm_cli.server.middlewares import add_cors_headers, auth_middleware, cors_middleware, error_middleware
 from ruvllm_cli.server.routes import add_routes
 from ruvllm_cli.server.runner import ApiAppRunner
+from ruvllm_cli.server.models import ModelPool, ModelSpec, PoolSettings
 from ruvllm_cli.server.state import STATE_KEY, ServerConfig, ServerState, get_state
 from ruvllm_cli.server.web import add_web_routes
 
@@ -29,6 +30,9 @@ FINAL_GRACE = 0.2
 # OpenAI SDK) drops idle pooled connections, so the client closes first and never
 # reuses a connection the server is closing.
 DEFAULT_IDLE_TIMEOUT = 15.0
+# How long a stopping app waits for each engine it loaded to finish its step; the
+# threads are daemons, and the replies have all been sent by then.
+ENGINE_STOP_TIMEOUT = 0.3
 
 
 def create_app(engine_loop: EngineLoop | EngineClient | None, config: ServerConfig = ServerConfig(), *,
@@ -65,6 +69,16 @@ def attach_engine(app: web.Application, engine_loop: EngineLoop | EngineClient,
     get_state(app).attach(engine_loop, served_names)
 
 
+def attach_models(app: web.Application, models: Sequence[ModelSpec], settings: PoolSettings,
+                  max_num_seqs: int) -> ModelPool:
+    """Serve several models, each loaded on the first request that names it, instead of
+    one engine (docs/design.md, section 17). The app stops the engines it loads when
+    its runner is cleaned up."""
+    state = get_state(app)
+    state.add_models(models, settings, max_num_seqs)
+    return state.models
+
+
 async def _start_draining(app: web.Application) -> None:
     # RunningServer.stop sets it first; this covers a runner cleaned up directly.
     # Requests still arriving on kept-alive connections get a 503 from now on.
@@ -72,7 +86,9 @@ async def _start_draining(app: web.Application) -> None:
 
 
 async def _stop_executor(app: web.Application) -> None:
-    get_state(app).executor.shutdown(wait=False, cancel_futures=True)
+    state = get_state(app)
+    state.models.close(ENGINE_STOP_TIMEOUT)
+    state.executor.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

@@ -71,8 +71,9 @@ SCHEMAS: dict[str, JsonSchema] = {
         "object": {"const": "list"}, "data": {"type": "array", "items": {
             "type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
                 "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
+                "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]},
                 "parent": {"type": ["string", "null"]},
+                "status": {"enum": ["loaded", "loading", "unloading", "unloaded", "failed"]},
                 "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}}}}},
     "AnthropicError": {"type": "object", "required": ["type", "error"], "additionalProperties": False,
                        "properties": {"type": {"const": "error"}, "error": {
@@ -90,6 +91,7 @@ SCHEMAS: dict[str, JsonSchema] = {
     "Response": RESPONSE_SCHEMA,
     "Health": {"type": "object", "required": ["status"], "properties": {
         "status": {"enum": ["ok", "loading", "engine_failed", "shutting_down"]}, "model": {"type": "string"},
+        "models": {"type": "object", "additionalProperties": {"type": "string"}},
         "uptime_s": {"type": "number"}}},
 }
 
@@ -109,12 +111,14 @@ class Operation:
 
 _GENERATION_ERRORS = (400, 404, 408, 413, 429, 503)
 OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("GET", "/health"): Operation("200 once the model is loaded; 503 while loading or shutting down.", "Health",
+    ("GET", "/health"): Operation("200 once the model is loaded (with several models, at once: `models` gives "
+                                  "each one's status); 503 while loading or shutting down.", "Health",
                                   same_body=(503,)),
     ("GET", "/metrics"): Operation("Prometheus metrics.", content=METRICS_CONTENT_TYPE, errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document.", content="application/json"),
-    ("GET", "/v1/models"): Operation("The names this server answers to; a LoRA adapter's `parent` is its "
-                                     "base model.", "ModelList", errors=(503,)),
+    ("GET", "/v1/models"): Operation("The names this server answers to, with each model's `status` (a model "
+                                     "loads on first use); a LoRA adapter's `parent` is its base model.",
+                                     "ModelList", errors=(503,)),
     ("POST", "/v1/chat/completions"): Operation("A chat reply.", "ChatCompletion",
                                                 errors=_GENERATION_ERRORS, streams=True),
     ("POST", "/v1/completions"): Operation("A completion of a prompt.", "Completion",

@@ -211,6 +211,7 @@ LOAD_LORA_FIELDS = (
     Field("lora_name", "string", "The name requests then give as `model`.", required=True),
     Field("lora_path", "string", "A PEFT LoRA adapter directory on the server, or a hub id (owner/name).",
           required=True),
+    Field("model", "string", "The base model it adapts, on a server with several (default: the first)."),
 )
 UNLOAD_LORA_FIELDS = (Field("lora_name", "string", "The adapter to stop serving.", required=True),)
 

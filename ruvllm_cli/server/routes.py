@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
+from ruvllm_cli.engine.loop import EngineFailedError
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.tool_parsers import ToolParser
@@ -27,8 +28,9 @@ from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
                                        tokenize_prompts, tool_sampling)
-from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, SamplingFields, parse_chat_request,
-                                        parse_completion_request)
+from ruvllm_cli.server.models import Lease
+from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, SamplingFields,
+                                        parse_chat_request, parse_completion_request)
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.responses_api.events import ResponsesFormat
 from ruvllm_cli.server.responses_api.output import ResponseHead
@@ -60,12 +62,13 @@ async def health(request: web.Request) -> web.Response:
     state = get_state(request.app)
     if state.draining:
         return json_response({"status": "shutting_down"}, status=503)
-    if state.engine_loop is None or state.ready_at is None:
+    if state.ready_at is None:
         return json_response({"status": "loading"}, status=503)
-    extra = state.engine_loop.health()   # the replicas' states behind --replicas
-    if not state.engine_loop.healthy:
-        return json_response({"status": "engine_failed", **extra}, status=503)
-    return json_response({"status": "ok", "model": state.model_name,
+    models = {entry.name: entry.status.value for entry in state.models.entries}
+    extra = state.models.health()   # the replicas' states behind --replicas
+    if not state.models.healthy:
+        return json_response({"status": "engine_failed", "models": models, **extra}, status=503)
+    return json_response({"status": "ok", "model": state.model_name, "models": models,
                           "uptime_s": round(time.monotonic() - state.ready_at, 3), **extra})
 
 
@@ -75,26 +78,34 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     state = get_state(request.app)
-    engine_loop = state.require_engine()
+    state.require_ready()
     created = int(time.time() - (time.monotonic() - state.started))
     # Beyond OpenAI's fields: what a client needs to size its requests.
     defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS,
                 "/v1/responses": state.config.chat_max_tokens}
-    common = {"object": "model", "created": created, "owned_by": "ruvllm",
-              "max_model_len": engine_loop.engine.max_model_len, "max_tokens_default": defaults}
-    # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
-    data = [{"id": name, **common, "parent": None} for name in state.served_names]
-    data += [{"id": name, **common, "parent": state.model_name} for name in state.adapter_names()]
+    data = []
+    for entry in state.models.entries:
+        # `status`: loaded, loading, unloading, unloaded or failed (a model loads on first use).
+        common = {"object": "model", "created": created, "owned_by": "ruvllm", "status": entry.status.value,
+                  "max_model_len": entry.served.client.engine.max_model_len if entry.served else None,
+                  "max_tokens_default": defaults}
+        # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
+        data += [{"id": name, **common, "parent": None} for name in entry.names]
+        data += [{"id": name, **common, "parent": entry.name} for name in entry.adapter_names()]
     return json_response({"object": "list", "data": data})
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Engine figures are those of the loaded models, summed (the pool's own are per model)."""
     state = get_state(request.app)
-    snapshot = None
-    if state.engine_loop is not None:
-        with state.admission.scraping():   # a shutdown waits for it, as for a generation
-            snapshot = await engine_snapshot(state, state.engine_loop)
-    body = state.metrics.render(snapshot)
+    snapshots = []
+    with state.admission.scraping():   # a shutdown waits for it, as for a generation
+        for served in state.models.loaded():
+            try:
+                snapshots.append(await engine_snapshot(state, served.client))
+            except EngineFailedError:
+                pass   # unloaded meanwhile (or dead: /health says so)
+    body = state.metrics.render(EngineSnapshot.total(snapshots) if snapshots else None)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -119,43 +130,46 @@ async def engine_snapshot(state: ServerState, engine_loop: EngineClient) -> Engi
 # ---- generation ------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
-    engine_loop = state.require_engine()
+    state.require_ready()
     chat = parse_chat_request(await read_json(request, state.config.max_body_size), state.limits)
-    options = dataclasses.replace(chat.options, adapter=state.check_model(chat.model))
-    parser = state.require_tool_parser() if chat.tools and chat.tools.active else None
-    sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
-    prepare = chat_prepare(engine_loop.engine, chat.messages, chat.tools, parser, sampling, options)
-    assert state.token_texts is not None
-    fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), state.token_texts, chat.sampling.logprobs,
-                     chat.streaming.include_usage, ToolReplies(parser) if parser is not None else None)
-    return await generate(request, state, engine_loop, prepare, "messages", chat.sampling.n,
-                          fmt, chat.streaming.stream, chat.sampling.structured, options)
+    async with state.model_for(chat.model) as model:
+        options = dataclasses.replace(chat.options, adapter=model.adapter)
+        parser = model.require_tool_parser() if chat.tools and chat.tools.active else None
+        sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
+        prepare = chat_prepare(model.engine, chat.messages, chat.tools, parser, sampling, options)
+        fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), model.token_texts, chat.sampling.logprobs,
+                         chat.streaming.include_usage, ToolReplies(parser) if parser is not None else None)
+        return await generate(request, state, model, prepare, "messages", chat.sampling.n,
+                              fmt, chat.streaming.stream, chat.sampling.structured, options)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """Anthropic's Messages API: a chat request in another shape (server/messages_api)."""
     state = get_state(request.app)
-    engine_loop = state.require_engine()
+    state.require_ready()
     job = parse_messages_request(await read_json(request, state.config.max_body_size))
-    options = dataclasses.replace(job.options, adapter=state.check_model(job.model))
-    parser = state.require_tool_parser() if job.tools and job.tools.active else None
-    prepare = chat_prepare(engine_loop.engine, job.messages, job.tools, parser, job.sampling, options)
-    fmt = MessagesFormat(job.model, ToolReplies(parser) if parser is not None else None)
-    return await generate(request, state, engine_loop, prepare, "messages", 1, fmt, job.stream, None, options)
+    async with state.model_for(job.model) as model:
+        options = dataclasses.replace(job.options, adapter=model.adapter)
+        parser = model.require_tool_parser() if job.tools and job.tools.active else None
+        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, job.sampling, options)
+        fmt = MessagesFormat(job.model, ToolReplies(parser) if parser is not None else None)
+        return await generate(request, state, model, prepare, "messages", 1, fmt, job.stream, None, options)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API, stateless: a chat request in another shape (server/responses_api)."""
     state = get_state(request.app)
-    engine_loop = state.require_engine()
+    state.require_ready()
     job = parse_responses_request(await read_json(request, state.config.max_body_size))
-    options = dataclasses.replace(job.options, adapter=state.check_model(job.model))
-    parser = state.require_tool_parser() if job.tools and job.tools.active else None
-    sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens)
-    prepare = chat_prepare(engine_loop.engine, job.messages, job.tools, parser, sampling, options, "input")
-    fmt = ResponsesFormat(ResponseHead(job.model, job.echo), ToolReplies(parser) if parser is not None else None)
-    return await generate(request, state, engine_loop, prepare, "input", 1, fmt, job.stream, sampling.structured,
-                          options)
+    async with state.model_for(job.model) as model:
+        options = dataclasses.replace(job.options, adapter=model.adapter)
+        parser = model.require_tool_parser() if job.tools and job.tools.active else None
+        sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens)
+        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options, "input")
+        fmt = ResponsesFormat(ResponseHead(job.model, job.echo),
+                              ToolReplies(parser) if parser is not None else None)
+        return await generate(request, state, model, prepare, "input", 1, fmt, job.stream, sampling.structured,
+                              options)
 
 
 def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None, parser: ToolParser | None,
@@ -179,10 +193,21 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = get_state(request.app)
-    engine_loop = state.require_engine()
+    state.require_ready()
     job = parse_completion_request(await read_json(request, state.config.max_body_size), state.limits)
-    options = dataclasses.replace(job.options, adapter=state.check_model(job.model))
-    engine = engine_loop.engine
+    async with state.model_for(job.model) as model:
+        options = dataclasses.replace(job.options, adapter=model.adapter)
+        prepare, echo_texts = completion_prepare(model.engine, job, options)
+        fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), model.token_texts, job.sampling.logprobs,
+                               job.streaming.include_usage, echo_texts)
+        return await generate(request, state, model, prepare, "prompt", len(job.prompts) * job.sampling.n,
+                              fmt, job.streaming.stream, job.sampling.structured, options)
+
+
+def completion_prepare(engine: Any, job: CompletionRequest, options: RequestOptions
+                       ) -> tuple[Callable[[], list[SequencePlan]], list[str]]:
+    """The work before submitting a completion (in a worker thread), and the echoed
+    prompts' texts it fills in."""
     echo_texts: list[str] = []
 
     def prepare() -> list[SequencePlan]:
@@ -193,14 +218,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               for p, ids in zip(job.prompts, prompt_ids))
         return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt", options)
 
-    assert state.token_texts is not None
-    fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), state.token_texts, job.sampling.logprobs,
-                           job.streaming.include_usage, echo_texts)
-    return await generate(request, state, engine_loop, prepare, "prompt", len(job.prompts) * job.sampling.n,
-                          fmt, job.streaming.stream, job.sampling.structured, options)
+    return prepare, echo_texts
 
 
-async def generate(request: web.Request, state: ServerState, engine_loop: EngineClient,
+async def generate(request: web.Request, state: ServerState, model: Lease,
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
                    fmt: ResponseFormat, stream: bool, structured: Structured | None = None,
                    options: RequestOptions = RequestOptions()) -> web.StreamResponse:
@@ -209,7 +230,7 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
     end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
     started = time.perf_counter()
     with state.admission.reserve(num_sequences):
-        plans, streams = await bridge.submit(engine_loop, state.executor, prepare, param)
+        plans, streams = await bridge.submit(model.client, state.executor, prepare, param)
         choices = bridge.choices_for(plans)
         try:
             repair = structured is not None and structured.repairable
@@ -226,7 +247,7 @@ async def generate(request: web.Request, state: ServerState, engine_loop: Engine
             return json_response(mark_repaired(fmt.body(choices), choices))
         finally:
             bridge.cancel_all(streams)
-            record(state, started, choices, options, request.path)
+            record(state, started, choices, model.name, options, request.path)
 
 
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
@@ -291,7 +312,7 @@ def finish_error(choice: Choice) -> ApiError:
     raise AssertionError("finish_error on a choice that finished normally")
 
 
-def record(state: ServerState, started: float, choices: Sequence[Choice], options: RequestOptions,
+def record(state: ServerState, started: float, choices: Sequence[Choice], model: str, options: RequestOptions,
            path: str) -> None:
     metrics = state.metrics
     for choice in choices:
@@ -304,14 +325,14 @@ def record(state: ServerState, started: float, choices: Sequence[Choice], option
     metrics.generation_tokens.inc(sum(c.num_output_tokens for c in choices))
     elapsed = time.perf_counter() - started
     metrics.e2e_latency.observe(elapsed)
-    log_request(state, path, options, choices, sum(c.num_prompt_tokens for c in first_copies.values()), elapsed)
+    log_request(path, model, options, choices, sum(c.num_prompt_tokens for c in first_copies.values()), elapsed)
 
 
-def log_request(state: ServerState, path: str, options: RequestOptions, choices: Sequence[Choice],
+def log_request(path: str, model: str, options: RequestOptions, choices: Sequence[Choice],
                 prompt_tokens: int, elapsed: float) -> None:
     """One line per request at INFO (shown with --verbose): who, which model, how long it queued."""
     waits = [c.queue_wait for c in choices if c.queue_wait is not None]
     log.info("%s model=%s user=%s session=%s priority=%d sequences=%d prompt=%d output=%d queue=%s e2e=%.3fs",
-             path, options.adapter or state.model_name, options.user or "-", options.session_id or "-",
+             path, options.adapter or model, options.user or "-", options.session_id or "-",
              options.priority, len(choices), prompt_tokens, sum(c.num_output_tokens for c in choices),
              f"{max(waits):.3f}s" if waits else "-", elapsed)

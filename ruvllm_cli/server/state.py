@@ -1,4 +1,4 @@
-"""What one server holds: its settings, the engine slot, admission and metrics."""
+"""What one server holds: its settings, its models, admission and metrics."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import AsyncContextManager, Iterator, Sequence
 
 from aiohttp import web
 
@@ -16,11 +16,9 @@ from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.server.engine_client import EngineClient, as_client
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import ServerMetrics
+from ruvllm_cli.server.model_metrics import PoolCollector
+from ruvllm_cli.server.models import Lease, ModelPool, ModelSpec, PoolSettings
 from ruvllm_cli.server.protocol import RequestLimits
-from ruvllm_cli.server.token_text import TokenTexts
-
-if TYPE_CHECKING:
-    from ruvllm_cli.engine.tool_parsers import ToolParser
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_SIZE = 4 * 1024 * 1024
@@ -105,14 +103,13 @@ class ServerState:
         self.metrics = ServerMetrics(lambda: self.admission.requests, lambda: self.admission.in_flight)
         # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
-        self.engine_loop: EngineClient | None = None   # the in-process engine or Ray replicas
-        self.served_names: tuple[str, ...] = ()
+        # The models served: one attached engine, or several loaded on demand (server/models.py).
+        self.models = ModelPool(config.tool_call_parser, self.executor)
+        self.metrics.registry.register(PoolCollector(self.models))
         self.limits = config.limits
-        self.token_texts: TokenTexts | None = None
         self.started = time.monotonic()
         self.ready_at: float | None = None
         self.draining = False
-        self.tool_parser: ToolParser | None = None
         # Set when the shutdown timeout runs out: every generation still going ends at once.
         self.expired = asyncio.Event()
 
@@ -122,58 +119,39 @@ class ServerState:
         names = tuple(dict.fromkeys(n for n in served_names if n))
         if not names:
             raise ValueError("a server needs at least one served model name")
-        self.served_names = names
-        self.token_texts = TokenTexts(engine_loop.engine.tokenizer)
-        self.admission.capacity = engine_loop.engine.config.max_num_seqs + self.config.max_queue
-        self.tool_parser = pick_tool_parser(engine_loop.engine, self.config.tool_call_parser)
+        self.models.attach(names, engine_loop)
+        self._open(engine_loop.engine.config.max_num_seqs)
+
+    def add_models(self, specs: Sequence[ModelSpec], settings: PoolSettings, max_num_seqs: int) -> None:
+        """Serve models loaded on first use (each engine with `max_num_seqs`): the API answers at once."""
+        self.models.settings = settings
+        for spec in specs:
+            self.models.add(spec)
+        self._open(max_num_seqs)
+
+    def _open(self, max_num_seqs: int) -> None:
+        self.admission.capacity = max_num_seqs + self.config.max_queue
         self.limits = self.config.limits.within(self.admission.capacity)
-        self.engine_loop = engine_loop
         self.ready_at = time.monotonic()
 
     @property
     def model_name(self) -> str:
-        return self.served_names[0] if self.served_names else ""
+        """The first model's name, which /health reports."""
+        return self.models.entries[0].name if self.models.entries else ""
 
-    def require_engine(self) -> EngineClient:
+    def require_ready(self) -> None:
         if self.draining:
             raise ApiError(503, "The server is shutting down.", code="shutting_down")
-        if self.engine_loop is None:
+        if self.ready_at is None:
             raise ApiError(503, "The model is still loading; retry shortly.", code="model_loading",
                            headers={"Retry-After": "5"})
-        return self.engine_loop
 
-    def require_tool_parser(self) -> ToolParser:
-        if self.tool_parser is None:
-            raise ApiError(400, "This model's tool-call format is not known; start the server with "
-                                "--tool-call-parser (hermes, llama3_json or mistral).", param="tools",
-                           code="unsupported_parameter")
-        return self.tool_parser
-
-    def adapter_names(self) -> list[str]:
-        """The LoRA adapters served as models of their own (any thread may read them)."""
-        return self.engine_loop.engine.lora.names() if self.engine_loop is not None else []
-
-    def check_model(self, name: str) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model); a 404
-        listing what is served for any other name."""
-        if name in self.served_names:
-            return None
-        if name in self.adapter_names():
-            return name
-        served = ", ".join([*self.served_names, *self.adapter_names()])
-        raise ApiError(404, f"The model '{name}' does not exist. This server serves: {served}.",
-                       param="model", code="model_not_found")
-
-
-def pick_tool_parser(engine: Any, name: str | None) -> ToolParser | None:
-    """The configured parser, else the one the model's template or architecture names."""
-    from ruvllm_cli.engine.chat_call import model_tool_parser
-    from ruvllm_cli.errors import UsageError
-
-    try:
-        return model_tool_parser(engine, name)
-    except UsageError:
-        return None
+    def model_for(self, name: str) -> AsyncContextManager[Lease]:
+        """The model a request's `model` names (a base model, or a LoRA adapter on one),
+        loaded if need be and held while the `async with` block runs: a 404 for an
+        unknown name, a 503 while the server starts or stops or when it cannot load."""
+        self.require_ready()
+        return self.models.lease(name)
 
 
 STATE_KEY = web.AppKey("ruvllm_state", ServerState)

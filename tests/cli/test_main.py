@@ -155,7 +155,7 @@ MODEL_COMMAND_OPTIONS = {
     "chat": ["-s, --system", "--max-tokens", "-t, --temperature", "--top-p", "--seed",
              "-q, --quantization", "--device"],
     "serve": ["--host", "-p, --port", "--max-concurrent", "--max-context", "-q, --quantization",
-              "--api-key", "--cors-origins", "--device"],
+              "--api-key", "--cors-origins", "--device", "--models-max", "--keep-alive"],
     "benchmark": ["--warmup", "-i, --iterations", "--prompt-length", "--gen-length",
                   "-q, --quantization", "--format", "--concurrency", "--output", "--device"],
 }
@@ -166,7 +166,8 @@ MODEL_COMMAND_OPTIONS = {
 def test_model_command_help(env: dict[str, str], name: str, canonical: str) -> None:
     result = run([name, "--help"], env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith(f"Usage: ruvllm {canonical} [OPTIONS] MODEL\n")
+    models = "MODEL..." if canonical == "serve" else "MODEL"   # serve takes several
+    assert result.stdout.startswith(f"Usage: ruvllm {canonical} [OPTIONS] {models}\n")
     global_options = ["-v, --verbose", "--no-color", "--cache-dir", "-h, --help"]
     for option in [*MODEL_COMMAND_OPTIONS[canonical], *global_options]:
         assert option in result.stdout, option

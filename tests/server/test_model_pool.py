@@ -1,0 +1,232 @@
+"""The model pool in the app (server/models.py), in process and with the openai SDK:
+models load on first use and share one load, the least recently used idle one makes
+room, a busy one is waited for (within a timeout), a failed load is a 503 in the
+route's shape, keep-alive unloads, runtime LoRA adapters come back with their model,
+and stopping the app stops every engine it loaded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import httpx
+import openai
+import pytest
+
+from ruvllm_cli.engine.config import EngineConfig
+from ruvllm_cli.engine.engine import LLMEngine
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.errors import ModelLoadError
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.server import ModelSpec, PoolSettings, ServerConfig, attach_models, create_app
+from ruvllm_cli.testing.tiny_lora import MLP, build_lora_adapter
+
+from tests.server.conftest import LiveServer, ServerThread
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = "the quick brown fox jumps over the lazy dog"
+
+
+class Loads:
+    """Loaders for the pool that count their calls and keep every engine loop they made;
+    `gate` (when set) holds each load until the test opens it."""
+
+    def __init__(self, model_dir: Any) -> None:
+        self.model_dir = model_dir
+        self.calls: dict[str, int] = {}
+        self.loops: list[EngineLoop] = []
+        self.gate: threading.Event | None = None
+        self.failing: set[str] = set()
+
+    def loader(self, name: str) -> Callable[[Any], EngineLoop]:
+        def load(adapters: Any) -> EngineLoop:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.gate is not None:
+                assert self.gate.wait(30)
+            if name in self.failing:
+                raise ModelLoadError(f"{name}/config.json is not valid JSON")
+            engine = LLMEngine(load_model(self.model_dir, "cpu", Quantization.F32),
+                               EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=4,
+                                            max_model_len=512))
+            for adapter_name, path in adapters:
+                engine.add_lora(adapter_name, path)
+            self.loops.append(EngineLoop(engine))
+            return self.loops[-1]
+
+        return load
+
+
+@pytest.fixture
+def pool_server(tiny_model_dir) -> Any:
+    made: list[tuple[LiveServer, Loads]] = []
+
+    def make(names: tuple[str, ...] = ("a", "b"), **settings: Any) -> tuple[LiveServer, Loads]:
+        loads = Loads(tiny_model_dir)
+        app_options = {key: settings.pop(key) for key in ("allow_runtime_lora",) if key in settings}
+        app = create_app(None, ServerConfig(**app_options))
+        specs = [ModelSpec((name, f"org/{name}"), loads.loader(name)) for name in names]
+        attach_models(app, specs, PoolSettings(**settings), max_num_seqs=4)
+        live = LiveServer(ServerThread(app).start(), None, names)
+        made.append((live, loads))
+        return live, loads
+
+    yield make
+    for live, loads in made:
+        live.stop()
+        assert all(not loop.healthy for loop in loads.loops)   # stopping the app stopped every engine
+
+
+def client_for(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(client: openai.OpenAI, model: str, max_tokens: int = 6) -> str:
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+
+
+def statuses(live: LiveServer) -> dict[str, str]:
+    return {m["id"]: m["status"] for m in httpx.get(live.base_url + "/models").json()["data"]}
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.02)
+
+
+def test_models_load_on_first_use_and_make_room_for_each_other(pool_server):
+    live, loads = pool_server(max_loaded=1)
+    health = httpx.get(live.url + "/health")
+    assert health.status_code == 200 and health.json()["models"] == {"a": "unloaded", "b": "unloaded"}
+    assert statuses(live) == {"a": "unloaded", "org/a": "unloaded", "b": "unloaded", "org/b": "unloaded"}
+    client = client_for(live)
+    first = greedy(client, "a")
+    assert statuses(live)["a"] == "loaded" and statuses(live)["b"] == "unloaded"
+    greedy(client, "org/b")
+    wait_for(lambda: statuses(live) == {"a": "unloaded", "org/a": "unloaded", "b": "loaded", "org/b": "loaded"})
+    assert greedy(client, "a") == first
+    assert loads.calls == {"a": 2, "b": 1}
+    assert [loop.healthy for loop in loads.loops] == [False, False, True]   # unloading stopped their threads
+    metrics = httpx.get(live.url + "/metrics").text
+    assert 'ruvllm_model_loads_total{model="a"} 2.0' in metrics
+    assert 'ruvllm_model_unloads_total{model="b"} 1.0' in metrics
+    assert 'ruvllm_model_loaded{model="a"} 1.0' in metrics and 'ruvllm_model_loaded{model="b"} 0.0' in metrics
+
+
+def test_concurrent_requests_for_a_loading_model_share_one_load(pool_server):
+    live, loads = pool_server()
+    loads.gate = threading.Event()
+    client = client_for(live)
+    texts: list[str] = []
+    workers = [threading.Thread(target=lambda: texts.append(greedy(client, "a"))) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    wait_for(lambda: statuses(live)["a"] == "loading")
+    loads.gate.set()
+    for worker in workers:
+        worker.join(30)
+    assert len(texts) == 3 and len(set(texts)) == 1
+    assert loads.calls == {"a": 1}
+
+
+def start_stream(client: openai.OpenAI, model: str) -> Any:
+    """A long streamed reply, its first chunk read: the model is held until the
+    stream is closed (which cancels the rest), seconds before it could end by itself."""
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=480, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    return stream
+
+
+def test_a_request_waits_while_the_only_slot_is_busy_then_takes_it(pool_server):
+    live, loads = pool_server(max_loaded=1)
+    client = client_for(live)
+    stream = start_stream(client, "a")
+    done: list[str] = []
+    waiting = threading.Thread(target=lambda: done.append(greedy(client, "b")))
+    waiting.start()
+    time.sleep(0.5)
+    assert not done and statuses(live)["b"] == "unloaded" and statuses(live)["a"] == "loaded"
+    stream.close()   # the client leaves: its request ends, and the slot frees
+    waiting.join(30)
+    assert len(done) == 1 and statuses(live)["a"] == "unloaded"
+
+
+def test_waiting_longer_than_the_slot_timeout_is_a_503_with_retry_after(pool_server):
+    live, _ = pool_server(max_loaded=1, slot_timeout=0.3)
+    client = client_for(live)
+    stream = start_stream(client, "a")
+    try:
+        answer = httpx.post(live.base_url + "/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+    finally:
+        stream.close()
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "5"
+    error = answer.json()["error"]
+    assert error["code"] == "models_busy" and "--models-max 1" in error["message"]
+
+
+def test_a_failed_load_is_a_503_in_the_routes_shape_and_retried_later(pool_server):
+    live, loads = pool_server(retry_after=0.5)
+    loads.failing.add("b")
+    client = client_for(live)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "1"
+    assert caught.value.body["code"] == "model_load_failed"
+    assert caught.value.body["message"] == "The model 'b' failed to load: b/config.json is not valid JSON"
+    anthropic = httpx.post(live.base_url + "/messages", json={
+        "model": "b", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert anthropic.status_code == 503 and "Retry-After" in anthropic.headers
+    assert anthropic.json() == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "The model 'b' failed to load: b/config.json is not valid JSON"}}
+    assert loads.calls == {"b": 1}   # within the retry window the error is answered at once
+    assert statuses(live)["b"] == "failed" and httpx.get(live.url + "/health").status_code == 200
+    assert greedy(client, "a")   # the other model is served meanwhile
+    time.sleep(0.5)
+    loads.failing.clear()
+    assert greedy(client, "b") and loads.calls == {"a": 1, "b": 2}
+    assert statuses(live)["b"] == "loaded"
+
+
+def test_keep_alive_zero_unloads_a_model_when_its_last_request_ends(pool_server):
+    live, loads = pool_server(keep_alive=0)
+    greedy(client_for(live), "a")
+    wait_for(lambda: statuses(live)["a"] == "unloaded")
+    assert not loads.loops[0].healthy
+
+
+def test_an_unknown_model_is_a_404_naming_every_model(pool_server):
+    live, _ = pool_server()
+    with pytest.raises(openai.NotFoundError) as caught:
+        greedy(client_for(live), "nope")
+    assert caught.value.body["message"] == ("The model 'nope' does not exist. This server serves: "
+                                            "a, org/a, b, org/b.")
+
+
+def test_a_runtime_adapter_comes_back_when_its_model_loads_again(pool_server, tiny_model_dir, tmp_path):
+    live, loads = pool_server(max_loaded=1, allow_runtime_lora=True)
+    adapter = build_lora_adapter(tiny_model_dir, tmp_path / "mlp", rank=4, targets=MLP, seed=3)
+    client = client_for(live)
+    base = greedy(client, "b")
+    answer = httpx.post(live.base_url + "/load_lora_adapter", json={
+        "lora_name": "sql", "lora_path": str(adapter), "model": "b"})
+    assert answer.status_code == 200
+    adapted = greedy(client, "sql")
+    assert adapted != base
+    assert {m["id"]: m["parent"] for m in httpx.get(live.base_url + "/models").json()["data"]}["sql"] == "b"
+    greedy(client, "a")   # b makes room, and the adapter goes with it
+    assert statuses(live)["sql"] == "unloaded"
+    assert greedy(client, "sql") == adapted and loads.calls["b"] == 2
+    onto_adapter = httpx.post(live.base_url + "/load_lora_adapter", json={
+        "lora_name": "x", "lora_path": str(adapter), "model": "sql"})
+    assert onto_adapter.status_code == 400 and onto_adapter.json()["error"]["param"] == "model"
+    greedy(client, "a")
+    assert httpx.post(live.base_url + "/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
+    assert "sql" not in statuses(live)
+    greedy(client, "b")
+    assert "sql" not in statuses(live)   # unloaded for good: b came back without it
