@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
@@ -186,6 +185,7 @@ def configure_logging(verbose: bool) -> None:
 async def serve(app: AppContext, options: dict[str, Any]) -> None:
     """Listen first (health 503), load, fill the engine slot, serve until a signal."""
     from ruvllm_cli.server import attach_engine, create_app, start_server
+    from ruvllm_cli.server.models import in_daemon_thread
 
     from rich.markup import escape
 
@@ -209,7 +209,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
              "ready)[/dim]")
     pending = Pending()
     try:
-        backend = await until_stopped(run_in_daemon_thread(lambda: load(app, options, pending)), stop)
+        backend = await until_stopped(in_daemon_thread(lambda: load(app, options, pending)), stop)
     except BaseException:
         await server.stop()
         pending.stop()
@@ -322,35 +322,6 @@ async def until_stopped(work: "asyncio.Future[T]", stop: asyncio.Event) -> T | N
     if work in done:
         return work.result()
     return None
-
-
-def run_in_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":
-    """Run `fn` in a daemon thread, so a signal during a long model load can still
-    end the process (an executor thread would be waited for at exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def target() -> None:
-        result, error = None, None
-        try:
-            result = fn()
-        except BaseException as raised:  # noqa: BLE001 - handed to the event loop
-            error = raised
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:
-            pass   # the event loop has already closed: nobody waits for the model any more
-
-    threading.Thread(target=target, name="ruvllm-load", daemon=True).start()
-    return future
 
 
 def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any],
