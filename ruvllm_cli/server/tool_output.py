@@ -4,11 +4,25 @@ parser, whole (`settle`) or as it streams (`feed` / `finish`), into OpenAI's sha
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Container, Sequence, TypeVar
 
 from ruvllm_cli.engine.tool_parsers import (StreamDelta, StreamingToolParser, ToolCall, ToolCallDelta,
                                             ToolParser)
 from ruvllm_cli.server.bridge import Choice
+
+Item = TypeVar("Item")
+
+
+def in_text_order(delta: StreamDelta, open_calls: Container[int], text: Callable[[str], list[Item]],
+                  call: Callable[[ToolCallDelta], list[Item]]) -> list[Item]:
+    """A tool parser's step as a stream's events, in text order: the open calls'
+    argument text comes before any content in the same step, and new calls after it
+    (the Anthropic and Responses streams, whose blocks open and close in order)."""
+    going = [f for f in delta.tool_calls if f.index in open_calls]
+    new = [f for f in delta.tool_calls if f.index not in open_calls]
+    events = [e for f in going for e in call(f)]
+    events += text(delta.content) if delta.content else []
+    return events + [e for f in new for e in call(f)]
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.messages_api.errors import anthropic_error_body
 from ruvllm_cli.server.sse import Chunk, Event
-from ruvllm_cli.server.tool_output import ToolReplies
+from ruvllm_cli.server.tool_output import ToolReplies, in_text_order
 
 STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
 
@@ -99,13 +99,8 @@ class Blocks:
         return chunks
 
     def parsed(self, delta: StreamDelta) -> list[Chunk]:
-        """A tool parser's step in text order: the open call's argument text comes
-        before any content in the same step, and new calls after it."""
-        going = [f for f in delta.tool_calls if f.index in self.calls]
-        new = [f for f in delta.tool_calls if f.index not in self.calls]
-        chunks = [c for f in going for c in self.call(f)]
-        chunks += self.text(delta.content) if delta.content else []
-        return chunks + [c for f in new for c in self.call(f)]
+        """A tool parser's step in text order (tool_output.in_text_order)."""
+        return in_text_order(delta, self.calls, self.text, self.call)
 
 
 def _delta(index: int, delta: dict[str, Any]) -> Event:

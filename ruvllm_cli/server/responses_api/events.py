@@ -22,7 +22,7 @@ from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.responses_api.output import (ResponseHead, body_output, call_item, call_item_id, message_id,
                                                     message_item, status, text_part)
 from ruvllm_cli.server.sse import Chunk, Event
-from ruvllm_cli.server.tool_output import ToolReplies
+from ruvllm_cli.server.tool_output import ToolReplies, in_text_order
 
 
 @dataclass
@@ -89,13 +89,8 @@ class OutputStream:
         return chunks
 
     def parsed(self, delta: StreamDelta) -> list[Chunk]:
-        """A tool parser's step in text order: the open call's argument text comes
-        before any content in the same step, and new calls after it."""
-        going = [f for f in delta.tool_calls if f.index in self.calls]
-        new = [f for f in delta.tool_calls if f.index not in self.calls]
-        chunks = [c for f in going for c in self.call(f)]
-        chunks += self.text(delta.content) if delta.content else []
-        return chunks + [c for f in new for c in self.call(f)]
+        """A tool parser's step in text order (tool_output.in_text_order)."""
+        return in_text_order(delta, self.calls, self.text, self.call)
 
     def close(self, item_status: str) -> list[Chunk]:
         """The open item's done events, with `item_status` its final status."""
