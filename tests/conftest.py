@@ -29,6 +29,13 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+if __name__ != "conftest":
+    # pytest imports this file as `conftest`; importing it again under another name
+    # (`from tests.conftest import ...`) would start a second fake hub and point
+    # HF_ENDPOINT at it, away from the `fake_hub` fixture's. Use the fixtures.
+    raise ImportError(f"tests/conftest.py imported as {__name__!r}: take its helpers through fixtures "
+                      "(`cli_env`, `make_cli_env`), not by import")
+
 from ruvllm_cli.testing.fake_hub import FakeHub  # noqa: E402
 from ruvllm_cli.testing.tiny_model import cached_tiny_model  # noqa: E402
 
@@ -126,6 +133,12 @@ def cli_environment(**overrides: str) -> dict[str, str]:
     env["PYTHONIOENCODING"] = "utf-8"
     env.update(overrides)
     return env
+
+
+@pytest.fixture(scope="session")
+def make_cli_env() -> Callable[..., dict[str, str]]:
+    """`cli_environment` for fixtures wider than a test (the per-test dirs are not set there)."""
+    return cli_environment
 
 
 @pytest.fixture

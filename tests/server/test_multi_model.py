@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import click
 import httpx
@@ -33,7 +33,6 @@ from ruvllm_cli.cli.serve_models import DURATION, NEVER
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.quantization import Quantization
 
-from tests.conftest import cli_environment
 from tests.server.conftest import build_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -64,14 +63,15 @@ class MultiServer:
 
 
 @contextmanager
-def serving(models: Sequence[Path], root: Path, kv_pool: int) -> Iterator[MultiServer]:
+def serving(models: Sequence[Path], root: Path, kv_pool: int,
+            make_cli_env: Callable[..., dict[str, str]]) -> Iterator[MultiServer]:
     """`ruvllm serve MODELS --models-max 1 --keep-alive 1s` on a free port, stopped
     with SIGTERM afterwards (exit 0, nothing on stdout)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     # The per-test isolated directories may not be set yet (a module fixture): name them here.
-    env = cli_environment(RUVLLM_CACHE_DIR=str(root / "cache"), RUVLLM_CONFIG_DIR=str(root / "config"),
+    env = make_cli_env(RUVLLM_CACHE_DIR=str(root / "cache"), RUVLLM_CONFIG_DIR=str(root / "config"),
                           RUVLLM_DATA_DIR=str(root / "data"), HF_HOME=str(root / "hf"), RUVLLM_WEIGHT_CACHE="0")
     stderr = root / "stderr.txt"
     command = [sys.executable, "-m", "ruvllm_cli", "serve", *map(str, models), "--port", str(port),
@@ -91,7 +91,7 @@ def serving(models: Sequence[Path], root: Path, kv_pool: int) -> Iterator[MultiS
 
 
 @pytest.fixture(scope="module")
-def multi_server(make_tiny_model, tiny_model_dir, tmp_path_factory) -> Iterator[MultiServer]:
+def multi_server(make_tiny_model, tiny_model_dir, tmp_path_factory, make_cli_env) -> Iterator[MultiServer]:
     """Two tiny models with 128 MiB KV pools, and a copy of one whose config.json is broken."""
     root = tmp_path_factory.mktemp("multi-model")
     broken = root / "broken"
@@ -100,7 +100,7 @@ def multi_server(make_tiny_model, tiny_model_dir, tmp_path_factory) -> Iterator[
         (broken / file.name).write_bytes(file.read_bytes())
     (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     b = make_tiny_model(seed=12, num_layers=3, intermediate_size=96)
-    with serving([tiny_model_dir, b, broken], root, KV_POOL) as served:
+    with serving([tiny_model_dir, b, broken], root, KV_POOL, make_cli_env) as served:
         yield served
 
 
@@ -146,13 +146,13 @@ def test_alternating_requests_load_and_unload_the_models_and_memory_returns(mult
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_memory_returns_after_unloading_models_of_100_mb_weights(make_tiny_model, tmp_path):
+def test_memory_returns_after_unloading_models_of_100_mb_weights(make_tiny_model, tmp_path, make_cli_env):
     """The same with the weights, not the KV pool, making up the model's memory: about
     120 and 110 MB of float32 weights beside 16 MiB pools. Fails without the unload's
     malloc_trim (glibc kept all of it: RSS 529 MiB loaded, 529 MiB idle)."""
     a = make_tiny_model(seed=11, hidden_size=512, num_layers=8, intermediate_size=2048)
     b = make_tiny_model(seed=12, hidden_size=512, num_layers=6, intermediate_size=2560)
-    with serving([a, b], tmp_path, 16 * 2**20) as served:
+    with serving([a, b], tmp_path, 16 * 2**20, make_cli_env) as served:
         check_alternating(served, sum(f.stat().st_size for f in b.glob("*.safetensors")))
 
 
