@@ -3,7 +3,7 @@
  *
  * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): w is read as float16 and widened
  * in registers, so a decode step streams half the bytes of float32 weights while the
- * sums stay float32. One activation row reads the weights straight (the decode
+ * sums stay float32. One activation row reads the weights a row at a time (the decode
  * GEMV, bandwidth-bound); several rows widen four weight rows once into a float32
  * scratch and run two activation rows at a time against it (docs/design.md, 5a).
  * Threads split the output columns (OpenMP: the runtime torch already loaded). */
@@ -25,19 +25,27 @@ static inline __m256 load_half(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* One activation row against four weight rows read as float16. */
-static void gemv_block(const float *x, int64_t K, const uint16_t *r0, float *o) {
-    const uint16_t *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(x + k);
-        a0 = _mm256_fmadd_ps(load_half(r0 + k), xv, a0);
-        a1 = _mm256_fmadd_ps(load_half(r1 + k), xv, a1);
-        a2 = _mm256_fmadd_ps(load_half(r2 + k), xv, a2);
-        a3 = _mm256_fmadd_ps(load_half(r3 + k), xv, a3);
+/* One activation row against one weight row read as float16: eight independent sums
+ * over 64 weights a step. One row at a time keeps each thread on a single forward
+ * stream (the prefetcher's best case); four rows read side by side, as this kernel
+ * first did, streamed 1.35x slower (docs/design.md, section 19). */
+static float dot_row(const float *x, const uint16_t *r, int64_t K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        a0 = _mm256_fmadd_ps(load_half(r + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(load_half(r + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(load_half(r + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(load_half(r + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+        a4 = _mm256_fmadd_ps(load_half(r + k + 32), _mm256_loadu_ps(x + k + 32), a4);
+        a5 = _mm256_fmadd_ps(load_half(r + k + 40), _mm256_loadu_ps(x + k + 40), a5);
+        a6 = _mm256_fmadd_ps(load_half(r + k + 48), _mm256_loadu_ps(x + k + 48), a6);
+        a7 = _mm256_fmadd_ps(load_half(r + k + 56), _mm256_loadu_ps(x + k + 56), a7);
     }
-    o[0] = hsum(a0); o[1] = hsum(a1); o[2] = hsum(a2); o[3] = hsum(a3);
+    for (; k < K; k += 8) a0 = _mm256_fmadd_ps(load_half(r + k), _mm256_loadu_ps(x + k), a0);
+    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    return hsum(s);
 }
 
 /* Two activation rows against four weight rows already widened into `s`. */
@@ -58,21 +66,11 @@ static void gemm_block2(const float *x0, const float *x1, int64_t K, const float
     o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
 }
 
-static float dot(const float *x, const uint16_t *r, int64_t K) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load_half(r + k), _mm256_loadu_ps(x + k), a);
-    return hsum(a);
-}
-
 /* Output columns n0..n0+4 for every activation row. */
 static void block_all_rows(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                            int64_t n0, float *scratch, float *out) {
     float t0[ROWS], t1[ROWS];
     const uint16_t *rows = w + n0 * K;
-    if (M == 1) {
-        gemv_block(x, K, rows, out + n0);
-        return;
-    }
     for (int64_t i = 0; i < ROWS * K; i += 8) _mm256_storeu_ps(scratch + i, load_half(rows + i));
     int64_t m = 0;
     for (; m + 1 < M; m += 2) {
@@ -89,12 +87,17 @@ static void block_all_rows(const float *x, int64_t M, int64_t K, const uint16_t 
  * `scratch` holds threads * 4 * K floats (one widened block per thread; unused at M == 1). */
 void ruvllm_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
                        const float *bias, float *out, float *scratch, int threads) {
-    const int64_t blocks = N / ROWS;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    if (M == 1) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; ++n) out[n] = dot_row(x, w + n * K, K);
+    } else {
+        const int64_t blocks = N / ROWS;
+        #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b)
-        block_all_rows(x, M, K, w, N, b * ROWS, scratch + (int64_t)omp_get_thread_num() * ROWS * K, out);
-    for (int64_t n = blocks * ROWS; n < N; ++n)
-        for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot(x + m * K, w + n * K, K);
+            block_all_rows(x, M, K, w, N, b * ROWS, scratch + (int64_t)omp_get_thread_num() * ROWS * K, out);
+        for (int64_t n = blocks * ROWS; n < N; ++n)
+            for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot_row(x + m * K, w + n * K, K);
+    }
     if (bias != NULL)
         for (int64_t m = 0; m < M; ++m)
             for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
