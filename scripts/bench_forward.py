@@ -49,11 +49,12 @@ from ruvllm_cli.bench.runner import random_prompts  # noqa: E402
 from ruvllm_cli.engine import attention  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
+from ruvllm_cli.engine.int8 import Int8Linear  # noqa: E402
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
 from ruvllm_cli.quantization import parse_quantization  # noqa: E402
 
-LINEAR_TYPES = (nn.Linear, PackedLinear, Int4Linear, DynamicInt8Linear)
+LINEAR_TYPES = (nn.Linear, PackedLinear, Int4Linear, DynamicInt8Linear, Int8Linear)
 MAX_LOAD = 1.5      # 1-minute load above which a phase waits (2 cores, other work beside us)
 LOAD_POLL_S = 30
 

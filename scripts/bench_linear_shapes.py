@@ -4,7 +4,8 @@
 so that every weight streams from memory as in a real step.
 
 Prints ms per step at 1 and 16 rows for nn.Linear and the oneDNN-packed layer (and,
-with --quantized, the q8 and q4k layers; with --half, float16 weights in ruvllm's own
+with --quantized, the q8 layers (fbgemm's and ruvllm's own int8 kernel, engine/int8.py)
+and q4k's; with --half, float16 weights in ruvllm's own
 kernel, engine/half.py), the 16-row / 1-row cost ratio (which bounds the
 aggregate/single-stream decode ratio), and one layer's GFLOP/s with its weight
 resident in cache, for the compute ceiling. --dtype float32 runs the plain and packed
@@ -26,7 +27,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ruvllm_cli.engine.half import half_linear  # noqa: E402
-from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear  # noqa: E402
+from ruvllm_cli.engine.int8 import int8_linear  # noqa: E402
+from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear, int8_rows  # noqa: E402
 from ruvllm_cli.testing.tiny_model import QWEN25_05B_SHAPE as SHAPE  # noqa: E402
 
 HIDDEN, INTERMEDIATE, VOCAB, LAYERS = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "vocab_size",
@@ -64,7 +66,10 @@ def main() -> None:
     parser.add_argument("--quantized", action="store_true", help="also q8 (fbgemm int8) and q4k (int4pack)")
     parser.add_argument("--half", action="store_true", help="also float16 weights in ruvllm's kernel")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--rows", default="1,16", help="row counts to time, comma-separated (first and last "
+                        "give the cost ratio)")
     args = parser.parse_args()
+    row_counts = [int(r) for r in args.rows.split(",")]
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -76,20 +81,22 @@ def main() -> None:
         kinds = [("nn.Linear", lambda: plain), ("packed", lambda: packed)]
         if args.quantized:
             kinds += [("q8 int8", lambda: [DynamicInt8Linear(layer) for layer in plain]),
+                      ("q8 ours", lambda: [int8_linear(*int8_rows(layer.weight), None) for layer in plain]),
                       ("q4k int4", lambda: [Int4Linear(layer) for layer in plain])]
         if args.half:
             kinds += [("f16 ours", lambda: [half_linear(layer.weight, None) for layer in plain])]
         for name, build in kinds:
             layers = build()
-            for rows in (1, 16):
+            for rows in row_counts:
                 body, head = step_ms(layers, rows, args.repeats, dtype)
                 results[name, rows] = body + head
-                print(f"{name:9s} {rows:2d} rows: layers {body:6.1f} ms + LM head {head:5.1f} ms"
+                print(f"{name:9s} {rows:3d} rows: layers {body:7.1f} ms + LM head {head:6.1f} ms"
                       f"  ({rows * flops / body / 1e6:5.0f} GFLOP/s in the layers)")
             del layers
-            print(f"{name:9s} 16 rows cost {results[name, 16] / results[name, 1]:.2f}x one row: "
+            low, high = row_counts[0], row_counts[-1]
+            print(f"{name:9s} {high} rows cost {results[name, high] / results[name, low]:.2f}x {low}: "
                   f"aggregate/single-stream decode bounded near "
-                  f"{16 * results[name, 1] / results[name, 16]:.1f}x")
+                  f"{high / low * results[name, low] / results[name, high]:.1f}x")
         layer = packed[4]  # 4864 x 896, 8.7 MB: fits the L3 cache
         x = torch.randn(16, HIDDEN, dtype=dtype)
         for _ in range(20):

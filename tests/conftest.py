@@ -74,6 +74,16 @@ def _reset_fake_hub() -> Iterator[None]:
     SESSION_HUB.reset()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built() -> None:
+    """ruvllm's C kernels built before any test runs: on a fresh machine the first load
+    would build them and say so on stderr, in whichever test came first (the build
+    itself is tested with a directory of its own, tests/engine/test_half.py)."""
+    from ruvllm_cli.engine.kernels import half_kernel, int8_kernel
+
+    half_kernel(), int8_kernel()
+
+
 @pytest.fixture(scope="session")
 def _tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiny-models")

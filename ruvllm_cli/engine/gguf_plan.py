@@ -163,29 +163,31 @@ def summary(layout: GGUFLayout, quantization: Quantization) -> str:
     return "; ".join(parts)
 
 
-def _layout_bytes(target: Layout, rows: int, elements: int, embedding: bool) -> float:
-    """Bytes of a weight in our layout (quantize.py): int8 rows carry fbgemm's scale and
-    zero point (16 bytes) or a bf16 scale (embeddings); int4 groups a bf16 scale and zero."""
+def _layout_bytes(target: Layout, rows: int, elements: int, embedding: bool, int8_row_bytes: int) -> float:
+    """Bytes of a weight in our layout (quantize.py): int8 rows carry a float32 scale
+    (our kernel), fbgemm's scale and zero point (16 bytes) or a bf16 scale (embeddings);
+    int4 groups a bf16 scale and zero."""
     if target is Layout.FLOAT32:
         return 4.0 * elements
     if target is Layout.BF16:
         return 2.0 * elements
     if target is Layout.INT8:
-        return elements + rows * (2 if embedding else 16)
+        return elements + rows * (2 if embedding else int8_row_bytes)
     return elements * (0.5 + 4 / INT4_GROUP)
 
 
-def loaded_bytes(layout: GGUFLayout, quantization: Quantization, dtype_bytes: int, unties_head: bool) -> int:
+def loaded_bytes(layout: GGUFLayout, quantization: Quantization, dtype_bytes: int, head_copy: bool,
+                 int8_row_bytes: int = 16) -> int:
     """Bytes the loaded weights take: each weight in its layout, the 1-D tensors in the
-    model's dtype, and a tied head's own copy where the plan unties it."""
+    model's dtype, and a tied head's own copy where the plan gives it one."""
     total = 0.0
     for plan in plan_tensors(layout, quantization):
-        total += _layout_bytes(plan.layout, plan.rows, plan.elements, plan.name == EMBEDDING)
-        if plan.name == EMBEDDING and unties_head and not any(t.name == HEAD for t in layout.tensors):
+        total += _layout_bytes(plan.layout, plan.rows, plan.elements, plan.name == EMBEDDING, int8_row_bytes)
+        if plan.name == EMBEDDING and head_copy and not any(t.name == HEAD for t in layout.tensors):
             head = plan.layout
             if head is Layout.INT4 and not int4_fits(plan.rows, plan.elements // plan.rows, INT4_GROUP):
                 head = Layout.INT8
-            total += _layout_bytes(head, plan.rows, plan.elements, False)
+            total += _layout_bytes(head, plan.rows, plan.elements, False, int8_row_bytes)
     for tensor in layout.tensors:
         if len(tensor.dims) == 1:
             total += tensor.dims[0] * dtype_bytes

@@ -21,11 +21,14 @@ from ruvllm_cli.engine.kernels import HalfKernel, half_kernel
 _scratch = threading.local()   # engines of a multi-model server step in threads of their own
 
 
-def _scratch_buffer(size: int) -> torch.Tensor:
-    """Per-thread float32 room for the kernel's widened weight blocks, grown as needed."""
-    buffer = getattr(_scratch, "buffer", None)
+def scratch_buffer(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-thread room for a kernel's temporaries (widened weight blocks, quantized
+    activations), one buffer per dtype, grown as needed."""
+    key = f"buffer_{dtype}"
+    buffer = getattr(_scratch, key, None)
     if buffer is None or buffer.numel() < size:
-        buffer = _scratch.buffer = torch.empty(size, dtype=torch.float32)
+        buffer = torch.empty(size, dtype=dtype)
+        setattr(_scratch, key, buffer)
     return buffer
 
 
@@ -55,7 +58,7 @@ class HalfLinear(nn.Module):
         count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
-        scratch = _scratch_buffer(threads * 4 * self.in_features) if count > 1 else None
+        scratch = scratch_buffer(threads * 4 * self.in_features) if count > 1 else None
         self._kernel.linear(rows.data_ptr(), count, self.in_features, self.weight16.data_ptr(),
                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
                             out.data_ptr(), None if scratch is None else scratch.data_ptr(), threads)

@@ -71,6 +71,8 @@ def dtype_for(quantization: Quantization, device: torch.device) -> torch.dtype:
         return torch.float16
     if quantization is Quantization.F16 and half_weights_here():
         return torch.float32
+    if quantization is Quantization.Q8_0 and int8_weights_here():
+        return torch.float32   # our int8 kernel takes and gives float32 (engine/int8.py)
     return torch.bfloat16
 
 
@@ -81,6 +83,12 @@ def half_weights_here() -> bool:
     from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
 
     return not cpu_has_bf16_kernels() and half_kernel() is not None
+
+
+def int8_weights_here() -> bool:
+    from ruvllm_cli.engine.quantize import int8_weights_here as here
+
+    return here()
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -131,17 +139,19 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     from ruvllm_cli.engine.quantize import WeightPlan
 
     embedding, tied, rows, norms, hidden = _shape_counts(config)
+    plan = WeightPlan(quantization, dtype, hidden)
     # The loaders' own rule for whether a tied head gets a copy of its own.
-    head_copy = embedding if tied and WeightPlan(quantization, dtype, hidden).unties_head else 0
+    head_copy = embedding if tied and plan.head_copy else 0
     if quantization in QUANT_BYTES:
         linear, table = QUANT_BYTES[quantization]
         # Streamed (stream_load): the quantized model, plus the one tensor being
-        # converted; a tied head gets its own quantized copy. Norms stay 16-bit; q8
-        # counts fbgemm's scale and zero point per output row.
+        # converted; a tied head gets its own quantized copy unless it shares the
+        # table. Norms take the activations' dtype; q8 counts a float32 scale per
+        # output row in our kernel, fbgemm's scale and zero point (16 bytes) in its.
         quantized = weights - embedding - norms
-        needed = quantized * linear + embedding * table + head_copy * linear + norms * 2
+        needed = quantized * linear + embedding * table + head_copy * linear + norms * dtype.itemsize
         if quantization is Quantization.Q8_0:
-            needed += rows * 16
+            needed += rows * (4 if plan.own_int8 else 16)
         return int(needed)
     if quantization is Quantization.F16 and dtype == torch.float32:
         return weights * 2   # float16 weights; a tied head shares the embedding's copy (engine/half.py)
@@ -159,8 +169,9 @@ def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantizat
     if device.type != "cpu" or gguf_plan.unstreamable(layout) or os.environ.get(STREAM_ENV, "1") == "0":
         return path.stat().st_size * (8 if dtype == torch.float32 else 4)
     hidden = layout.metadata.get(f"{layout.metadata['general.architecture']}.embedding_length", 1)
-    unties = WeightPlan(quantization, dtype, hidden, int4_group=gguf_plan.INT4_GROUP).unties_head
-    return gguf_plan.loaded_bytes(layout, quantization, dtype.itemsize, unties)
+    plan = WeightPlan(quantization, dtype, hidden, int4_group=gguf_plan.INT4_GROUP)
+    return gguf_plan.loaded_bytes(layout, quantization, dtype.itemsize, plan.head_copy,
+                                  int8_row_bytes=4 if plan.own_int8 else 16)
 
 
 def free_memory(device: torch.device) -> int:

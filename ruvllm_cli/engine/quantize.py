@@ -328,8 +328,22 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.shape
         self.padding_idx = padding_idx
 
+    @classmethod
+    def sharing(cls, head: nn.Module, padding_idx: int | None) -> "Int8Embedding":
+        """The lookup table of a tied head's own int8 codes and float32 scales (an
+        `int8.Int8Linear`): one copy of the vocabulary matrix serves both."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.register_buffer("qweight", head.qweight)
+        layer.register_buffer("scales", head.scales)
+        layer.num_embeddings, layer.embedding_dim = head.qweight.shape
+        layer.padding_idx = padding_idx
+        return layer
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight[ids].to(torch.bfloat16) * self.scales[ids].unsqueeze(-1)
+        # Rows come out in the scales' dtype: bfloat16 for a table of its own, float32
+        # for one shared with an int8 head (whose model runs float32 activations).
+        return self.qweight[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
 
 
 class Int4Embedding(nn.Module):
@@ -395,7 +409,10 @@ class WeightPlan:
         # which the loader picks only where it runs (dtype_for).
         self.half = quantization is Quantization.F16 and dtype == torch.float32
         self.packed = not self.quantized and not self.half and packing_works(dtype)
+        # q8 in our own int8 kernel (engine/int8.py) where it runs, else fbgemm's.
+        self.own_int8 = quantization is Quantization.Q8_0 and int8_weights_here()
         self._last_half: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._last_int8: tuple[object, nn.Module] | None = None
         self.group = None
         if quantization is Quantization.Q4_K_M:
             self.group = int4_group or int4_group_size(hidden_size)
@@ -407,6 +424,12 @@ class WeightPlan:
         keeps its own table): the vocabulary matrix is held twice, for the fastest
         head at every batch size (docs/design.md)."""
         return self.quantized or self.packed or self.half
+
+    @property
+    def head_copy(self) -> bool:
+        """Whether a tied head holds a copy of the vocabulary matrix of its own: not
+        float16 (one table) nor q8 in our kernel (the lookups read the head's codes)."""
+        return self.unties_head and not self.half and not self.own_int8
 
     def read_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype to read a weight matrix in; None: as stored (the half path converts
@@ -424,7 +447,20 @@ class WeightPlan:
         out_features, in_features = weight.shape
         if self.group is not None and int4_fits(out_features, in_features, self.group):
             return Int4Linear.from_weight(weight, bias, self.group)
-        return DynamicInt8Linear.from_weight(weight, bias)  # q8, and odd shapes under q4k
+        return self._int8_linear(weight, bias)  # q8, and odd shapes under q4k
+
+    def _int8_linear(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> nn.Module:
+        """Our kernel's layer where it takes the shape, else fbgemm's, from the same codes.
+        The last one built is remembered: a tied head's embedding shares its table."""
+        from ruvllm_cli.engine.int8 import int8_linear, kernel_fits
+
+        if not kernel_fits(weight.shape[1]):
+            return DynamicInt8Linear.from_weight(weight, bias)
+        codes, scales = int8_rows(weight)
+        layer = int8_linear(codes, scales, bias)
+        assert layer is not None  # kernel_fits said it runs
+        self._last_int8 = (weight, layer)
+        return layer
 
     def embedding(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> nn.Module | None:
         if self.half:
@@ -433,6 +469,9 @@ class WeightPlan:
             table = self._half_copy(_whole(weight))
             return None if table is None else HalfEmbedding(table, padding_idx)
         if self.quantization is Quantization.Q8_0:
+            last = self._last_int8
+            if last is not None and _same_matrix(last[0], weight):  # a tied head, built just before
+                return Int8Embedding.sharing(last[1], padding_idx)
             return Int8Embedding.from_weight(weight, padding_idx)
         if self.quantization is Quantization.Q4_K_M:
             return Int4Embedding.from_weight(weight, padding_idx)
@@ -463,6 +502,9 @@ class WeightPlan:
         if self.half:
             return (f"float16 weights with float32 arithmetic (ruvllm's AVX2 kernel), {self.linears} linear "
                     "layers incl. LM head; float16 embeddings")
+        if self.quantization is Quantization.Q8_0 and self.own_int8:
+            return (f"int8 per-channel weights in ruvllm's AVX2 kernel, {self.linears} linear layers "
+                    "incl. LM head; int8 embeddings (a tied head's table shared)")
         if self.quantization is Quantization.Q8_0:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")
@@ -473,6 +515,23 @@ class WeightPlan:
         if self.packed:
             path += f", {self.linears} linear layers incl. LM head in oneDNN's packed layout"
         return path
+
+
+def int8_weights_here() -> bool:
+    """Whether q8 on this CPU runs our own int8 kernel (AVX2 and a C compiler), and so
+    float32 activations (docs/design.md, section 20)."""
+    from ruvllm_cli.engine.kernels import int8_kernel
+
+    return int8_kernel() is not None
+
+
+def _same_matrix(a: torch.Tensor | RowBlocks, b: torch.Tensor | RowBlocks) -> bool:
+    """Whether two weight sources are one matrix: the same object (a streamed file's
+    rows), or tensors over the same memory (a tied parameter, detached twice)."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.dtype == b.dtype)
 
 
 def _whole(weight: torch.Tensor | RowBlocks) -> torch.Tensor:

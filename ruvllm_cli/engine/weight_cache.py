@@ -11,7 +11,9 @@ Removing the model (`ruvllm rm`) removes its directory and so its cache.
 
 A cache file holds every module's tensors under the module's name (int8 codes and
 scales for fbgemm's layers, whose packed form cannot be saved, is re-packed at load),
-and in its metadata each quantized module's kind and settings.
+and in its metadata each quantized module's kind and settings, and the activations'
+dtype it was built for. An embedding that shares a tied head's int8 table is saved
+as a reference to the head, and shares it again when loaded.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ruvllm_cli.engine.int8 import Int8Linear, int8_linear
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding
 from ruvllm_cli.quantization import Quantization
 
 log = logging.getLogger(__name__)
 
-LAYOUT = 1
+LAYOUT = 2
 CACHE_DIR = ".ruvllm-weights"
 ENV = "RUVLLM_WEIGHT_CACHE"  # "0": neither read nor write the cache
 CACHED = (Quantization.Q8_0, Quantization.Q4_K_M)
-KINDS = {cls.__name__: cls for cls in (DynamicInt8Linear, Int4Linear, Int8Embedding, Int4Embedding)}
+KINDS = {cls.__name__: cls for cls in (DynamicInt8Linear, Int8Linear, Int4Linear, Int8Embedding, Int4Embedding)}
+SHARES = "shares"   # an embedding's setting: the name of the int8 head whose table it reads
 
 
 def enabled(quantization: Quantization, device: torch.device) -> bool:
@@ -69,6 +73,11 @@ def _module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[st
             tensors["bias"] = module.bias.detach()
         return tensors, {"group_size": module.group_size, "in_features": module.in_features,
                          "out_features": module.out_features}
+    if isinstance(module, Int8Linear):
+        tensors = {"qweight": module.qweight, "scales": module.scales}
+        if module.bias is not None:
+            tensors["bias"] = module.bias.detach()
+        return tensors, {}
     settings = {"padding_idx": module.padding_idx, "num_embeddings": module.num_embeddings,
                 "embedding_dim": module.embedding_dim}
     if isinstance(module, Int4Embedding):
@@ -83,6 +92,11 @@ def _rebuild(kind: str, tensors: dict[str, torch.Tensor], settings: dict[str, An
     if cls is DynamicInt8Linear:
         module._build_from_codes(tensors["codes"], tensors["scales"], tensors.get("bias"))
         return module
+    if cls is Int8Linear:
+        layer = int8_linear(tensors["qweight"], tensors["scales"], tensors.get("bias"))
+        if layer is None:
+            raise ValueError("ruvllm's int8 kernel does not run here")
+        return layer
     if cls is Int4Linear:
         module.in_features, module.out_features = settings["in_features"], settings["out_features"]
         module.group_size = settings["group_size"]
@@ -105,7 +119,12 @@ def save(model: nn.Module, path: Path, description: str) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, list[Any]] = {}
+    heads = {m.qweight.data_ptr(): n for n, m in model.named_modules() if isinstance(m, Int8Linear)}
     for name, module in model.named_modules():
+        if isinstance(module, Int8Embedding) and module.qweight.data_ptr() in heads:
+            kinds[name] = [type(module).__name__, {SHARES: heads[module.qweight.data_ptr()],
+                                                   "padding_idx": module.padding_idx}]
+            continue
         if type(module).__name__ in KINDS:
             own, settings = _module_tensors(module)
             kinds[name] = [type(module).__name__, settings]
@@ -113,7 +132,9 @@ def save(model: nn.Module, path: Path, description: str) -> None:
             continue
         for key, param in module.named_parameters(recurse=False):
             tensors[f"{name}.{key}" if name else key] = param.detach().contiguous()
+    dtype = str(next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
     metadata = {"ruvllm_layout": str(LAYOUT), "modules": json.dumps(kinds), "description": description,
+                "dtype": dtype,
                 "tie_word_embeddings": json.dumps(bool(getattr(model.config, "tie_word_embeddings", False)))}
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -144,8 +165,8 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: 
         with safe_open(path, framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {}
             names = set(handle.keys())
-        if metadata.get("ruvllm_layout") != str(LAYOUT):
-            return None
+        if metadata.get("ruvllm_layout") != str(LAYOUT) or metadata.get("dtype") != str(dtype):
+            return None  # another layout, or built for other activations (kernels differ per machine)
         kinds: dict[str, list[Any]] = json.loads(metadata["modules"])
         model = _skeleton(model_path, dtype, attn_implementation)
         if json.loads(metadata["tie_word_embeddings"]) is False:
@@ -171,6 +192,8 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: 
             pending: deque[tuple[str, Future[nn.Module]]] = deque()
             for name in order:
                 kind, settings = kinds[name]
+                if SHARES in settings:
+                    continue  # placed below, once its head is
                 prefix = f"{name}."
                 # fbgemm packs int8 codes into a copy of its own: they need no copy of ours.
                 tensors = _read(path, [n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]],
@@ -185,6 +208,9 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: 
                     place(done_name, future.result())
             for done_name, future in pending:
                 place(done_name, future.result())
+        for name, (kind, settings) in kinds.items():
+            if SHARES in settings:
+                place(name, Int8Embedding.sharing(model.get_submodule(settings[SHARES]), settings["padding_idx"]))
         for name, module in dict(model.named_modules()).items():
             if type(module).__name__ in KINDS:
                 continue

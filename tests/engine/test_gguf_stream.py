@@ -14,7 +14,8 @@ import torch
 
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
-from ruvllm_cli.engine.loader import STREAM_ENV, load_model, memory_needed
+from ruvllm_cli.engine.int8 import Int8Linear
+from ruvllm_cli.engine.loader import STREAM_ENV, int8_weights_here, load_model, memory_needed
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
@@ -71,6 +72,9 @@ def dense(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Te
         codes = torch.stack([module.packed & 0xF, module.packed >> 4], -1).flatten(1).float()
         scale, low = (t.float().repeat_interleave(module.group_size, 1) for t in (module.scales, module.lows))
         return codes * scale + low, scale, low
+    if isinstance(module, Int8Linear):
+        scale = module.scales[:, None].expand(module.qweight.shape)
+        return module.qweight.float() * scale, scale, torch.zeros_like(scale)
     if isinstance(module, DynamicInt8Linear):
         qweight = torch.ops.quantized.linear_unpack(module.packed)[0]
         scale = qweight.q_per_channel_scales().float()[:, None].expand(qweight.shape)
@@ -81,7 +85,7 @@ def dense(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def quantized_layers(loaded) -> list[tuple[str, torch.nn.Module]]:
-    kinds = (Int4Linear, Int4Embedding, DynamicInt8Linear, Int8Embedding)
+    kinds = (Int4Linear, Int4Embedding, DynamicInt8Linear, Int8Linear, Int8Embedding)
     return [(name, m) for name, m in loaded.model.named_modules() if isinstance(m, kinds)]
 
 
@@ -143,12 +147,15 @@ def test_q8_requantizes_every_type_per_row(files):
     loaded = load_model(files["qwen2"], "cpu", Q.Q8_0)
     values = file_values(files["qwen2"], {})
     layers = quantized_layers(loaded)
-    assert {type(m) for _, m in layers} == {DynamicInt8Linear, Int8Embedding}
+    int8 = Int8Linear if int8_weights_here() else DynamicInt8Linear
+    assert {type(m) for _, m in layers} == {int8, Int8Embedding}
     for name, module in layers:
         _, want = values[gguf_name(f"{name}.weight")]
         got, scale, _ = dense(module)
-        # Half a step of the row's int8 scale; an embedding's scale is stored in bf16 after rounding.
-        bound = scale / 2 + (scale * 128 * ROUNDING if isinstance(module, Int8Embedding) else 1e-7)
+        # Half a step of the row's int8 scale; an embedding's own scale is stored in bf16
+        # after rounding (one shared with a tied head keeps the head's float32).
+        rounded = isinstance(module, Int8Embedding) and module.scales.dtype == torch.bfloat16
+        bound = scale / 2 + (scale * 128 * ROUNDING if rounded else 1e-7)
         assert ((got - want).abs() <= bound).all(), name
 
 

@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from ruvllm_cli.engine import kernels
 from ruvllm_cli.engine.half import HalfEmbedding, half_linear, to_half
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_has(kernels.HALF_CPU_FLAGS), reason="needs AVX2, FMA and F16C")
+pytestmark = pytest.mark.skipif(not kernels.cpu_has(kernels.CPU_FLAGS), reason="needs AVX2, FMA and F16C")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,10 +12,11 @@ from torch import nn
 
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
-from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.engine.loader import int8_weights_here, load_model
 from ruvllm_cli.engine.lora import (AdapterError, AdapterInUseError, AdapterNotFoundError, LoRALinear,
                                     LoRAModule, LoRAStep, read_adapter)
-from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear, packing_works
+from ruvllm_cli.engine.int8 import int8_linear
+from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear, int8_rows, packing_works
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import Quantization
@@ -213,6 +214,8 @@ def _bases() -> list[nn.Module]:
     torch.manual_seed(0)
     linear = nn.Linear(256, 64)
     bases = [linear, DynamicInt8Linear(linear), Int4Linear(nn.Linear(256, 64, bias=False))]
+    if int8_weights_here():
+        bases.append(int8_linear(*int8_rows(linear.weight.detach()), linear.bias.detach()))
     if packing_works(torch.float32):
         bases.append(PackedLinear(linear))
     return bases
@@ -251,8 +254,9 @@ def test_quantized_models_take_adapters_and_mix_them(model_dir, adapters, quanti
     assert len({tuple(ids) for ids in alone.values()}) == 3
     together = engine.generate([PROMPTS[0]] * 3, GREEDY, adapters=list(names))
     assert len({tuple(r.token_ids) for r in together}) == 3
-    if quantization is Quantization.Q4_K_M:
-        # int4's kernel gives each row the same result in any batch (fbgemm's int8 GEMM
-        # quantizes activations over the whole batch, so q8 rows move with their company).
+    if quantization is Quantization.Q4_K_M or int8_weights_here():
+        # int4's kernel and ours for int8 give each row the same result in any batch
+        # (fbgemm's int8 GEMM, q8 where ours does not run, quantizes activations over
+        # the whole batch, so its rows move with their company).
         for result, adapter in zip(together, names):
             assert result.token_ids[:6] == alone[adapter][:6], adapter

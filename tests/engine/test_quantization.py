@@ -9,7 +9,8 @@ import torch
 
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
-from ruvllm_cli.engine.loader import half_weights_here, load_model
+from ruvllm_cli.engine.int8 import Int8Linear
+from ruvllm_cli.engine.loader import half_weights_here, int8_weights_here, load_model
 from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
                                         Int8Embedding, PackedLinear, bucket_rows, packing_works, quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
@@ -103,12 +104,31 @@ def next_token_logits_together(engine: LLMEngine, prompts: list[list[int]]) -> l
 
 
 def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
-    for quant, kind, table in [(Q.Q8_0, DynamicInt8Linear, Int8Embedding), (Q.Q4_K_M, Int4Linear, Int4Embedding)]:
+    int8 = Int8Linear if int8_weights_here() else DynamicInt8Linear
+    for quant, kind, table in [(Q.Q8_0, int8, Int8Embedding), (Q.Q4_K_M, Int4Linear, Int4Embedding)]:
         model = engines[quant].loaded.model
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         assert any(isinstance(m, kind) for m in model.modules())
         assert isinstance(model.get_input_embeddings(), table)
         assert isinstance(model.lm_head, kind)
+
+
+def test_q8_in_our_kernel_shares_a_tied_heads_table_with_the_embedding(engines):
+    if not int8_weights_here():
+        pytest.skip("ruvllm's int8 kernel does not run here (fbgemm's layers keep a table each)")
+    loaded = engines[Q.Q8_0].loaded
+    model, embedding = loaded.model, loaded.model.get_input_embeddings()
+    assert embedding.qweight.data_ptr() == model.lm_head.qweight.data_ptr()
+    assert embedding.scales.data_ptr() == model.lm_head.scales.data_ptr()
+    assert loaded.dtype == torch.float32 and "table shared" in loaded.quantization_path
+    ids = torch.tensor([[3, 17, 3]])
+    rows = embedding(ids)
+    assert rows.dtype == torch.float32
+    torch.testing.assert_close(rows[0, 0], model.lm_head.qweight[3].float() * model.lm_head.scales[3])
+    # One table in memory, counted once: with each module's buffers counted, it is twice.
+    every = [t for _, t in model.named_buffers(remove_duplicate=False)] + list(model.parameters())
+    assert sum(t.nbytes for t in every) - loaded.weight_bytes == model.lm_head.qweight.nbytes + \
+        model.lm_head.scales.nbytes
 
 
 def test_full_precision_linears_are_packed_on_cpu(engines):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ruvllm_cli.engine import attention
 from ruvllm_cli.engine.loader import STREAM_ENV, load_model
+from ruvllm_cli.engine.int8 import Int8Linear
 from ruvllm_cli.engine.quantize import DynamicInt8Linear, PackedLinear
 from ruvllm_cli.quantization import Quantization as Q
 
@@ -41,8 +42,9 @@ def _logits(model) -> torch.Tensor:
 
 
 def _int8_codes(model) -> list[torch.Tensor]:
-    return [torch.ops.quantized.linear_unpack(m.packed)[0].int_repr()
-            for m in model.modules() if isinstance(m, DynamicInt8Linear)]
+    """Every int8 layer's codes: our kernel's buffer, or unpacked from fbgemm's copy."""
+    return [m.qweight if isinstance(m, Int8Linear) else torch.ops.quantized.linear_unpack(m.packed)[0].int_repr()
+            for m in model.modules() if isinstance(m, (DynamicInt8Linear, Int8Linear))]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -118,3 +118,46 @@ def test_a_killed_write_never_leaves_a_cache_file_a_load_would_use(model_copy, m
     loaded = load_model(model_copy, "cpu", Q.Q8_0)
     assert not loaded.from_weight_cache
     assert load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+
+
+def test_a_tied_heads_shared_int8_table_is_cached_once_and_shared_again(make_tiny_model, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from ruvllm_cli.engine.loader import int8_weights_here
+
+    if not int8_weights_here():
+        pytest.skip("ruvllm's int8 kernel does not run here: fbgemm's layers keep a table each")
+    monkeypatch.setenv(weight_cache.ENV, "1")
+    path = tmp_path / "model"
+    shutil.copytree(make_tiny_model(**VARIANTS["tied-float32"]), path)
+    first, second = load_model(path, "cpu", Q.Q8_0), load_model(path, "cpu", Q.Q8_0)
+    assert not first.from_weight_cache and second.from_weight_cache
+    for loaded in (first, second):
+        model = loaded.model
+        assert model.get_input_embeddings().qweight.data_ptr() == model.lm_head.qweight.data_ptr()
+    assert second.weight_bytes == first.weight_bytes
+    assert torch.equal(_logits(second.model), _logits(first.model))
+    with safe_open(weight_cache.cache_file(path, Q.Q8_0), framework="pt") as handle:
+        names = set(handle.keys())
+    assert "lm_head.qweight" in names and not any(n.startswith("model.embed_tokens.") for n in names)
+
+
+def test_a_cache_built_for_other_activations_is_not_read(model_copy, monkeypatch):
+    """Our int8 kernel (float32 activations) on one machine, fbgemm's (bfloat16) where
+    it cannot build: a file written by one is quantized again by the other."""
+    from ruvllm_cli.engine import kernels
+    from ruvllm_cli.engine.loader import int8_weights_here
+    from ruvllm_cli.engine.quantize import DynamicInt8Linear
+
+    if not int8_weights_here():
+        pytest.skip("ruvllm's int8 kernel does not run here")
+    load_model(model_copy, "cpu", Q.Q8_0)
+    monkeypatch.setenv(kernels.COMPILE_ENV, "0")
+    kernels.int8_kernel.cache_clear()
+    try:
+        other = load_model(model_copy, "cpu", Q.Q8_0)
+        assert not other.from_weight_cache and isinstance(other.model.lm_head, DynamicInt8Linear)
+        assert load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+    finally:
+        monkeypatch.delenv(kernels.COMPILE_ENV)
+        kernels.int8_kernel.cache_clear()

@@ -22,8 +22,10 @@ from importlib import resources
 from pathlib import Path
 
 COMPILE_ENV = "RUVLLM_COMPILE"   # "0": no kernels of our own
-HALF_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-HALF_CPU_FLAGS = ("avx2", "fma", "f16c")
+# No contraction of a * b + c into one FMA: the int8 epilogue must round as torch does.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+CPU_FLAGS = ("avx2", "fma", "f16c")
+_pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
 class HalfKernel:
@@ -31,9 +33,28 @@ class HalfKernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.linear = library.ruvllm_f16_linear
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        self.linear.argtypes = [pointer, size, size, pointer, size, pointer, pointer, pointer, ctypes.c_int]
+        self.linear.argtypes = [_pointer, _size, _size, _pointer, _size, _pointer, _pointer, _pointer, ctypes.c_int]
         self.linear.restype = None
+
+
+class Int8Kernel:
+    """int8_gemm.c: `quantize` (float32 rows to int8 codes and a scale per row), `gemv`
+    (up to `rows` quantized rows times int8 weights with a float32 scale per row) and
+    `scale` (exact int32 sums to float32 outputs, as `gemv` ends)."""
+
+    rows = 4
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.quantize = library.ruvllm_q8_quantize
+        self.quantize.argtypes = [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int]
+        self.quantize.restype = None
+        self.gemv = library.ruvllm_q8_gemv
+        self.gemv.argtypes = [_pointer, _pointer, _pointer, _size, _size, _pointer, _pointer, _size, _pointer,
+                              _pointer, _pointer, ctypes.c_int]
+        self.gemv.restype = None
+        self.scale = library.ruvllm_q8_scale
+        self.scale.argtypes = [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer, ctypes.c_int]
+        self.scale.restype = None
 
 
 KERNEL_DIR_ENV = "RUVLLM_KERNEL_DIR"
@@ -52,21 +73,36 @@ def kernels_dir() -> Path:
 @functools.cache
 def half_kernel() -> HalfKernel | None:
     """The float16-weight linear kernel, built on first use; None where it cannot run."""
-    if os.environ.get(COMPILE_ENV, "1") == "0" or not cpu_has(HALF_CPU_FLAGS):
+    library = _library("half_gemm", "float16", "float16 weights take torch's slower path")
+    return None if library is None else HalfKernel(library)
+
+
+@functools.cache
+def int8_kernel() -> Int8Kernel | None:
+    """The int8-weight linear kernel, built on first use; None where it cannot run."""
+    library = _library("int8_gemm", "int8", "int8 weights take fbgemm's kernel")
+    return None if library is None else Int8Kernel(library)
+
+
+def _library(name: str, what: str, fallback: str) -> ctypes.CDLL | None:
+    """`name`.c built (once, into the kernels directory) and loaded; None, with one line
+    saying so, where there is no compiler or the build fails, and silently where the
+    CPU lacks the instructions or RUVLLM_COMPILE=0."""
+    if os.environ.get(COMPILE_ENV, "1") == "0" or not cpu_has(CPU_FLAGS):
         return None
-    source = resources.files(__package__).joinpath("half_gemm.c").read_bytes()
+    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        _say("no C compiler (cc or gcc) found: float16 weights take torch's slower path")
+        _say(f"no C compiler (cc or gcc) found: {fallback}")
         return None
-    key = hashlib.sha256(source + " ".join(HALF_FLAGS).encode()).hexdigest()[:16]
-    path = kernels_dir() / f"half_gemm-{key}.so"
-    if not path.is_file() and not _build(compiler, source, path):
+    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = kernels_dir() / f"{name}-{key}.so"
+    if not path.is_file() and not _build(compiler, source, path, what, fallback):
         return None
     try:
-        return HalfKernel(ctypes.CDLL(str(path)))
+        return ctypes.CDLL(str(path))
     except OSError as error:
-        _say(f"the float16 kernel in {path} does not load ({error}): torch's slower path instead")
+        _say(f"the {what} kernel in {path} does not load ({error}): {fallback} instead")
         return None
 
 
@@ -83,24 +119,24 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
     return all(flag in present for flag in flags)
 
 
-def _build(compiler: str, source: bytes, path: Path) -> bool:
+def _build(compiler: str, source: bytes, path: Path, what: str, fallback: str) -> bool:
     """Compile into a temporary file renamed into place: a reader never sees half a library."""
-    _say("building ruvllm's float16 kernel (once; about a second)")
+    _say(f"building ruvllm's {what} kernel (once; about a second)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as work:
-            c_file, so_file = Path(work) / "half_gemm.c", Path(work) / path.name
+            c_file, so_file = Path(work) / path.with_suffix(".c").name, Path(work) / path.name
             c_file.write_bytes(source)
-            done = subprocess.run([compiler, *HALF_FLAGS, "-o", str(so_file), str(c_file)],
+            done = subprocess.run([compiler, *FLAGS, "-o", str(so_file), str(c_file)],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                _say(f"the float16 kernel did not build ({reason}): torch's slower path instead")
+                _say(f"the {what} kernel did not build ({reason}): {fallback} instead")
                 return False
             os.replace(so_file, path)
         return True
     except (OSError, subprocess.SubprocessError) as error:
-        _say(f"the float16 kernel could not be built in {path.parent} ({error}): torch's slower path instead")
+        _say(f"the {what} kernel could not be built in {path.parent} ({error}): {fallback} instead")
         return False
 
 

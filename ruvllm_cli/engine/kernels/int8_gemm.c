@@ -1,0 +1,144 @@
+/* Linear layers with int8 weights (one float32 scale per output row), for x86-64 CPUs
+ * with AVX2 (every such CPU since 2013).
+ *
+ * Activations are quantized per row, symmetrically to int8 (xs = absmax / 127), and
+ * every product is summed exactly in int32; out[m, n] = float(acc) * (xs[m] * ws[n])
+ * (+ bias[n]). This file has the quantizer, the product of up to four rows (decode
+ * batches: a GEMV reading each weight once, bandwidth-bound) and the scaling; more rows
+ * go to torch's `_int_mm` (oneDNN's int8 GEMM) on the same codes, whose int32 sums are
+ * the very same integers, so a row gives the same bits alone or in any batch
+ * (engine/int8.py; docs/design.md, section 20). */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <omp.h>
+
+#define QK 32          /* bytes of a weight row per step: K must be a multiple */
+/* Software prefetch distance along a weight row (a thread's rows are contiguous, so it
+ * runs on into the next ones): without it one decode step's int8 layers read 12.7 GB/s
+ * where a plain read loop read 17.2; with it 18.3, in one run (design.md, 20). */
+#define AHEAD 4096
+
+static inline float hmax(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline __m256i load32(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* One row of K floats (K % 8 == 0) into K int8 codes: x ~ code * (*scale). */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *scale) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + k)));
+    const float amax = hmax(m);
+    *scale = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv), rounding));
+        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), inv), rounding));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 16), inv), rounding));
+        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 24), inv), rounding));
+        /* Saturating packs interleave 128-bit lanes; one permutation restores the order. */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permutevar8x32_epi32(packed, order));
+    }
+    for (; k < K; ++k) {
+        float v = x[k] * (amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m128 r = _mm_round_ss(_mm_setzero_ps(), _mm_set_ss(v), rounding);
+        q[k] = (int8_t)_mm_cvtss_si32(r);
+    }
+}
+
+/* x [M, K] float32 -> xq [M, K] int8 and xs [M] float32, a row per thread at a time. */
+void ruvllm_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs, int threads) {
+    if (M == 1) {
+        quantize_row(x, K, xq, xs);
+        return;
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xs + m);
+}
+
+#define ROWS 4         /* activation rows the GEMV takes at once; more go to oneDNN */
+
+/* Exact int32 dot products of `M` activation rows (|x| and x, 32 codes a step) with two
+ * weight rows: maddubs(|x|, w signed by x) sums pairs within int16 (|x| <= 127). */
+static inline void dot_pair(const int8_t *xa, const int8_t *xq, int M, int64_t K, const int8_t *w0,
+                            const int8_t *w1, int32_t d[2][ROWS]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0[ROWS], a1[ROWS];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += QK) {
+        if (!(k & 32)) {   /* a cache line of each weight row, AHEAD bytes on */
+            _mm_prefetch((const char *)(w0 + k + AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w1 + k + AHEAD), _MM_HINT_T0);
+        }
+        __m256i v0 = load32(w0 + k), v1 = load32(w1 + k);
+        for (int m = 0; m < M; ++m) {
+            __m256i xabs = load32(xa + m * K + k), x = load32(xq + m * K + k);
+            a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(v0, x)), ones));
+            a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(v1, x)), ones));
+        }
+    }
+    for (int m = 0; m < M; ++m) {
+        d[0][m] = hsum_epi32(a0[m]);
+        d[1][m] = hsum_epi32(a1[m]);
+    }
+}
+
+static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
+                       const float *bias, float *out);
+
+/* M <= 4 quantized rows (xq [M, K], scales xs [M]; xa room for M * K bytes) against
+ * w [N, K] int8 with scales ws [N]: out [M, N] as ruvllm_q8_scale gives it. */
+void ruvllm_q8_gemv(const int8_t *xq, const float *xs, int8_t *xa, int64_t M, int64_t K, const int8_t *w,
+                    const float *ws, int64_t N, const float *bias, float *out, int32_t *sums, int threads) {
+    for (int64_t k = 0; k < M * K; k += QK) _mm256_storeu_si256((__m256i *)(xa + k), _mm256_abs_epi8(load32(xq + k)));
+    const int64_t pairs = (N + 1) / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t n = 2 * p, n1 = n + 1 < N ? n + 1 : n;   /* an odd last row is read twice */
+        int32_t d[2][ROWS];
+        switch (M) {   /* a constant row count: the accumulators stay in registers */
+            case 1: dot_pair(xa, xq, 1, K, w + n * K, w + n1 * K, d); break;
+            case 2: dot_pair(xa, xq, 2, K, w + n * K, w + n1 * K, d); break;
+            case 3: dot_pair(xa, xq, 3, K, w + n * K, w + n1 * K, d); break;
+            default: dot_pair(xa, xq, 4, K, w + n * K, w + n1 * K, d); break;
+        }
+        for (int64_t m = 0; m < M; ++m) {
+            sums[m * N + n] = d[0][m];
+            sums[m * N + n1] = d[1][m];
+        }
+    }
+    scale_rows(sums, M, N, xs, ws, bias, out);
+}
+
+static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
+                       const float *bias, float *out) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) out[m * N + n] = (float)sums[m * N + n] * (xs[m] * ws[n]);
+    if (bias != NULL)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
+}
+
+/* Exact int32 sums [M, N] (oneDNN's, or the GEMV's) to out [M, N] float32:
+ * float(sum) * (xs[m] * ws[n]), then + bias[n] if given: two roundings, in that order. */
+void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
+                     const float *bias, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
+}
