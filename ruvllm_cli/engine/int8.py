@@ -40,27 +40,36 @@ class Int8Linear(nn.Module):
         self._kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        count, width = rows.shape
-        kernel, threads = self._kernel, torch.get_num_threads()
-        bias = None if self.bias is None else self.bias.data_ptr()
-        few = count <= kernel.rows
-        # Padded to a few row counts for oneDNN, which keeps a primitive per shape (bucket_rows).
-        codes = scratch_buffer(2 * count * width, torch.int8) if few else \
-            torch.zeros(bucket_rows(count), width, dtype=torch.int8)
-        scales = torch.empty(count, dtype=torch.float32)
-        kernel.quantize(rows.data_ptr(), count, width, codes.data_ptr(), scales.data_ptr(), threads)
+        # A decode step calls this 169 times: plain attribute reads, no no-op conversions.
+        width, kernel, buffers = self.in_features, self._kernel, self._buffers
+        rows = x.reshape(-1, width)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.to(torch.float32).contiguous()
+        count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
-        if few:   # our GEMV: each weight read once (its second half of `codes` holds |x|)
-            sums = torch.empty(count, self.out_features, dtype=torch.int32)
-            kernel.gemv(codes.data_ptr(), scales.data_ptr(), codes[count * width:].data_ptr(), count, width,
-                        self.qweight.data_ptr(), self.scales.data_ptr(), self.out_features, bias,
-                        out.data_ptr(), sums.data_ptr(), threads)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        if count <= kernel.rows:   # our GEMV: each weight read once
+            room = scratch_buffer(2 * count * width + 4 * (count + 8) + 4 * count * self.out_features, torch.int8)
+            kernel.linear_few(rows.data_ptr(), count, width, buffers["qweight"].data_ptr(),
+                              buffers["scales"].data_ptr(), self.out_features, bias, out.data_ptr(),
+                              room.data_ptr(), torch.get_num_threads())
         else:
-            sums = torch._int_mm(codes, self.qweight.t())
-            kernel.scale(sums.data_ptr(), count, self.out_features, scales.data_ptr(), self.scales.data_ptr(),
-                         bias, out.data_ptr(), threads)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            self._many(rows, out, bias)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _many(self, rows: torch.Tensor, out: torch.Tensor, bias: int | None) -> None:
+        """Several rows: oneDNN's int8 GEMM over the same codes, scaled as the GEMV scales.
+        Padded to a few row counts, since oneDNN keeps a primitive per shape (bucket_rows)."""
+        count, width = rows.shape
+        threads = torch.get_num_threads()
+        codes = torch.zeros(bucket_rows(count), width, dtype=torch.int8)
+        scales = torch.empty(count, dtype=torch.float32)
+        self._kernel.quantize(rows.data_ptr(), count, width, codes.data_ptr(), scales.data_ptr(), threads)
+        sums = torch._int_mm(codes, self.qweight.t())
+        self._kernel.scale(sums.data_ptr(), count, self.out_features, scales.data_ptr(), self.scales.data_ptr(),
+                           bias, out.data_ptr(), threads)
 
 
 def int8_linear(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear | None:

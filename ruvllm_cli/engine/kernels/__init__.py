@@ -39,8 +39,9 @@ class HalfKernel:
 
 class Int8Kernel:
     """int8_gemm.c: `quantize` (float32 rows to int8 codes and a scale per row), `gemv`
-    (up to `rows` quantized rows times int8 weights with a float32 scale per row) and
-    `scale` (exact int32 sums to float32 outputs, as `gemv` ends)."""
+    (up to `rows` quantized rows times int8 weights with a float32 scale per row),
+    `linear_few` (both in one call, from float32 rows) and `scale` (exact int32 sums
+    to float32 outputs, as `gemv` ends)."""
 
     rows = 4
 
@@ -52,6 +53,10 @@ class Int8Kernel:
         self.gemv.argtypes = [_pointer, _pointer, _pointer, _size, _size, _pointer, _pointer, _size, _pointer,
                               _pointer, _pointer, ctypes.c_int]
         self.gemv.restype = None
+        self.linear_few = library.ruvllm_q8_linear_few
+        self.linear_few.argtypes = [_pointer, _size, _size, _pointer, _pointer, _size, _pointer, _pointer, _pointer,
+                                    ctypes.c_int]
+        self.linear_few.restype = None
         self.scale = library.ruvllm_q8_scale
         self.scale.argtypes = [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer, ctypes.c_int]
         self.scale.restype = None
