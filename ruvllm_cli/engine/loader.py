@@ -71,8 +71,11 @@ def dtype_for(quantization: Quantization, device: torch.device) -> torch.dtype:
         return torch.float16
     if quantization is Quantization.F16 and half_weights_here():
         return torch.float32
-    if quantization is Quantization.Q8_0 and int8_weights_here():
-        return torch.float32   # our int8 kernel takes and gives float32 (engine/int8.py)
+    if quantization is Quantization.Q8_0:
+        from ruvllm_cli.engine.quantize import int8_weights_here
+
+        if int8_weights_here():
+            return torch.float32   # our int8 kernel takes and gives float32 (engine/int8.py)
     return torch.bfloat16
 
 
@@ -83,12 +86,6 @@ def half_weights_here() -> bool:
     from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
 
     return not cpu_has_bf16_kernels() and half_kernel() is not None
-
-
-def int8_weights_here() -> bool:
-    from ruvllm_cli.engine.quantize import int8_weights_here as here
-
-    return here()
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -413,6 +413,7 @@ class WeightPlan:
         self.own_int8 = quantization is Quantization.Q8_0 and int8_weights_here()
         self._last_half: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._last_int8: tuple[object, nn.Module] | None = None
+        self.shared_table = False   # an int8 embedding reads the tied head's table
         self.group = None
         if quantization is Quantization.Q4_K_M:
             self.group = int4_group or int4_group_size(hidden_size)
@@ -471,6 +472,7 @@ class WeightPlan:
         if self.quantization is Quantization.Q8_0:
             last = self._last_int8
             if last is not None and _same_matrix(last[0], weight):  # a tied head, built just before
+                self.shared_table = True
                 return Int8Embedding.sharing(last[1], padding_idx)
             return Int8Embedding.from_weight(weight, padding_idx)
         if self.quantization is Quantization.Q4_K_M:
@@ -502,9 +504,10 @@ class WeightPlan:
         if self.half:
             return (f"float16 weights with float32 arithmetic (ruvllm's AVX2 kernel), {self.linears} linear "
                     "layers incl. LM head; float16 embeddings")
-        if self.quantization is Quantization.Q8_0 and self.own_int8:
+        if self.own_int8:
+            shared = " sharing the tied LM head's table" if self.shared_table else ""
             return (f"int8 per-channel weights in ruvllm's AVX2 kernel, {self.linears} linear layers "
-                    "incl. LM head; int8 embeddings (a tied head's table shared)")
+                    f"incl. LM head; int8 embeddings{shared}")
         if self.quantization is Quantization.Q8_0:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")

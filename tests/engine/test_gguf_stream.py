@@ -15,8 +15,9 @@ import torch
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.int8 import Int8Linear
-from ruvllm_cli.engine.loader import STREAM_ENV, int8_weights_here, load_model, memory_needed
-from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding
+from ruvllm_cli.engine.loader import STREAM_ENV, load_model, memory_needed
+from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding,
+                                        int8_weights_here)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
 from ruvllm_cli.testing.tiny_gguf import gguf_name, write_gguf

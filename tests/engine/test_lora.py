@@ -12,11 +12,12 @@ from torch import nn
 
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
-from ruvllm_cli.engine.loader import int8_weights_here, load_model
+from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.engine.lora import (AdapterError, AdapterInUseError, AdapterNotFoundError, LoRALinear,
                                     LoRAModule, LoRAStep, read_adapter)
 from ruvllm_cli.engine.int8 import int8_linear
-from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Linear, PackedLinear, int8_rows, packing_works
+from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Linear, PackedLinear, int8_rows, int8_weights_here,
+                                        packing_works)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import Quantization

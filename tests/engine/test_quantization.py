@@ -10,9 +10,10 @@ import torch
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.int8 import Int8Linear
-from ruvllm_cli.engine.loader import half_weights_here, int8_weights_here, load_model
+from ruvllm_cli.engine.loader import half_weights_here, load_model
 from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
-                                        Int8Embedding, PackedLinear, bucket_rows, packing_works, quantize_int4)
+                                        Int8Embedding, PackedLinear, bucket_rows, int8_weights_here,
+                                        packing_works, quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
@@ -120,7 +121,7 @@ def test_q8_in_our_kernel_shares_a_tied_heads_table_with_the_embedding(engines):
     model, embedding = loaded.model, loaded.model.get_input_embeddings()
     assert embedding.qweight.data_ptr() == model.lm_head.qweight.data_ptr()
     assert embedding.scales.data_ptr() == model.lm_head.scales.data_ptr()
-    assert loaded.dtype == torch.float32 and "table shared" in loaded.quantization_path
+    assert loaded.dtype == torch.float32 and "sharing the tied LM head's table" in loaded.quantization_path
     ids = torch.tensor([[3, 17, 3]])
     rows = embedding(ids)
     assert rows.dtype == torch.float32

@@ -123,7 +123,7 @@ def test_a_killed_write_never_leaves_a_cache_file_a_load_would_use(model_copy, m
 def test_a_tied_heads_shared_int8_table_is_cached_once_and_shared_again(make_tiny_model, tmp_path, monkeypatch):
     from safetensors import safe_open
 
-    from ruvllm_cli.engine.loader import int8_weights_here
+    from ruvllm_cli.engine.quantize import int8_weights_here
 
     if not int8_weights_here():
         pytest.skip("ruvllm's int8 kernel does not run here: fbgemm's layers keep a table each")
@@ -146,7 +146,7 @@ def test_a_cache_built_for_other_activations_is_not_read(model_copy, monkeypatch
     """Our int8 kernel (float32 activations) on one machine, fbgemm's (bfloat16) where
     it cannot build: a file written by one is quantized again by the other."""
     from ruvllm_cli.engine import kernels
-    from ruvllm_cli.engine.loader import int8_weights_here
+    from ruvllm_cli.engine.quantize import int8_weights_here
     from ruvllm_cli.engine.quantize import DynamicInt8Linear
 
     if not int8_weights_here():
