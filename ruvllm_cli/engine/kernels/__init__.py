@@ -38,10 +38,10 @@ class HalfKernel:
 
 
 class Int8Kernel:
-    """int8_gemm.c: `quantize` (float32 rows to int8 codes and a scale per row), `gemv`
-    (up to `rows` quantized rows times int8 weights with a float32 scale per row),
-    `linear_few` (both in one call, from float32 rows) and `scale` (exact int32 sums
-    to float32 outputs, as `gemv` ends)."""
+    """int8_gemm.c: `linear_few` (up to `rows` float32 rows times int8 weights with a
+    float32 scale per row, each weight read once), and for more rows `quantize`
+    (float32 rows to int8 codes and a scale per row) and `scale` (oneDNN's exact int32
+    sums to float32 outputs, rounded as `linear_few` rounds)."""
 
     rows = 4
 
@@ -49,10 +49,6 @@ class Int8Kernel:
         self.quantize = library.ruvllm_q8_quantize
         self.quantize.argtypes = [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int]
         self.quantize.restype = None
-        self.gemv = library.ruvllm_q8_gemv
-        self.gemv.argtypes = [_pointer, _pointer, _pointer, _size, _size, _pointer, _pointer, _size, _pointer,
-                              _pointer, _pointer, ctypes.c_int]
-        self.gemv.restype = None
         self.linear_few = library.ruvllm_q8_linear_few
         self.linear_few.argtypes = [_pointer, _size, _size, _pointer, _pointer, _size, _pointer, _pointer, _pointer,
                                     ctypes.c_int]

@@ -104,7 +104,7 @@ static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *x
 
 /* M <= 4 quantized rows (xq [M, K], scales xs [M]; xa room for M * K bytes) against
  * w [N, K] int8 with scales ws [N]: out [M, N] as ruvllm_q8_scale gives it. */
-void ruvllm_q8_gemv(const int8_t *xq, const float *xs, int8_t *xa, int64_t M, int64_t K, const int8_t *w,
+static void q8_gemv(const int8_t *xq, const float *xs, int8_t *xa, int64_t M, int64_t K, const int8_t *w,
                     const float *ws, int64_t N, const float *bias, float *out, int32_t *sums, int threads) {
     for (int64_t k = 0; k < M * K; k += QK) _mm256_storeu_si256((__m256i *)(xa + k), _mm256_abs_epi8(load32(xq + k)));
     const int64_t pairs = (N + 1) / 2;
@@ -145,7 +145,7 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
 
 /* Up to four rows end to end in one call (a decode step's layer): x [M, K] float32 ->
  * out [M, N], through `scratch` (2 * M * K + 4 * M + 4 * M * N bytes, 32-byte aligned
- * pieces): quantize, then ruvllm_q8_gemv. One call instead of three saves the
+ * pieces): quantize, then q8_gemv. One call instead of three saves the
  * per-call cost that a decode step pays 169 times. */
 void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                           const float *bias, float *out, int8_t *scratch, int threads) {
@@ -153,5 +153,5 @@ void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w,
     float *xs = (float *)(scratch + 2 * M * K);
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
     ruvllm_q8_quantize(x, M, K, xq, xs, threads);
-    ruvllm_q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
+    q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
 }
