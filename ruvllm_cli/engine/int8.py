@@ -80,8 +80,3 @@ def int8_linear(codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | 
     if kernel is None or codes.shape[1] % BLOCK:
         return None
     return Int8Linear(codes.clamp_(min=-127), scales, bias, kernel)
-
-
-def kernel_fits(in_features: int) -> bool:
-    """Whether a layer of this input width runs in the kernel here."""
-    return in_features % BLOCK == 0 and int8_kernel() is not None

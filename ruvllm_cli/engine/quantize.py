@@ -143,6 +143,13 @@ class DynamicInt8Linear(nn.Module):
         layer._build(weight, bias)
         return layer
 
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> "DynamicInt8Linear":
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._build_from_codes(codes, scales, bias)
+        return layer
+
     def _build(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> None:
         codes, scales = int8_rows(weight)
         self._build_from_codes(codes, scales, bias)
@@ -462,13 +469,12 @@ class WeightPlan:
     def _int8_linear(self, weight: torch.Tensor | RowBlocks, bias: torch.Tensor | None) -> nn.Module:
         """Our kernel's layer where it takes the shape, else fbgemm's, from the same codes.
         The last one built is remembered: a tied head's embedding shares its table."""
-        from ruvllm_cli.engine.int8 import int8_linear, kernel_fits
+        from ruvllm_cli.engine.int8 import int8_linear
 
-        if not kernel_fits(weight.shape[1]):
-            return DynamicInt8Linear.from_weight(weight, bias)
         codes, scales = int8_rows(weight)
         layer = int8_linear(codes, scales, bias)
-        assert layer is not None  # kernel_fits said it runs
+        if layer is None:   # no kernel here, or a width it cannot take
+            return DynamicInt8Linear.from_codes(codes, scales, bias)
         self._last_int8 = (weight, layer)
         return layer
 
