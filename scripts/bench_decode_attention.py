@@ -37,8 +37,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=80, help="new tokens per prompt")
     args = parser.parse_args()
     model_dir = script_model(args)
+    # The stock forward's attention is what this measures: decode steps off the fused path.
     engine = LLMEngine.from_path(str(model_dir), EngineConfig(
-        device="cpu", quantization=parse_quantization(args.quantization)))
+        device="cpu", quantization=parse_quantization(args.quantization), fused_decode=False))
     vocab = engine.loaded.model.config.vocab_size
     rng = random.Random(0)
     layer_calls = attention._decode_attention

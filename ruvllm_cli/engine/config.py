@@ -23,6 +23,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"          # or "priority" (--scheduling-policy)
     preemption_mode: str = "recompute"       # or "swap" (--preemption-mode)
     swap_space: int = 1 << 30                # bytes of the swap pool when preempting by swap (--swap-space)
+    fused_decode: bool = True                # Llama-family decode steps through engine/fused.py (--no-compile)
 
     def token_budget(self, device_type: str) -> int:
         if self.max_num_batched_tokens:

@@ -49,7 +49,7 @@ class LLMEngine:
             self.block_manager, self.swap_space)
         self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype,
-                                  self.lora, swap_blocks if self.swap_space is not None else 0)
+                                  self.lora, swap_blocks if self.swap_space is not None else 0, config.fused_decode)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,

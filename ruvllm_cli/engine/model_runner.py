@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from ruvllm_cli.engine.attention import PagedKVCache, PrefillSegment, StepMetadata
+from ruvllm_cli.engine.fused import DecodeBatch, FusedDecoder, fused_decoder
 from ruvllm_cli.engine.loader import free_memory
 from ruvllm_cli.engine.lora import AdapterError, LoRAManager
 from ruvllm_cli.engine.request import Request
@@ -57,8 +58,12 @@ class ModelRunner:
     """Owns the model and the KV pools; `execute` returns next-token logits."""
 
     def __init__(self, model: Any, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, lora: LoRAManager | None = None, swap_blocks: int = 0) -> None:
+                 dtype: torch.dtype, lora: LoRAManager | None = None, swap_blocks: int = 0,
+                 fused: bool = True) -> None:
         self.model = model
+        # Decode-only steps of Llama-family models on a CPU: our fused step (engine/fused.py).
+        self.fused: FusedDecoder | None = fused_decoder(model, dtype, device, block_size) if fused else None
+        self.fused_steps = 0
         self.lora = lora
         self.scaling_cache: PagedKVCache | None = None   # X-LoRA's scaling pass (ensure_scaling_cache)
         self.block_size = block_size
@@ -91,6 +96,11 @@ class ModelRunner:
         decodes = sorted((c for c in chunks if c.num_new_tokens == 1), key=lambda c: c.request.adapter_uid)
         prefills = [c for c in chunks if c.num_new_tokens > 1]
         ordered = decodes + prefills
+        if self._fusable(decodes, prefills):
+            with self._adapters(len(decodes), adapter_segments(decodes), []):
+                logits = self.fused(self._decode_batch(decodes), self.cache)
+            self.fused_steps += 1
+            return logits, [c.request for c in decodes]
         input_ids, positions, step = self._pack(ordered, self.cache)
         sample_rows: list[int] = []
         sampled: list[Request] = []
@@ -108,17 +118,42 @@ class ModelRunner:
         mixtures = self._mixtures(ordered) if segments else []
         if mixtures:   # X-LoRA tokens take their experts, not a slot
             segments = [s for s in segments if not self.lora.is_mixture(s[2])]
-        if segments or mixtures:
-            assert self.lora is not None
-            self.lora.begin_step(input_ids.shape[1], segments, mixtures)
-        try:
-            with sdpa_backends(self.device):
-                out = self.model(input_ids=input_ids, position_ids=positions,
-                                 logits_to_keep=self._tensor(sample_rows), use_cache=False, ruvllm_step=step)
-        finally:
-            if segments or mixtures:
-                self.lora.end_step()
+        with self._adapters(input_ids.shape[1], segments, mixtures), sdpa_backends(self.device):
+            out = self.model(input_ids=input_ids, position_ids=positions,
+                             logits_to_keep=self._tensor(sample_rows), use_cache=False, ruvllm_step=step)
         return (out.logits[0] if sampled else None), sampled
+
+    def _fusable(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> bool:
+        """A step for the fused decoder: decodes alone, each giving logits, no X-LoRA."""
+        if self.fused is None or prefills or not all(c.completes for c in decodes):
+            return False
+        return self.lora is None or not any(self.lora.is_mixture(c.request.adapter_uid)
+                                            for c in decodes if c.request.adapter_uid)
+
+    @contextmanager
+    def _adapters(self, tokens: int, segments: list[tuple[int, int, int]], mixtures: list[Any]) -> Iterator[None]:
+        """The step's adapter rows published to the LoRA wrappers for the forward's span."""
+        if not (segments or mixtures):
+            yield
+            return
+        assert self.lora is not None
+        self.lora.begin_step(tokens, segments, mixtures)
+        try:
+            yield
+        finally:
+            self.lora.end_step()
+
+    def _decode_batch(self, decodes: list[ScheduledChunk]) -> DecodeBatch:
+        size = self.block_size
+        lengths = [c.start + 1 for c in decodes]
+        width = -(-max(lengths) // size)
+        tables = [c.request.block_table[:width] for c in decodes]
+        return DecodeBatch(
+            input_ids=self._tensor([c.request.all_token_ids[c.start] for c in decodes]),
+            positions=self._tensor([c.start for c in decodes]).unsqueeze(0),
+            slots=self._tensor([t[c.start // size] * size + c.start % size for c, t in zip(decodes, tables)]),
+            tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            lengths=torch.tensor(lengths, dtype=torch.int32))
 
     def _pack(self, ordered: Sequence[ScheduledChunk], cache: PagedKVCache
               ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:

@@ -50,7 +50,7 @@ class Loads:
                 raise ModelLoadError(f"{name}/config.json is not valid JSON")
             engine = LLMEngine(load_model(self.model_dir, "cpu", Quantization.F32),
                                EngineConfig(device="cpu", quantization=Quantization.F32, max_num_seqs=4,
-                                            max_model_len=512))
+                                            max_model_len=4096))
             for adapter_name, path in adapters:
                 engine.add_lora(adapter_name, path)
             self.loops.append(EngineLoop(engine))
@@ -137,7 +137,7 @@ def test_concurrent_requests_for_a_loading_model_share_one_load(pool_server):
 def start_stream(client: openai.OpenAI, model: str) -> Any:
     """A long streamed reply, its first chunk read: the model is held until the
     stream is closed (which cancels the rest), seconds before it could end by itself."""
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=480, temperature=0, stream=True,
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=4000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
     return stream

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 COMPILE_ENV = "RUVLLM_COMPILE"   # "0": no kernels of our own
 # No contraction of a * b + c into one FMA: the int8 epilogue must round as torch does.
@@ -58,6 +59,25 @@ class Int8Kernel:
         self.scale.restype = None
 
 
+class DecodeKernel:
+    """decode_step.c: the work between a Llama-family decode step's linear layers
+    (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float,
+                                                                                 ctypes.c_int])
+        self.rope_store = _bind(library.ruvllm_rope_store, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
+                                + [_size, _pointer, ctypes.c_int])
+        self.attention = _bind(library.ruvllm_decode_attention, [_pointer] * 3 + [_size, _pointer, _size, _pointer]
+                               + [_size] * 5 + [ctypes.c_float, _pointer, ctypes.c_int, ctypes.c_int])
+        self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size, ctypes.c_int, ctypes.c_int])
+
+
+def _bind(function: Any, argtypes: list[Any]) -> Any:
+    function.argtypes, function.restype = argtypes, None
+    return function
+
+
 KERNEL_DIR_ENV = "RUVLLM_KERNEL_DIR"
 
 
@@ -83,6 +103,13 @@ def int8_kernel() -> Int8Kernel | None:
     """The int8-weight linear kernel, built on first use; None where it cannot run."""
     library = _library("int8_gemm", "int8", "int8 weights take fbgemm's kernel")
     return None if library is None else Int8Kernel(library)
+
+
+@functools.cache
+def decode_kernel() -> DecodeKernel | None:
+    """The fused decode step's kernels, built on first use; None where they cannot run."""
+    library = _library("decode_step", "decode step", "decode steps take transformers' layer code")
+    return None if library is None else DecodeKernel(library)
 
 
 def _library(name: str, what: str, fallback: str) -> ctypes.CDLL | None:

@@ -1,0 +1,125 @@
+"""A fused decode step for Llama-family models on a CPU (Llama, Qwen2, Mistral).
+
+A decode step through transformers' layer code issues some 1,400 small ATen calls
+besides its 169 linear layers (RMSNorm, RoPE, SiLU, residual adds, the attention's
+gathers and softmax) and costs 13-15 ms a step more than those layers on the 0.5B
+shape (docs/design.md, section 21). Here each layer is its seven linear modules, as
+loaded (packed, int8, int4, or wrapped for LoRA), and four C calls
+(`kernels/decode_step.c`) for everything between them. Only steps made of decodes
+alone take it; prompt chunks, X-LoRA and every other architecture keep the stock
+forward, which is also the reference the tests compare it with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ruvllm_cli.engine.attention import PagedKVCache
+from ruvllm_cli.engine.kernels import DecodeKernel, decode_kernel
+
+FAMILIES = ("llama", "qwen2", "mistral")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One step's decodes as the kernels read them: a token each."""
+
+    input_ids: torch.Tensor   # [B] int64
+    positions: torch.Tensor   # [1, B] int64
+    slots: torch.Tensor       # [B] int64, the cache slot each new token is written to
+    tables: torch.Tensor      # [B, W] int32 block ids, zero-padded
+    lengths: torch.Tensor     # [B] int32 tokens cached after this step
+
+
+class FusedDecoder:
+    """Next-token logits [B, V] for a decode-only step, over the model's own modules."""
+
+    def __init__(self, model: Any, kernel: DecodeKernel, dtype: torch.dtype, block_size: int) -> None:
+        inner, config = model.model, model.config
+        self.kernel, self.block_size = kernel, block_size
+        self.bf16 = int(dtype == torch.bfloat16)
+        self.embed, self.rotary, self.lm_head = inner.embed_tokens, inner.rotary_emb, model.lm_head
+        self.layers = list(inner.layers)
+        self.final_norm = inner.norm
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.q_heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.q_heads)
+        self.scaling = float(attn.scaling)
+        self.hidden = int(config.hidden_size)
+
+    @torch.inference_mode()
+    def __call__(self, batch: DecodeBatch, cache: PagedKVCache) -> torch.Tensor:
+        x = self.embed(batch.input_ids)                                   # [B, H]
+        cos, sin = self.rotary(x, batch.positions)                        # [1, B, D] each
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rows = x.shape[0]
+        h = torch.empty_like(x)
+        attended = x.new_empty(rows, self.q_heads * self.head_dim)
+        delta = None
+        threads = torch.get_num_threads()
+        for index, layer in enumerate(self.layers):
+            self._add_norm(x, delta, layer.input_layernorm, h)
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = self._out(attn.q_proj, h), self._out(attn.k_proj, h), self._out(attn.v_proj, h)
+            keys, values = cache.keys[index], cache.values[index]
+            self.kernel.rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
+                                   self.q_heads, self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(),
+                                   keys.shape[1], batch.slots.data_ptr(), self.bf16)
+            self.kernel.attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                                  batch.tables.data_ptr(), batch.tables.shape[1], batch.lengths.data_ptr(), rows,
+                                  self.block_size, self.q_heads, self.kv_heads, self.head_dim, self.scaling,
+                                  attended.data_ptr(), self.bf16, threads)
+            self._add_norm(x, self._out(attn.o_proj, attended), layer.post_attention_layernorm, h)
+            gate = self._out(mlp.gate_proj, h)
+            up = self._out(mlp.up_proj, h)
+            self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, threads)
+            delta = self._out(mlp.down_proj, gate)
+        self._add_norm(x, delta, self.final_norm, h)
+        return self.lm_head(h)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module, out: torch.Tensor) -> None:
+        """x += delta (in place), out = norm(x)."""
+        self.kernel.add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), norm.weight.data_ptr(),
+                                 out.data_ptr(), x.shape[0], self.hidden, norm.variance_epsilon, self.bf16)
+
+    def _out(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A linear layer's output as the kernels read it: contiguous, in x's dtype."""
+        y = linear(x)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if y.is_contiguous() else y.contiguous()
+
+
+def fused_decoder(model: Any, dtype: torch.dtype, device: torch.device, block_size: int) -> FusedDecoder | None:
+    """The fused decode step for this model, or None where it does not apply (another
+    architecture or device, an unusual layer, no kernel: RUVLLM_COMPILE=0 or no compiler)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not supported(model, dtype):
+        return None
+    kernel = decode_kernel()
+    return None if kernel is None else FusedDecoder(model, kernel, dtype, block_size)
+
+
+def supported(model: Any, dtype: torch.dtype) -> bool:
+    """Whether every layer is the plain Llama shape the kernels compute: separate
+    q/k/v/o and gate/up/down modules, RMSNorms, SiLU, a rotary module giving [1, T, D]
+    tables, head and intermediate sizes the AVX2 loops take."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if config is None or inner is None or getattr(config, "model_type", None) not in FAMILIES:
+        return False
+    if config.hidden_act != "silu" or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 8 or config.intermediate_size % 8:
+        return False
+    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(not hasattr(n, "variance_epsilon") or n.weight.dtype != dtype for n in norms):
+        return False
+    return all(hasattr(layer.self_attn, name) or hasattr(layer.mlp, name)
+               for layer in inner.layers for name in _LINEARS)

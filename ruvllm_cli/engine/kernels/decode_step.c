@@ -1,0 +1,233 @@
+/* The work between the linear layers of a Llama-family decode step, fused into four
+ * calls a layer (engine/fused.py): residual add + RMSNorm, RoPE of q and k + the KV
+ * cache write, attention over each request's cache blocks, SiLU(gate) * up.
+ *
+ * Activations are float32 or bfloat16 (`bf16` flag); arithmetic is float32. In bfloat16
+ * every value transformers rounds (after each elementwise op) is rounded here at the
+ * same point, so the residual stream and RoPE match it; RMSNorm and softmax sum in
+ * another order, and the attention keeps its scores in float32 where transformers
+ * rounds them to bfloat16, so logits agree within a bound (tests/engine/test_fused.py).
+ * With -ffp-contract=off, the elementwise float32 ops round as torch's do. */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+typedef int64_t i64;
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch converts (NaN stays a quiet NaN). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n values of a float32 or bfloat16 array from `start`, into float32. */
+static void load_row(const void *src, i64 start, i64 n, int bf16, float *dst) {
+    if (!bf16) {
+        memcpy(dst, (const float *)src + start, (size_t)n * 4);
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src + start;
+    for (i64 i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
+}
+
+static void store_row(const float *src, i64 n, int bf16, void *dst, i64 start) {
+    if (!bf16) {
+        memcpy((float *)dst + start, src, (size_t)n * 4);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst + start;
+    for (i64 i = 0; i < n; ++i) d[i] = bf16_round(src[i]);
+}
+
+/* A value as the activation dtype holds it: rounded to bfloat16, or as is. */
+static inline float held(float v, int bf16) { return bf16 ? bf16_load(bf16_round(v)) : v; }
+
+/* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
+ * transformers' order: x * rsqrt(mean(x^2) + eps), held in the dtype, times the weight. */
+void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out,
+                         i64 rows, i64 width, float eps, int bf16) {
+    float *row = malloc((size_t)width * 3 * sizeof(float));
+    float *add = row + width, *w = row + 2 * width;
+    load_row(weight, 0, width, bf16, w);
+    for (i64 r = 0; r < rows; ++r) {
+        load_row(x, r * width, width, bf16, row);
+        if (delta != NULL) {
+            load_row(delta, r * width, width, bf16, add);
+            for (i64 i = 0; i < width; ++i) row[i] = held(row[i] + add[i], bf16);
+            store_row(row, width, bf16, x, r * width);
+        }
+        double sum = 0.0;
+        for (i64 i = 0; i < width; ++i) sum += (double)row[i] * row[i];
+        const float inv = 1.0f / sqrtf((float)(sum / (double)width) + eps);
+        for (i64 i = 0; i < width; ++i) row[i] = w[i] * held(row[i] * inv, bf16);
+        store_row(row, width, bf16, out, r * width);
+    }
+    free(row);
+}
+
+/* transformers' x * cos + rotate_half(x) * sin for each head of one row, in place;
+ * rotate_half(x) = cat(-x[D/2:], x[:D/2]). cos and sin: [D] of this row's position. */
+static void rope_row(float *x, i64 heads, i64 dim, const float *cos, const float *sin, int bf16) {
+    const i64 half = dim / 2;
+    float rotated[dim];
+    for (i64 h = 0; h < heads; ++h, x += dim) {
+        for (i64 i = 0; i < half; ++i) {
+            rotated[i] = held(held(x[i] * cos[i], bf16) + held(-x[i + half] * sin[i], bf16), bf16);
+            rotated[i + half] = held(held(x[i + half] * cos[i + half], bf16) + held(x[i] * sin[i + half], bf16), bf16);
+        }
+        memcpy(x, rotated, (size_t)dim * sizeof(float));
+    }
+}
+
+/* RoPE of q (in place) and k, then k and v written to each row's cache slot. q: [T, Hq*D],
+ * k and v: [T, Hkv*D], cos/sin: [T, D]; caches [Hkv, cache_slots, D]. */
+void ruvllm_rope_store(void *q, const void *k, const void *v, const void *cos, const void *sin,
+                       i64 rows, i64 q_heads, i64 kv_heads, i64 dim, void *k_cache, void *v_cache,
+                       i64 cache_slots, const i64 *slots, int bf16) {
+    const i64 qw = q_heads * dim, kw = kv_heads * dim;
+    float *buf = malloc((size_t)(qw + kw + 2 * dim) * sizeof(float));
+    float *kb = buf + qw, *c = kb + kw, *s = c + dim;
+    const size_t item = bf16 ? 2 : 4;
+    for (i64 t = 0; t < rows; ++t) {
+        load_row(cos, t * dim, dim, bf16, c);
+        load_row(sin, t * dim, dim, bf16, s);
+        load_row(q, t * qw, qw, bf16, buf);
+        rope_row(buf, q_heads, dim, c, s, bf16);
+        store_row(buf, qw, bf16, q, t * qw);
+        load_row(k, t * kw, kw, bf16, kb);
+        rope_row(kb, kv_heads, dim, c, s, bf16);
+        for (i64 h = 0; h < kv_heads; ++h) {
+            const i64 at = (h * cache_slots + slots[t]) * dim;
+            store_row(kb + h * dim, dim, bf16, k_cache, at);
+            memcpy((char *)v_cache + at * item, (const char *)v + (t * kw + h * dim) * item, (size_t)dim * item);
+        }
+    }
+    free(buf);
+}
+
+/* Eight values of a cache row as float32. */
+static inline __m256 load8(const void *base, i64 at, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* The G query heads sharing KV head `kvh`, for one request of `length` cached tokens:
+ * scores over every cached key (each read once for the G heads), softmax, and the sum of
+ * values. qf: [G, D] float32; out: [G, D] float32. dim % 8 == 0. */
+static void attend(const float *qf, i64 groups, i64 dim, const void *k_cache, const void *v_cache,
+                   i64 head_base, const int32_t *table, i64 block_size, i64 length, float scale,
+                   int bf16, float *scores, float *out) {
+    for (i64 j = 0; j < length; ++j) {
+        const i64 row = head_base + ((i64)table[j / block_size] * block_size + j % block_size) * dim;
+        for (i64 g = 0; g < groups; ++g) {
+            __m256 acc = _mm256_setzero_ps();
+            for (i64 d = 0; d < dim; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * dim + d), load8(k_cache, row + d, bf16), acc);
+            scores[g * length + j] = hsum(acc) * scale;
+        }
+    }
+    for (i64 g = 0; g < groups; ++g) {
+        float *p = scores + g * length, top = -INFINITY, total = 0.0f;
+        for (i64 j = 0; j < length; ++j) top = p[j] > top ? p[j] : top;
+        for (i64 j = 0; j < length; ++j) total += (p[j] = expf(p[j] - top));
+        for (i64 j = 0; j < length; ++j) p[j] /= total;
+    }
+    memset(out, 0, (size_t)(groups * dim) * sizeof(float));
+    for (i64 j = 0; j < length; ++j) {
+        const i64 row = head_base + ((i64)table[j / block_size] * block_size + j % block_size) * dim;
+        for (i64 d = 0; d < dim; d += 8) {
+            const __m256 value = load8(v_cache, row + d, bf16);
+            for (i64 g = 0; g < groups; ++g) {
+                float *o = out + g * dim + d;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * length + j]), value,
+                                                    _mm256_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+/* One query row per request over its cached tokens. q, out: [B, Hq, D]; caches
+ * [Hkv, cache_slots, D]; tables [B, width] block ids; lengths [B] tokens cached
+ * (the new one included). One task per (request, KV head). */
+void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_cache, i64 cache_slots,
+                             const int32_t *tables, i64 width, const int32_t *lengths, i64 batch,
+                             i64 block_size, i64 q_heads, i64 kv_heads, i64 dim, float scale,
+                             void *out, int bf16, int threads) {
+    const i64 groups = q_heads / kv_heads, tasks = batch * kv_heads;
+    i64 longest = 0;
+    for (i64 b = 0; b < batch; ++b) longest = lengths[b] > longest ? lengths[b] : longest;
+    if (threads > tasks) threads = (int)tasks;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *work = malloc((size_t)(groups * (longest + 2 * dim)) * sizeof(float));
+        float *qf = work + groups * longest, *acc = qf + groups * dim;
+        #pragma omp for schedule(static)
+        for (i64 task = 0; task < tasks; ++task) {
+            const i64 b = task / kv_heads, h = task % kv_heads;
+            const i64 at = (b * q_heads + h * groups) * dim;
+            load_row(q, at, groups * dim, bf16, qf);
+            attend(qf, groups, dim, k_cache, v_cache, h * cache_slots * dim, tables + b * width, block_size,
+                   lengths[b], scale, bf16, work, acc);
+            store_row(acc, groups * dim, bf16, out, at);
+        }
+        free(work);
+    }
+}
+
+/* exp(x) for eight floats: 2^n * e^r with |r| <= ln2/2, r's series to degree 7
+ * (truncation below float32's precision; within 2 ulp of expf). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+    const float coef[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(coef[0]);
+    for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef[i]));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* gate = SiLU(gate) * up, elementwise over count values (a multiple of 8), as
+ * transformers computes it: silu(g) = g / (1 + exp(-g)), held, times up, held. */
+void ruvllm_silu_mul(void *gate, const void *up, i64 count, int bf16, int threads) {
+    const i64 chunk = 4096;
+    const i64 chunks = (count + chunk - 1) / chunk;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 4)
+    for (i64 c = 0; c < chunks; ++c) {
+        float g[chunk], u[chunk];
+        const i64 start = c * chunk, n = count - start < chunk ? count - start : chunk;
+        load_row(gate, start, n, bf16, g);
+        load_row(up, start, n, bf16, u);
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (i64 i = 0; i < n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(g + i, silu);
+        }
+        for (i64 i = 0; i < n; ++i) g[i] = held(held(g[i], bf16) * u[i], bf16);
+        store_row(g, n, bf16, gate, start);
+    }
+}

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""The fused decode step (engine/fused.py) against transformers' layer code, in one
+engine, and what each spends outside its linear layers.
+
+For each batch size and context length, the same decode steps run through both paths
+in alternating rounds (the machine's speed drifts between runs, not within a round),
+then once more with every linear layer's work replaced by a zero tensor made ahead
+(the step's "other" cost: norms, RoPE, attention, activations, Python between them).
+Prints medians in ms per step and the ratio stock / fused.
+
+    .venv/bin/python scripts/bench_fused.py --model models/bench --quantization q8
+    .venv/bin/python scripts/bench_fused.py --quantization q4k --streams 1,16 --context 128,3000
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from contextlib import nullcontext
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
+from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
+from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
+from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
+from ruvllm_cli.quantization import parse_quantization  # noqa: E402
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def decode_steps(engine: LLMEngine, streams: int, context: int, steps: int, rng: random.Random) -> list[float]:
+    """Seconds of each decode step of `streams` requests with `context`-token prompts."""
+    vocab = int(engine.loaded.model.config.vocab_size)
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    requests = [engine.add_request([rng.randrange(5, vocab) for _ in range(context)], params)
+                for _ in range(streams)]
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in requests):
+        engine.step()
+    spent = []
+    while engine.has_unfinished:
+        start = time.perf_counter()
+        engine.step()
+        spent.append(time.perf_counter() - start)
+    return spent
+
+
+class ZeroLinears:
+    """Every linear module of the model answers with a zero tensor made ahead of time
+    (one per module and row count), so a step costs what lies outside them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = [m for name, m in model.named_modules() if name.split(".")[-1] in LINEAR_NAMES]
+
+    def __enter__(self) -> "ZeroLinears":
+        for module in self.modules:
+            module.forward = self._zeros(module)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module in self.modules:
+            del module.forward
+
+    @staticmethod
+    def _zeros(module: nn.Module) -> Any:
+        made: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]
+            key = (rows, x.dtype)
+            if key not in made:
+                made[key] = torch.zeros(rows, int(module.out_features), dtype=x.dtype)
+            return made[key].view(*x.shape[:-1], -1)
+
+        return forward
+
+
+def measure(engine: LLMEngine, streams: int, context: int, args: Any, rng: random.Random) -> dict[str, Any]:
+    fused = engine.runner.fused
+    times: dict[str, list[float]] = {"fused": [], "stock": [], "fused_other": [], "stock_other": []}
+
+    def run(path: str, zero: bool) -> list[float]:
+        engine.runner.fused = fused if path == "fused" else None
+        with ZeroLinears(engine.loaded.model) if zero else nullcontext():
+            return decode_steps(engine, streams, context, args.steps, rng)
+
+    for path in ("fused", "stock"):   # warm-up: oneDNN primitives, the kernels' first calls
+        run(path, False)
+    for round_ in range(args.rounds):
+        order = ("fused", "stock") if round_ % 2 == 0 else ("stock", "fused")
+        for path in order:
+            times[path] += run(path, False)
+    for path in ("fused", "stock"):
+        times[f"{path}_other"] += run(path, True)
+    engine.runner.fused = fused
+    ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
+    return {"streams": streams, "context": context, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+            "speedup": round(ms["stock"] / ms["fused"], 3)}
+
+
+def main() -> None:
+    parser = script_parser(__doc__)
+    parser.add_argument("--streams", default="1,16", help="decode batch sizes (default: %(default)s)")
+    parser.add_argument("--context", default="128", help="prompt lengths (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps a round (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: %(default)s)")
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+    args = parser.parse_args()
+    model_dir = script_model(args)
+    engine = LLMEngine.from_path(str(model_dir), EngineConfig(
+        device="cpu", quantization=parse_quantization(args.quantization), max_model_len=4096))
+    if engine.runner.fused is None:
+        raise SystemExit("this model or machine has no fused decode step (another family, or no C compiler)")
+    rng = random.Random(0)
+    rows = [measure(engine, int(s), int(c), args, rng)
+            for s in args.streams.split(",") for c in args.context.split(",")]
+    if args.format == "json":
+        print(json.dumps({"quantization": args.quantization, "threads": args.threads,
+                          "path": engine.loaded.quantization_path, "rows": rows}, indent=2))
+        return
+    print(f"{args.quantization}, {args.threads} threads, {engine.loaded.quantization_path}")
+    print("streams  context  fused ms  stock ms  stock/fused  other fused  other stock")
+    for r in rows:
+        print(f"{r['streams']:7d}  {r['context']:7d}  {r['fused_ms']:8.2f}  {r['stock_ms']:8.2f}  "
+              f"{r['speedup']:10.2f}x  {r['fused_other_ms']:11.2f}  {r['stock_other_ms']:11.2f}")
+    print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps; 'other': the same "
+          "steps with every linear layer answering zeros made ahead)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The fused decode step (engine/fused.py) against transformers' layer code in the
+same engine: identical tokens and logits within float32 rounding, within a bound in
+bfloat16, for the shapes the kernels index differently (GQA, MHA, one KV head, q/k/v
+bias, contexts across blocks, uneven batches), and the fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ruvllm_cli.engine import kernels
+from ruvllm_cli.engine.config import EngineConfig
+from ruvllm_cli.engine.engine import LLMEngine
+from ruvllm_cli.engine.fused import fused_decoder, supported
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.quantization import Quantization
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+LENGTHS = (1, 5, 16, 17, 40, 70)   # one-block, block-edge and several-block contexts, uneven
+
+
+def prompts(vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in LENGTHS]
+
+
+def run(loaded, fused: bool, quantization: Quantization = Quantization.F32, **config):
+    """Greedy tokens of every prompt together, and each decode step's logits."""
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quantization, fused_decode=fused, **config))
+    assert (engine.runner.fused is not None) == fused
+    steps: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def recorded(chunks):
+        logits, sampled = execute(chunks)
+        if all(c.num_new_tokens == 1 for c in chunks):
+            steps.append(logits.float().clone())
+        return logits, sampled
+
+    engine.runner.execute = recorded
+    results = engine.generate(prompts(), GREEDY)
+    return [r.token_ids for r in results], steps, engine.runner.fused_steps
+
+
+@pytest.mark.parametrize("shape", [
+    {},                                             # 4 query heads over 2 KV heads
+    {"num_kv_heads": 4},                            # no grouping
+    {"num_kv_heads": 1, "attention_bias": True},    # every head on one KV head; q/k/v with bias
+])
+def test_fused_decode_matches_the_stock_forward_in_float32(make_tiny_model, shape):
+    loaded = load_model(make_tiny_model(**shape), "cpu", Quantization.F32)
+    fused_tokens, fused_steps, taken = run(loaded, fused=True)
+    stock_tokens, stock_steps, _ = run(loaded, fused=False)
+    assert fused_tokens == stock_tokens
+    assert taken == len(fused_steps) == GREEDY.max_tokens - 1   # every decode-only step was fused
+    assert max((a - b).abs().max().item() for a, b in zip(fused_steps, stock_steps)) < 1e-4
+
+
+def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_tiny_model):
+    # q4k keeps bfloat16 activations on every CPU. Rounding differs (float32 scores
+    # here, bfloat16 there), so greedy paths may part on a near tie: compare the first
+    # decode step, where both read the same cache.
+    loaded = load_model(make_tiny_model(), "cpu", Quantization.Q4_K_M)
+    assert loaded.dtype == torch.bfloat16
+    _, fused_steps, taken = run(loaded, fused=True, quantization=Quantization.Q4_K_M)
+    _, stock_steps, _ = run(loaded, fused=False, quantization=Quantization.Q4_K_M)
+    first, reference = fused_steps[0], stock_steps[0]
+    assert taken > 0 and first.shape == reference.shape
+    assert (first - reference).abs().max().item() <= 0.03 * reference.abs().max().item()
+    assert (first.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_a_prefix_hit_of_all_but_one_token_decodes_on_the_fused_path(make_tiny_model):
+    loaded = load_model(make_tiny_model(), "cpu", Quantization.F32)
+    results = []
+    for fused in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=fused))
+        shared = prompts()[5][:64]
+        engine.generate([shared], GREEDY)
+        results.append([r.token_ids for r in engine.generate([shared + [7], shared], GREEDY)])
+    assert results[0] == results[1]
+
+
+def test_without_kernels_or_for_other_layers_the_stock_forward_runs(make_tiny_model, monkeypatch):
+    loaded = load_model(make_tiny_model(), "cpu", Quantization.F32)
+    assert fused_decoder(loaded.model, torch.float32, torch.device("cpu"), 16) is not None
+    assert fused_decoder(loaded.model, torch.float16, torch.device("cpu"), 16) is None
+    assert fused_decoder(loaded.model, torch.float32, torch.device("meta"), 16) is None
+    other = copy.deepcopy(loaded.model.config)
+    other.hidden_act = "gelu_pytorch_tanh"
+    assert not supported(SimpleNamespace(config=other, model=loaded.model.model, lm_head=None), torch.float32)
+    other = copy.deepcopy(loaded.model.config)
+    other.model_type = "gemma"
+    assert not supported(SimpleNamespace(config=other, model=loaded.model.model, lm_head=None), torch.float32)
+    monkeypatch.setenv(kernels.COMPILE_ENV, "0")
+    kernels.decode_kernel.cache_clear()
+    try:
+        assert fused_decoder(loaded.model, torch.float32, torch.device("cpu"), 16) is None
+    finally:
+        monkeypatch.delenv(kernels.COMPILE_ENV)
+        kernels.decode_kernel.cache_clear()
