@@ -55,6 +55,35 @@ static void store_row(const float *src, i64 n, int bf16, void *dst, i64 start) {
 /* A value as the activation dtype holds it: rounded to bfloat16, or as is. */
 static inline float held(float v, int bf16) { return bf16 ? bf16_load(bf16_round(v)) : v; }
 
+/* Eight values of a cache row as float32. */
+static inline __m256 load8(const void *base, i64 at, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp(x) for eight floats: 2^n * e^r with |r| <= ln2/2, r's series to degree 7
+ * (truncation below float32's precision; within 2 ulp of expf). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+    const float coef[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(coef[0]);
+    for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef[i]));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 /* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
  * transformers' order: x * rsqrt(mean(x^2) + eps), held in the dtype, times the weight. */
 void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out,
@@ -69,9 +98,12 @@ void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *o
             for (i64 i = 0; i < width; ++i) row[i] = held(row[i] + add[i], bf16);
             store_row(row, width, bf16, x, r * width);
         }
-        double sum = 0.0;
-        for (i64 i = 0; i < width; ++i) sum += (double)row[i] * row[i];
-        const float inv = 1.0f / sqrtf((float)(sum / (double)width) + eps);
+        __m256 squares = _mm256_setzero_ps();
+        i64 i = 0;
+        for (; i + 8 <= width; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i), squares);
+        float sum = hsum(squares);
+        for (; i < width; ++i) sum += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(sum / (float)width + eps);
         for (i64 i = 0; i < width; ++i) row[i] = w[i] * held(row[i] * inv, bf16);
         store_row(row, width, bf16, out, r * width);
     }
@@ -118,53 +150,84 @@ void ruvllm_rope_store(void *q, const void *k, const void *v, const void *cos, c
     free(buf);
 }
 
-/* Eight values of a cache row as float32. */
-static inline __m256 load8(const void *base, i64 at, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+/* Eight accumulators' sums as one vector, in order. */
+static inline __m256 hsum8(const __m256 a[8]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+/* q . k * scale for the eight keys at `rows` of one query head: eight independent sums
+ * advancing together (one chain of dependent FMAs per key would wait on latency). */
+static inline __attribute__((always_inline)) __m256 scores8(const float *qf, i64 dim, const void *k_cache, const i64 *rows, int bf16, __m256 scale) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    for (i64 d = 0; d < dim; d += 8) {
+        const __m256 query = _mm256_loadu_ps(qf + d);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(query, load8(k_cache, rows[r] + d, bf16), acc[r]);
+    }
+    return _mm256_mul_ps(hsum8(acc), scale);
 }
 
-/* The G query heads sharing KV head `kvh`, for one request of `length` cached tokens:
- * scores over every cached key (each read once for the G heads), softmax, and the sum of
- * values. qf: [G, D] float32; out: [G, D] float32. dim % 8 == 0. */
-static void attend(const float *qf, i64 groups, i64 dim, const void *k_cache, const void *v_cache,
-                   i64 head_base, const int32_t *table, i64 block_size, i64 length, float scale,
-                   int bf16, float *scores, float *out) {
-    for (i64 j = 0; j < length; ++j) {
-        const i64 row = head_base + ((i64)table[j / block_size] * block_size + j % block_size) * dim;
-        for (i64 g = 0; g < groups; ++g) {
-            __m256 acc = _mm256_setzero_ps();
-            for (i64 d = 0; d < dim; d += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * dim + d), load8(k_cache, row + d, bf16), acc);
-            scores[g * length + j] = hsum(acc) * scale;
+/* p = softmax(p) over n scores (n % 8 == 0: the tail is padded with -inf). */
+static void softmax(float *p, i64 n) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (i64 j = 0; j < n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(p + j));
+    float lanes[8], high = -INFINITY;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; ++i) high = lanes[i] > high ? lanes[i] : high;
+    const __m256 shift = _mm256_set1_ps(high);
+    __m256 total = _mm256_setzero_ps();
+    for (i64 j = 0; j < n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), shift));
+        _mm256_storeu_ps(p + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
+    for (i64 j = 0; j < n; j += 8) _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), inv));
+}
+
+/* out[0, width) = sum over j of p[j] * (value row j)[d0, d0 + width), width <= 64: up
+ * to eight accumulators, kept in registers by the constant trip count of the full case. */
+static inline __attribute__((always_inline)) void weighted_values(
+        const float *p, i64 length, const void *v_cache, const i64 *rows, i64 d0, i64 width, int bf16, float *out) {
+    __m256 acc[8];
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+    if (width == 64) {
+        for (i64 j = 0; j < length; ++j) {
+            const __m256 weight = _mm256_set1_ps(p[j]);
+            for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(weight, load8(v_cache, rows[j] + d0 + 8 * v, bf16), acc[v]);
+        }
+    } else {
+        for (i64 j = 0; j < length; ++j) {
+            const __m256 weight = _mm256_set1_ps(p[j]);
+            for (i64 v = 0; v < width / 8; ++v)
+                acc[v] = _mm256_fmadd_ps(weight, load8(v_cache, rows[j] + d0 + 8 * v, bf16), acc[v]);
         }
     }
+    for (i64 v = 0; v < width / 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+}
+
+/* The G query heads sharing one KV head, for one request of `length` cached tokens:
+ * scores over every cached key, softmax, and the weighted sum of values. qf: [G, D]
+ * float32; rows: each token's offset in the caches, padded to a multiple of 8 with
+ * token 0's; scores: [G, padded]; out: [G, D] float32. dim % 8 == 0. */
+static inline __attribute__((always_inline)) void attend(const float *qf, i64 groups, i64 dim, const void *k_cache, const void *v_cache,
+                   const i64 *rows, i64 length, float scale, int bf16, float *scores, float *out) {
+    const i64 padded = (length + 7) / 8 * 8;
+    const __m256 scaled = _mm256_set1_ps(scale);
+    for (i64 j = 0; j < padded; j += 8)   /* eight keys stay in L1 for the G heads */
+        for (i64 g = 0; g < groups; ++g)
+            _mm256_storeu_ps(scores + g * padded + j, scores8(qf + g * dim, dim, k_cache, rows + j, bf16, scaled));
     for (i64 g = 0; g < groups; ++g) {
-        float *p = scores + g * length, top = -INFINITY, total = 0.0f;
-        for (i64 j = 0; j < length; ++j) top = p[j] > top ? p[j] : top;
-        for (i64 j = 0; j < length; ++j) total += (p[j] = expf(p[j] - top));
-        for (i64 j = 0; j < length; ++j) p[j] /= total;
+        float *p = scores + g * padded;
+        for (i64 j = length; j < padded; ++j) p[j] = -INFINITY;
+        softmax(p, padded);
     }
-    memset(out, 0, (size_t)(groups * dim) * sizeof(float));
-    for (i64 j = 0; j < length; ++j) {
-        const i64 row = head_base + ((i64)table[j / block_size] * block_size + j % block_size) * dim;
-        for (i64 d = 0; d < dim; d += 8) {
-            const __m256 value = load8(v_cache, row + d, bf16);
-            for (i64 g = 0; g < groups; ++g) {
-                float *o = out + g * dim + d;
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(scores[g * length + j]), value,
-                                                    _mm256_loadu_ps(o)));
-            }
-        }
-    }
+    for (i64 g = 0; g < groups; ++g)
+        for (i64 d0 = 0; d0 < dim; d0 += 64)
+            weighted_values(scores + g * padded, length, v_cache, rows, d0, dim - d0 < 64 ? dim - d0 : 64, bf16,
+                            out + g * dim + d0);
 }
 
 /* One query row per request over its cached tokens. q, out: [B, Hq, D]; caches
@@ -178,36 +241,32 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
     i64 longest = 0;
     for (i64 b = 0; b < batch; ++b) longest = lengths[b] > longest ? lengths[b] : longest;
     if (threads > tasks) threads = (int)tasks;
+    const i64 padded = (longest + 7) / 8 * 8;
     #pragma omp parallel num_threads(threads)
     {
-        float *work = malloc((size_t)(groups * (longest + 2 * dim)) * sizeof(float));
-        float *qf = work + groups * longest, *acc = qf + groups * dim;
+        float *work = malloc((size_t)(groups * (padded + 2 * dim)) * sizeof(float));
+        float *qf = work + groups * padded, *acc = qf + groups * dim;
+        i64 *rows = malloc((size_t)padded * sizeof(i64));
         #pragma omp for schedule(static)
         for (i64 task = 0; task < tasks; ++task) {
-            const i64 b = task / kv_heads, h = task % kv_heads;
+            const i64 b = task / kv_heads, h = task % kv_heads, length = lengths[b];
             const i64 at = (b * q_heads + h * groups) * dim;
+            const int32_t *table = tables + b * width;
+            for (i64 j = 0, block = 0, offset = 0; j < length; ++j) {   /* no division per token */
+                rows[j] = (h * cache_slots + (i64)table[block] * block_size + offset) * dim;
+                if (++offset == block_size) offset = 0, ++block;
+            }
+            for (i64 j = length; j < padded; ++j) rows[j] = rows[0];
             load_row(q, at, groups * dim, bf16, qf);
-            attend(qf, groups, dim, k_cache, v_cache, h * cache_slots * dim, tables + b * width, block_size,
-                   lengths[b], scale, bf16, work, acc);
+            if (bf16)   /* a constant flag inside: no dtype test per load */
+                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, 1, work, acc);
+            else
+                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, 0, work, acc);
             store_row(acc, groups * dim, bf16, out, at);
         }
+        free(rows);
         free(work);
     }
-}
-
-/* exp(x) for eight floats: 2^n * e^r with |r| <= ln2/2, r's series to degree 7
- * (truncation below float32's precision; within 2 ulp of expf). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f)));
-    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
-    const float coef[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
-    __m256 p = _mm256_set1_ps(coef[0]);
-    for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(coef[i]));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 /* gate = SiLU(gate) * up, elementwise over count values (a multiple of 8), as
@@ -227,7 +286,10 @@ void ruvllm_silu_mul(void *gate, const void *up, i64 count, int bf16, int thread
             const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
             _mm256_storeu_ps(g + i, silu);
         }
-        for (i64 i = 0; i < n; ++i) g[i] = held(held(g[i], bf16) * u[i], bf16);
+        if (bf16)
+            for (i64 i = 0; i < n; ++i) g[i] = held(held(g[i], 1) * u[i], 1);
+        else
+            for (i64 i = 0; i < n; ++i) g[i] *= u[i];
         store_row(g, n, bf16, gate, start);
     }
 }
