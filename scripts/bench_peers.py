@@ -5,7 +5,8 @@ For each quantization, `ruvllm benchmark --format json` (a fresh process per
 figure) and llama.cpp's `llama-bench` / `llama-batched-bench` on the same weights
 converted to GGUF (f16 <-> F16, q8 <-> Q8_0, q4k <-> Q4_K_M), same thread count:
   batch-1 decode    128-token prompt, 128 new tokens   (llama-bench -p 128 -n 128: tg128)
-  prefill           the same prompt's tokens per second (llama-bench pp128)
+  prefill           a 512-token prompt's tokens per second, 4 new (llama-bench pp512; --prefill-length),
+                    and TTFT: with f16 and q4k both run, q4k's TTFT / f16's
   16 streams        aggregate decode, 128 + 128 each    (llama-batched-bench -npl 16: S_TG)
   deep decode       after a 3,000-token prompt, 64 new  (llama-bench -d 3000 -n 64)
   peak RSS          ruvllm benchmark's peak_rss_mb at batch 1 against GNU time's %M of
@@ -90,14 +91,21 @@ def measure(quantization: str, args: argparse.Namespace) -> dict[str, Any]:
     gguf = args.llamacpp / GGUF[quantization]
     tools = args.llamacpp / "llbuild" / "bin"
     row: dict[str, Any] = {"quantization": quantization, "gguf": gguf.name}
-    if "decode" in args.figures or "prefill" in args.figures:
+    if "decode" in args.figures:
         log(f"{quantization}: batch 1, 128 + 128")
         ours = ruvllm(args.model, quantization, args.threads, args, prompt=128, gen=128)
-        rates, peak = llama_bench(tools, gguf, args.threads, "-p", "128", "-n", "128", "-r", str(args.iterations))
+        rates, peak = llama_bench(tools, gguf, args.threads, "-p", "0", "-n", "128", "-r", str(args.iterations))
         row["path"] = ours["system"]["quantization_path"]
         row["decode"] = (ours["metrics"]["decode_tokens_per_s"], rates["tg128"])
-        row["prefill"] = (ours["metrics"]["prefill_tokens_per_s"], rates["pp128"])
         row["peak_rss_mb"] = (ours["metrics"]["peak_rss_mb"], peak)
+    if "prefill" in args.figures:
+        length = args.prefill_length
+        log(f"{quantization}: a {length}-token prompt")
+        ours = ruvllm(args.model, quantization, args.threads, args, prompt=length, gen=4)
+        rates, _ = llama_bench(tools, gguf, args.threads, "-p", str(length), "-n", "0", "-r", str(args.iterations))
+        row["path"] = ours["system"]["quantization_path"]
+        row["prefill"] = (ours["metrics"]["prefill_tokens_per_s"], rates[f"pp{length}"])
+        row["ttft_ms"] = ours["metrics"]["ttft_ms_p50"]
     if "streams" in args.figures:
         log(f"{quantization}: {args.streams} streams")
         ours = ruvllm(args.model, quantization, args.threads, args, prompt=128, gen=128, concurrency=args.streams)
@@ -113,7 +121,7 @@ def measure(quantization: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    labels = {"decode": "batch-1 decode tok/s", "prefill": "prefill tok/s (128)",
+    labels = {"decode": "batch-1 decode tok/s", "prefill": f"prefill tok/s ({args.prefill_length})",
               "streams": f"{args.streams} streams decode tok/s", "deep": f"decode tok/s after {args.depth}",
               "peak_rss_mb": "peak RSS MB"}
     print(f"threads {args.threads}; ratio = ruvllm / llama.cpp")
@@ -123,6 +131,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             if key in row:
                 ours, theirs = row[key]
                 print(f"  {label:28s} ruvllm {ours:9.1f}   llama.cpp {theirs:9.1f}   ratio {ours / theirs:5.2f}x")
+    ttft = {row["quantization"]: row["ttft_ms"] for row in rows if "ttft_ms" in row}
+    if "f16" in ttft and "q4k" in ttft:
+        print(f"\nTTFT of a {args.prefill_length}-token prompt: q4k {ttft['q4k']:.0f} ms / f16 {ttft['f16']:.0f} ms"
+              f" = {ttft['q4k'] / ttft['f16']:.2f}x")
 
 
 def main() -> None:
@@ -135,6 +147,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--depth", type=int, default=3000)
+    parser.add_argument("--prefill-length", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--format", choices=["table", "json"], default="table")

@@ -13,7 +13,7 @@ from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
-                                    prefix_caching, weight_cache_option)
+                                    prefix_caching, weight_cache_option, compile_option)
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 @device_option()
 @prefix_cache_option()
 @weight_cache_option()
+@compile_option()
 @click.option("--compare", "compare_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A previous `--format json` result: show each metric beside it; exit 1 on a regression.")
 @click.option("--threshold", type=click.FloatRange(min=0.0), default=10.0, show_default=True,
@@ -103,7 +104,7 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
 
 def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, prompt_length: int,
                   gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
-                  seed: int, no_prefix_cache: bool = False, no_weight_cache: bool = False,
+                  seed: int, no_prefix_cache: bool = False, no_weight_cache: bool = False, no_compile: bool = False,
                   json_schema: SchemaFile | None = None, lora: Sequence[str] = (), max_loras: int | None = None,
                   max_lora_rank: int | None = None, **rest: Any) -> dict[str, Any]:
     """Load MODEL, run the iterations with progress on stderr, build the report."""
@@ -126,7 +127,7 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
                          max_num_seqs=concurrency, max_model_len=prompt_length + gen_length,
                          enable_prefix_caching=prefix_caching(no_prefix_cache), weight_cache=not no_weight_cache,
                          adapters=adapters, max_loras=_slots_for(len(adapters), max_loras),
-                         max_lora_rank=max_lora_rank)
+                         max_lora_rank=max_lora_rank, kernels=not no_compile)
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
     compile_s = _compile_grammar(engine, structured) if structured is not None else None

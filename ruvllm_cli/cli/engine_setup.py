@@ -119,11 +119,16 @@ class OpenedEngine:
 
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
                 device: str = "auto", weight_cache: bool = True, adapters: Sequence[tuple[str, Path]] = (),
-                **engine_options: Any) -> OpenedEngine:
+                kernels: bool = True, **engine_options: Any) -> OpenedEngine:
     """Locate MODEL, load it with a spinner on stderr, and build the engine, serving
     the LoRA `adapters` ((name, directory) from `locate_adapters`).
 
-    `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, max_loras, ...)."""
+    `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, max_loras, ...);
+    `kernels=False` (--no-compile) keeps ruvllm's C kernels out, for this process."""
+    if not kernels:
+        from ruvllm_cli.engine.kernels import turn_off
+
+        turn_off()
     located = locate_model(model, app.cache_dir, quantization)
     out = app.output()
     with out.err.status(f"Loading {located.served_name} ..."):
@@ -148,8 +153,9 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
         for lora in loras:
             engine.add_lora(lora.name, lora)
     opened = OpenedEngine(engine, located)
+    fused = "; decode steps fused (C kernels)" if engine.runner.fused is not None else ""
     out.info(f"[dim]Loaded {opened.describe()} in {loaded.load_seconds:.1f} s; "
-             f"{loaded.quantization_path}[/dim]")
+             f"{loaded.quantization_path}{fused}[/dim]")
     for lora in loras:
         out.info(f"[dim]LoRA adapter {lora.describe()}[/dim]")
     return opened

@@ -73,6 +73,14 @@ def weight_cache_option() -> Any:
                              "the model (docs/design.md, section 9); quantize at every load.")
 
 
+def compile_option() -> Any:
+    """--no-compile, exposed as `no_compile`."""
+    return click.option("--no-compile", is_flag=True,
+                        help="Use none of ruvllm's own C kernels (the fused decode step, the int8 and "
+                             "float16 layers): torch's kernels and transformers' layers only, as "
+                             "RUVLLM_COMPILE=0 does. Slower; for comparison or a machine whose compiler fails.")
+
+
 def lora_options(use: str, slots_default: str = "4") -> Any:
     """--lora NAME=PATH (repeatable), --max-loras, --max-lora-rank: exposed as `lora`,
     `max_loras`, `max_lora_rank`. `use` says what the command does with the adapters."""

@@ -19,7 +19,7 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.engine_setup import locate_adapters
 from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
 from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
-                                    weight_cache_option)
+                                    weight_cache_option, compile_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.registry.locate import locate_model
@@ -79,6 +79,7 @@ BYTE_SIZE = ByteSize()
               help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
 @prefix_cache_option()
 @weight_cache_option()
+@compile_option()
 @load_quantization_option()
 @click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
               default="auto", show_default=True,

@@ -30,7 +30,8 @@ def engine_options(options: dict[str, Any]) -> dict[str, Any]:
         kv_cache_memory=options["kv_cache_memory"], enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
         weight_cache=not options["no_weight_cache"], max_loras=options["max_loras"],
         max_lora_rank=options["max_lora_rank"], scheduling_policy=options["scheduling_policy"],
-        preemption_mode=options["preemption_mode"], swap_space=options["swap_space"])
+        preemption_mode=options["preemption_mode"], swap_space=options["swap_space"],
+        kernels=not options["no_compile"])
 
 
 class LocalBackend:

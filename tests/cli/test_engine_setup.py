@@ -138,3 +138,30 @@ def test_a_quantized_gguf_on_cuda_defaults_to_16_bit_and_refuses_q8(tiny_model_d
     with pytest.raises(ModelLoadError, match="-q q8 on CUDA quantizes through bitsandbytes") as error:
         loader.load_model(path, "cuda", Quantization.Q8_0)
     assert "-q f16" in error.value.hint
+
+
+def test_no_compile_keeps_our_kernels_out(tiny_model_dir, monkeypatch, capsys) -> None:
+    """--no-compile (chat, serve, benchmark): no fused decode step and no kernel of our
+    own; the load line says which decode path runs."""
+    from click.testing import CliRunner
+
+    from ruvllm_cli.cli.main import cli
+    from ruvllm_cli.engine import kernels
+
+    monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setenv(kernels.COMPILE_ENV, "1")   # restored after the test, whatever turn_off sets
+    try:
+        on = open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32,
+                         device="cpu", max_num_seqs=1, max_model_len=64)
+        assert on.engine.runner.fused is not None
+        assert "decode steps fused (C kernels)" in capsys.readouterr().err
+        off = open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32,
+                          device="cpu", max_num_seqs=1, max_model_len=64, kernels=False)
+        assert off.engine.runner.fused is None and kernels.decode_kernel() is None
+        assert "fused" not in capsys.readouterr().err
+    finally:
+        monkeypatch.undo()
+        for loader in (kernels.half_kernel, kernels.int8_kernel, kernels.decode_kernel):
+            loader.cache_clear()
+    for command in ("chat", "serve", "benchmark"):
+        assert "--no-compile" in CliRunner().invoke(cli, [command, "--help"]).output

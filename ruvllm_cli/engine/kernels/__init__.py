@@ -112,6 +112,14 @@ def decode_kernel() -> DecodeKernel | None:
     return None if library is None else DecodeKernel(library)
 
 
+def turn_off() -> None:
+    """No kernels of our own from here on, in this process and the ones it starts
+    (`--no-compile`): as RUVLLM_COMPILE=0, including for kernels already loaded."""
+    os.environ[COMPILE_ENV] = "0"
+    for loader in (half_kernel, int8_kernel, decode_kernel):
+        loader.cache_clear()
+
+
 def _library(name: str, what: str, fallback: str) -> ctypes.CDLL | None:
     """`name`.c built (once, into the kernels directory) and loaded; None, with one line
     saying so, where there is no compiler or the build fails, and silently where the
