@@ -425,6 +425,10 @@ class WeightPlan:
         # which the loader picks only where it runs (dtype_for).
         self.half = quantization is Quantization.F16 and dtype == torch.float32
         self.packed = not self.quantized and not self.half and packing_works(dtype)
+        # bfloat16 weights in our own kernel (engine/bf16.py) where it runs; oneDNN's
+        # packed layer for the widths it cannot take.
+        self.own_bf16 = self.packed and dtype == torch.bfloat16 and bf16_weights_here()
+        self._last_bf16: tuple[torch.Tensor, nn.Module] | None = None
         # q8 in our own int8 kernel (engine/int8.py) where it runs, else fbgemm's.
         self.own_int8 = quantization is Quantization.Q8_0 and int8_weights_here()
         self._last_half: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -445,8 +449,9 @@ class WeightPlan:
     @property
     def head_copy(self) -> bool:
         """Whether a tied head holds a copy of the vocabulary matrix of its own: not
-        float16 (one table) nor q8 in our kernel (the lookups read the head's codes)."""
-        return self.unties_head and not self.half and not self.own_int8
+        float16 (one table), nor q8 or bfloat16 in our kernels (the lookups read the
+        head's codes or weights)."""
+        return self.unties_head and not self.half and not self.own_int8 and not self.own_bf16
 
     def read_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype to read a weight matrix in; None: as stored (the half path converts
@@ -459,6 +464,10 @@ class WeightPlan:
         if not (self.quantized or self.packed):
             return None
         self.linears += 1
+        if self.own_bf16:
+            layer = self._bf16_linear(_whole(weight), bias)
+            if layer is not None:
+                return layer
         if self.packed:
             return PackedLinear.from_weight(_whole(weight), bias)
         out_features, in_features = weight.shape
@@ -478,12 +487,26 @@ class WeightPlan:
         self._last_int8 = (weight, layer)
         return layer
 
+    def _bf16_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """Our kernel's layer over a copy of `weight` in process memory (a streamed
+        source is a view of the file). Remembered: a tied embedding shares it."""
+        from ruvllm_cli.engine.bf16 import bf16_linear
+
+        layer = bf16_linear(weight.to(torch.bfloat16, copy=True), bias)
+        if layer is not None:
+            self._last_bf16 = (weight, layer)
+        return layer
+
     def embedding(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> nn.Module | None:
         if self.half:
             from ruvllm_cli.engine.half import HalfEmbedding
 
             table = self._half_copy(_whole(weight))
             return None if table is None else HalfEmbedding(table, padding_idx)
+        if self.own_bf16 and self._last_bf16 is not None and _same_matrix(self._last_bf16[0], weight):
+            self.shared_table = True   # a tied head, built just before: one table for both
+            table = self._last_bf16[1].weight
+            return nn.Embedding(table.shape[0], table.shape[1], padding_idx, _weight=table, _freeze=True)
         if self.quantization is Quantization.Q8_0:
             last = self._last_int8
             if last is not None and _same_matrix(last[0], weight):  # a tied head, built just before
@@ -530,6 +553,9 @@ class WeightPlan:
             return (f"int4 weight-only, group {self.group} (torch int4pack kernel), {self.linears} linear "
                     "layers incl. LM head; int4 embeddings")
         path = f"{str(self.dtype).replace('torch.', '')} weights, no quantization"
+        if self.own_bf16:
+            shared = "; the tied LM head shares the embedding's table" if self.shared_table else ""
+            return path + f", {self.linears} linear layers incl. LM head in ruvllm's AVX-512 BF16 kernel{shared}"
         if self.packed:
             path += f", {self.linears} linear layers incl. LM head in oneDNN's packed layout"
         return path
@@ -541,6 +567,14 @@ def int8_weights_here() -> bool:
     from ruvllm_cli.engine.kernels import int8_kernel
 
     return int8_kernel() is not None
+
+
+def bf16_weights_here() -> bool:
+    """Whether bfloat16 weights on this CPU run our own kernel (AVX-512 BF16 and a C
+    compiler; docs/design.md, section 22)."""
+    from ruvllm_cli.engine.kernels import bf16_kernel
+
+    return bf16_kernel() is not None
 
 
 def _same_matrix(a: torch.Tensor | RowBlocks, b: torch.Tensor | RowBlocks) -> bool:

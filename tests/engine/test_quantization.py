@@ -11,8 +11,10 @@ from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.int8 import Int8Linear
 from ruvllm_cli.engine.loader import half_weights_here, load_model
+from ruvllm_cli.engine.bf16 import Bf16Linear
 from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
-                                        Int8Embedding, PackedLinear, bucket_rows, int8_weights_here,
+                                        Int8Embedding, PackedLinear, bf16_weights_here, bucket_rows,
+                                        int8_weights_here,
                                         packing_works, quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
@@ -141,6 +143,12 @@ def test_full_precision_linears_are_packed_on_cpu(engines):
         loaded = engines[quant].loaded
         model = loaded.model
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        if quant is Q.F16 and bf16_weights_here():
+            # Plain bfloat16 in our own kernel, the tied head on the embedding's table
+            # (tests/engine/test_bf16.py).
+            assert isinstance(model.lm_head, Bf16Linear)
+            assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+            continue
         assert isinstance(model.lm_head, PackedLinear)  # tied in the checkpoint: a packed copy
         assert type(model.get_input_embeddings()) is torch.nn.Embedding
         assert "packed layout" in loaded.quantization_path

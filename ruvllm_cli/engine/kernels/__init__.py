@@ -26,6 +26,9 @@ COMPILE_ENV = "RUVLLM_COMPILE"   # "0": no kernels of our own
 # No contraction of a * b + c into one FMA: the int8 epilogue must round as torch does.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx2", "fma", "f16c")
+# bf16_gemm.c: AVX-512 with its BF16 conversions (oneDNN's bfloat16 CPUs).
+BF16_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+BF16_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -57,6 +60,15 @@ class Int8Kernel:
         self.scale = library.ruvllm_q8_scale
         self.scale.argtypes = [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer, ctypes.c_int]
         self.scale.restype = None
+
+
+class Bf16Kernel:
+    """`ruvllm_bf16_linear` from bf16_gemm.c: bfloat16 activations times bfloat16
+    weights, float32 sums, for a few rows."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.linear = _bind(library.ruvllm_bf16_linear, [_pointer, _size, _size, _pointer, _size, _pointer, _pointer,
+                                                         _pointer, ctypes.c_int])
 
 
 class DecodeKernel:
@@ -106,6 +118,14 @@ def int8_kernel() -> Int8Kernel | None:
 
 
 @functools.cache
+def bf16_kernel() -> Bf16Kernel | None:
+    """The bfloat16-weight linear kernel (AVX-512 BF16 CPUs), built on first use."""
+    library = _library("bf16_gemm", "bfloat16", "bfloat16 weights take oneDNN's packed layout",
+                       BF16_FLAGS, BF16_CPU_FLAGS)
+    return None if library is None else Bf16Kernel(library)
+
+
+@functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The fused decode step's kernels, built on first use; None where they cannot run."""
     library = _library("decode_step", "decode step", "decode steps take transformers' layer code")
@@ -116,24 +136,25 @@ def turn_off() -> None:
     """No kernels of our own from here on, in this process and the ones it starts
     (`--no-compile`): as RUVLLM_COMPILE=0, including for kernels already loaded."""
     os.environ[COMPILE_ENV] = "0"
-    for loader in (half_kernel, int8_kernel, decode_kernel):
+    for loader in (half_kernel, int8_kernel, bf16_kernel, decode_kernel):
         loader.cache_clear()
 
 
-def _library(name: str, what: str, fallback: str) -> ctypes.CDLL | None:
+def _library(name: str, what: str, fallback: str, flags: tuple[str, ...] = FLAGS,
+             cpu_flags: tuple[str, ...] = CPU_FLAGS) -> ctypes.CDLL | None:
     """`name`.c built (once, into the kernels directory) and loaded; None, with one line
     saying so, where there is no compiler or the build fails, and silently where the
     CPU lacks the instructions or RUVLLM_COMPILE=0."""
-    if os.environ.get(COMPILE_ENV, "1") == "0" or not cpu_has(CPU_FLAGS):
+    if os.environ.get(COMPILE_ENV, "1") == "0" or not cpu_has(cpu_flags):
         return None
     source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         _say(f"no C compiler (cc or gcc) found: {fallback}")
         return None
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     path = kernels_dir() / f"{name}-{key}.so"
-    if not path.is_file() and not _build(compiler, source, path, what, fallback):
+    if not path.is_file() and not _build(compiler, source, path, what, fallback, flags):
         return None
     try:
         return ctypes.CDLL(str(path))
@@ -155,7 +176,7 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
     return all(flag in present for flag in flags)
 
 
-def _build(compiler: str, source: bytes, path: Path, what: str, fallback: str) -> bool:
+def _build(compiler: str, source: bytes, path: Path, what: str, fallback: str, flags: tuple[str, ...]) -> bool:
     """Compile into a temporary file renamed into place: a reader never sees half a library."""
     _say(f"building ruvllm's {what} kernel (once; about a second)")
     try:
@@ -163,7 +184,7 @@ def _build(compiler: str, source: bytes, path: Path, what: str, fallback: str) -
         with tempfile.TemporaryDirectory(dir=path.parent) as work:
             c_file, so_file = Path(work) / path.with_suffix(".c").name, Path(work) / path.name
             c_file.write_bytes(source)
-            done = subprocess.run([compiler, *FLAGS, "-o", str(so_file), str(c_file)],
+            done = subprocess.run([compiler, *flags, "-o", str(so_file), str(c_file)],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 reason = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -1,0 +1,78 @@
+"""bfloat16 weights in ruvllm's own kernel, on CPUs with AVX-512 BF16.
+
+oneDNN's packed layout (`quantize.PackedLinear`) read the 0.5B shape's weights at
+about 21 GB/s in a one-row decode step, and its packed copy of a tied LM head held
+the vocabulary matrix a second time (260 MiB at 0.5B). Here the weights stay plain
+[out, in] bfloat16: up to 63 rows run our kernel (`kernels/bf16_gemm.c`: one row
+streams each weight row once, more rows share each pair of weight rows held in L1),
+and a tied head shares the embedding's table. Prompt chunks of 64 rows and more run
+torch's float32 GEMM (MKL) on weights widened a block of rows at a time: 290 GFLOP/s
+here against 150-170 for oneDNN's bfloat16 GEMM (docs/design.md, section 22). Both
+sum in float32 and round to bfloat16 once, as oneDNN does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ruvllm_cli.engine.half import scratch_buffer
+from ruvllm_cli.engine.kernels import Bf16Kernel, bf16_kernel
+
+BLOCK = 32            # the kernel reads 32 values a step: K must be a multiple
+GEMM_ROWS = 64        # from here on, the float32 GEMM
+WIDEN_VALUES = 1 << 23  # weights widened to float32 at a time (32 MiB of scratch)
+
+
+class Bf16Linear(nn.Module):
+    """A linear layer with plain bfloat16 weights [out, in]; bfloat16 in and out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Bf16Kernel) -> None:
+        super().__init__()
+        assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.shape[1] % BLOCK == 0
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.float32, copy=True), requires_grad=False)
+        self._kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
+            rows = rows.to(torch.bfloat16).contiguous()
+        count = rows.shape[0]
+        if count >= GEMM_ROWS:
+            out = self._gemm(rows)
+        else:
+            out = torch.empty(count, self.out_features, dtype=torch.bfloat16)
+            bias = None if self.bias is None else self.bias.data_ptr()
+            room = scratch_buffer(count * self.in_features)
+            self._kernel.linear(rows.data_ptr(), count, self.in_features, self._buffers["weight"].data_ptr(),
+                                self.out_features, bias, out.data_ptr(), room.data_ptr(), torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many rows: float32 GEMM over the weights widened a block of rows at a time."""
+        weight, wide = self._buffers["weight"], rows.float()
+        step = max(1, WIDEN_VALUES // self.in_features)
+        size = min(step, self.out_features) * self.in_features
+        # The shared scratch is made under inference mode (the engine's steps); a call
+        # outside it gets a buffer of its own.
+        widened = scratch_buffer(size) if torch.is_inference_mode_enabled() else torch.empty(size)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        for start in range(0, self.out_features, step):
+            block = weight[start:start + step]
+            scratch = widened[:block.numel()].view(block.shape).copy_(block)
+            out[:, start:start + block.shape[0]] = wide @ scratch.t()
+        if self.bias is not None:
+            out += self.bias
+        return out.to(torch.bfloat16)
+
+
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Linear | None:
+    """A Bf16Linear over `weight` as given (no copy when it is contiguous bfloat16),
+    or None where the kernel cannot take it (none here, or an input width not a
+    multiple of 32)."""
+    kernel = bf16_kernel()
+    if kernel is None or weight.shape[1] % BLOCK:
+        return None
+    return Bf16Linear(weight.to(torch.bfloat16).contiguous(), bias, kernel)
