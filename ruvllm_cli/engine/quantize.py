@@ -216,13 +216,33 @@ class Int4Linear(nn.Module):
         if rows.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
         buffers = self._buffers
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu.default(rows, buffers["qweight"], self.group_size,
-                                                                 buffers["scales_and_zeros"])
+        if rows.shape[0] >= DENSE_ROWS and (dense := self._dense(rows)) is not None:
+            out = dense
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu.default(rows, buffers["qweight"], self.group_size,
+                                                                     buffers["scales_and_zeros"])
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
 
+    def _dense(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """A prompt chunk through float32 GEMM on weights unpacked a block at a time
+        (engine/int4_dense.py), where torch's packed layout is one it reads."""
+        from ruvllm_cli.engine.half import scratch_buffer
+        from ruvllm_cli.engine.int4_dense import WIDEN_VALUES, dense_linear, packed_layout
+
+        layout = packed_layout(INT4_INNER_K_TILES)
+        if layout is None or self.out_features % layout.block or not torch.is_inference_mode_enabled():
+            return None
+        scratch = scratch_buffer(min(WIDEN_VALUES, self.out_features * self.in_features) + layout.block
+                                 * self.in_features)
+        out = dense_linear(rows, self._buffers["qweight"], self._buffers["scales_and_zeros"], self.group_size,
+                           layout, scratch)
+        return out.to(torch.bfloat16)
+
+
+DENSE_ROWS = 64   # prompt chunks of this many rows take Int4Linear._dense
 CHUNK_ROWS = 4096  # rows quantized at a time (a multiple of the int4 packer's 16)
 
 

@@ -71,6 +71,14 @@ class Bf16Kernel:
                                                          _pointer, ctypes.c_int])
 
 
+class Int4UnpackKernel:
+    """`ruvllm_int4_unpack` from int4_unpack.c: torch's packed int4 rows to float32."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.unpack = _bind(library.ruvllm_int4_unpack, [_pointer, _size, _size, _size, _pointer, _pointer, _pointer,
+                                                         _size, _size, _size, _pointer, ctypes.c_int])
+
+
 class DecodeKernel:
     """decode_step.c: the work between a Llama-family decode step's linear layers
     (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument)."""
@@ -126,6 +134,13 @@ def bf16_kernel() -> Bf16Kernel | None:
 
 
 @functools.cache
+def int4_unpack_kernel() -> Int4UnpackKernel | None:
+    """The int4 unpacking kernel (q4k prompt chunks), built on first use."""
+    library = _library("int4_unpack", "int4 unpacking", "q4k prompt chunks take torch's int4 kernel")
+    return None if library is None else Int4UnpackKernel(library)
+
+
+@functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The fused decode step's kernels, built on first use; None where they cannot run."""
     library = _library("decode_step", "decode step", "decode steps take transformers' layer code")
@@ -136,7 +151,7 @@ def turn_off() -> None:
     """No kernels of our own from here on, in this process and the ones it starts
     (`--no-compile`): as RUVLLM_COMPILE=0, including for kernels already loaded."""
     os.environ[COMPILE_ENV] = "0"
-    for loader in (half_kernel, int8_kernel, bf16_kernel, decode_kernel):
+    for loader in (half_kernel, int8_kernel, bf16_kernel, int4_unpack_kernel, decode_kernel):
         loader.cache_clear()
 
 

@@ -1,0 +1,119 @@
+"""Prompt chunks of q4k layers through float32 GEMM on weights unpacked a block at a time.
+
+torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for a few rows: a
+512-token prompt prefilled 1.5x slower under q4k than under f16 (docs/design.md,
+section 22). For 64 rows and more, `Int4Linear` instead unpacks its codes a block of
+output rows at a time into float32 (w = (q - 8) * scale + zero, the kernel's own
+formula) and runs MKL's float32 GEMM, as `Bf16Linear` does for bfloat16 weights.
+
+The packed layout is torch's and depends on the CPU capability it dispatched to, so it
+is read off torch itself once per process: probe matrices whose codes spell out their
+own row index reveal which row each nibble holds; a random layer unpacked here must
+then equal what the kernel computes against the identity, or the dense path stays off.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ruvllm_cli.engine.kernels import int4_unpack_kernel
+
+GEMM_ROWS = 64          # from here on, the dense path
+WIDEN_VALUES = 1 << 23  # weights unpacked at a time (32 MiB of float32 scratch)
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Packed bytes as [N / block, K, block / 2]; byte j of a k holds row low[j] of the
+    block in its low nibble and row high[j] in its high nibble."""
+
+    block: int
+    low: torch.Tensor    # [block / 2] int64
+    high: torch.Tensor
+
+
+def dense_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, start: int, rows: int,
+                 layout: PackedLayout, out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, start + rows) of the weight as float32 into `out` ([rows, K]);
+    start and rows multiples of the layout's block. In C where the kernel runs, else
+    in torch (the check below, and machines without a compiler)."""
+    n_total, half_k = packed.shape
+    k, block = half_k * 2, layout.block
+    kernel = int4_unpack_kernel()
+    if kernel is not None:
+        kernel.unpack(packed.data_ptr(), n_total, k, block, layout.low.data_ptr(), layout.high.data_ptr(),
+                      scales_and_zeros.data_ptr(), group, start, rows, out.data_ptr(), torch.get_num_threads())
+        return out
+    blocks = packed.view(-1)[start * half_k:(start + rows) * half_k].view(rows // block, k, block // 2)
+    codes = torch.empty(rows // block, k, block, dtype=torch.uint8)
+    codes[:, :, layout.low] = blocks & 0xF
+    codes[:, :, layout.high] = blocks >> 4
+    out.view(rows // block, block, k).copy_(codes.transpose(1, 2))
+    sz = scales_and_zeros[:, start:start + rows].float()                   # [K / g, rows, 2]
+    out.sub_(8).mul_(sz[:, :, 0].t().repeat_interleave(group, dim=1)).add_(sz[:, :, 1].t().repeat_interleave(group, 1))
+    return out
+
+
+def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+                 layout: PackedLayout, scratch: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M >= GEMM_ROWS) times the int4 weight, float32 sums; float32 [M, N]."""
+    n_total, k = packed.shape[0], packed.shape[1] * 2
+    step = max(layout.block, WIDEN_VALUES // k // layout.block * layout.block)
+    wide = x.float()
+    out = torch.empty(x.shape[0], n_total, dtype=torch.float32)
+    for start in range(0, n_total, step):
+        rows = min(step, n_total - start)
+        weight = dense_weight(packed, scales_and_zeros, group, start, rows, layout, scratch[:rows * k].view(rows, k))
+        out[:, start:start + rows] = wide @ weight.t()
+    return out
+
+
+@functools.cache
+def packed_layout(inner_k_tiles: int) -> PackedLayout | None:
+    """torch's packed int4 layout on this CPU, or None where it is not one this module
+    reads (checked against the kernel itself)."""
+    try:
+        layout = _probe(inner_k_tiles)
+        return layout if layout is not None and _unpacks_exactly(layout, inner_k_tiles) else None
+    except (RuntimeError, ValueError, IndexError):   # a torch build whose private ops differ
+        return None
+
+
+def _probe(inner_k_tiles: int) -> PackedLayout | None:
+    """Which row each nibble holds: codes n % 16 and n // 16 % 16 packed, read back."""
+    n, k = 256, 64
+    rows = torch.arange(n, dtype=torch.int32).unsqueeze(1).expand(n, k)
+    def pack(codes: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), inner_k_tiles).reshape(-1)
+
+    low_digit, high_digit = pack(rows % 16).to(torch.int64), pack(rows // 16 % 16).to(torch.int64)
+    nibbles = [(low_digit >> shift & 0xF) + 16 * (high_digit >> shift & 0xF) for shift in (0, 4)]
+    for block in (64, 32, 16):
+        if n % block:
+            continue
+        found = [r.view(n // block, k, block // 2) for r in nibbles]
+        base = (torch.arange(n // block) * block).view(-1, 1, 1)
+        low, high = found[0] - base, found[1] - base
+        if bool((low == low[0, 0]).all()) and bool((high == high[0, 0]).all()):
+            order = torch.cat([low[0, 0], high[0, 0]]).sort().values
+            if torch.equal(order, torch.arange(block)):
+                return PackedLayout(block, low[0, 0].clone(), high[0, 0].clone())
+    return None
+
+
+def _unpacks_exactly(layout: PackedLayout, inner_k_tiles: int) -> bool:
+    """A random layer unpacked here against the kernel's product with the identity."""
+    n, k, group = 2 * layout.block, 256, 32
+    with torch.random.fork_rng(devices=[]):
+        generator = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
+        sz = (torch.rand(k // group, n, 2, generator=generator) - 0.5).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, inner_k_tiles)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), packed, group, sz)
+    ours = dense_weight(packed, sz, group, 0, n, layout, torch.empty(n, k))
+    # One bfloat16 step apart at most (the kernel may fuse the multiply-add); a wrong
+    # layout would be wrong everywhere.
+    return torch.allclose(ours.t().to(torch.bfloat16).float(), kernel.float(), rtol=2.0 ** -7, atol=1e-3)

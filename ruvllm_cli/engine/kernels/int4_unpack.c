@@ -1,0 +1,43 @@
+/* torch's packed int4 weights (`_convert_weight_to_int4pack_for_cpu`) unpacked to
+ * float32 rows, for prompt chunks run through a float32 GEMM (engine/int4_dense.py).
+ *
+ * The packed bytes are [N / block, K, block / 2]: byte j of a k holds row low[j] of the
+ * block in its low nibble and row high[j] in its high nibble (the layout is read off
+ * torch at run time, since it follows the CPU capability torch dispatched to). Each
+ * value becomes (q - 8) * scale + zero with the group's bfloat16 scale and zero, the
+ * kernel's own formula. */
+
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Rows [start, start + rows) of an [N, K] weight (start and rows multiples of block)
+ * into out [rows, K]; scales_and_zeros: [K / group, N, 2] bfloat16. */
+void ruvllm_int4_unpack(const uint8_t *packed, int64_t N, int64_t K, int64_t block, const int64_t *low,
+                        const int64_t *high, const uint16_t *scales_and_zeros, int64_t group, int64_t start,
+                        int64_t rows, float *out, int threads) {
+    const int64_t half = block / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < rows / block; ++b) {
+        const int64_t first = start + b * block;           /* the block's first weight row */
+        const uint8_t *bytes = packed + first * K / 2;
+        float *dst = out + b * block * K;
+        for (int64_t k = 0; k < K; ++k) {
+            const uint16_t *sz = scales_and_zeros + ((k / group) * N + first) * 2;
+            const uint8_t *at = bytes + k * half;
+            for (int64_t j = 0; j < half; ++j) {
+                const int64_t lo = low[j], hi = high[j];
+                const float q_lo = (float)(at[j] & 0xF) - 8.0f, q_hi = (float)(at[j] >> 4) - 8.0f;
+                dst[lo * K + k] = q_lo * bf16_value(sz[2 * lo]) + bf16_value(sz[2 * lo + 1]);
+                dst[hi * K + k] = q_hi * bf16_value(sz[2 * hi]) + bf16_value(sz[2 * hi + 1]);
+            }
+        }
+    }
+}
