@@ -20,8 +20,9 @@ import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
+K = TypeVar("K")
 COMPILE_ENV = "RUVLLM_COMPILE"   # "0": no kernels of our own
 # No contraction of a * b + c into one FMA: the int8 epilogue must round as torch does.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -114,37 +115,39 @@ def kernels_dir() -> Path:
 @functools.cache
 def half_kernel() -> HalfKernel | None:
     """The float16-weight linear kernel, built on first use; None where it cannot run."""
-    library = _library("half_gemm", "float16", "float16 weights take torch's slower path")
-    return None if library is None else HalfKernel(library)
+    return _loaded(HalfKernel, "half_gemm", "float16", "float16 weights take torch's slower path")
 
 
 @functools.cache
 def int8_kernel() -> Int8Kernel | None:
     """The int8-weight linear kernel, built on first use; None where it cannot run."""
-    library = _library("int8_gemm", "int8", "int8 weights take fbgemm's kernel")
-    return None if library is None else Int8Kernel(library)
+    return _loaded(Int8Kernel, "int8_gemm", "int8", "int8 weights take fbgemm's kernel")
 
 
 @functools.cache
 def bf16_kernel() -> Bf16Kernel | None:
     """The bfloat16-weight linear kernel (AVX-512 BF16 CPUs), built on first use."""
-    library = _library("bf16_gemm", "bfloat16", "bfloat16 weights take oneDNN's packed layout",
-                       BF16_FLAGS, BF16_CPU_FLAGS)
-    return None if library is None else Bf16Kernel(library)
+    return _loaded(Bf16Kernel, "bf16_gemm", "bfloat16", "bfloat16 weights take oneDNN's packed layout",
+                   BF16_FLAGS, BF16_CPU_FLAGS)
 
 
 @functools.cache
 def int4_unpack_kernel() -> Int4UnpackKernel | None:
     """The int4 unpacking kernel (q4k prompt chunks), built on first use."""
-    library = _library("int4_unpack", "int4 unpacking", "q4k prompt chunks take torch's int4 kernel")
-    return None if library is None else Int4UnpackKernel(library)
+    return _loaded(Int4UnpackKernel, "int4_unpack", "int4 unpacking", "q4k prompt chunks take torch's int4 kernel")
 
 
 @functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The fused decode step's kernels, built on first use; None where they cannot run."""
-    library = _library("decode_step", "decode step", "decode steps take transformers' layer code")
-    return None if library is None else DecodeKernel(library)
+    return _loaded(DecodeKernel, "decode_step", "decode step", "decode steps take transformers' layer code")
+
+
+def _loaded(wrapper: Callable[[ctypes.CDLL], K], name: str, what: str, fallback: str,
+            flags: tuple[str, ...] = FLAGS, cpu_flags: tuple[str, ...] = CPU_FLAGS) -> K | None:
+    """`name`.c's library wrapped for its callers, or None where it cannot run."""
+    library = _library(name, what, fallback, flags, cpu_flags)
+    return None if library is None else wrapper(library)
 
 
 def turn_off() -> None:
