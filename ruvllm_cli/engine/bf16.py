@@ -6,9 +6,8 @@ the vocabulary matrix a second time (260 MiB at 0.5B). Here the weights stay pla
 [out, in] bfloat16: up to 63 rows run our kernel (`kernels/bf16_gemm.c`: one row
 streams each weight row once, more rows share each pair of weight rows held in L1),
 and a tied head shares the embedding's table. Prompt chunks of 64 rows and more run
-torch's float32 GEMM (MKL) on weights widened a block of rows at a time: 290 GFLOP/s
-here against 150-170 for oneDNN's bfloat16 GEMM (docs/design.md, section 22). Both
-sum in float32 and round to bfloat16 once, as oneDNN does.
+`dense_gemm.blockwise_gemm` (MKL's float32 GEMM on weights widened a block of rows at
+a time). Both sum in float32 and round to bfloat16 once, as oneDNN does.
 """
 
 from __future__ import annotations
@@ -16,12 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ruvllm_cli.engine.dense_gemm import GEMM_ROWS, blockwise_gemm
 from ruvllm_cli.engine.half import scratch_buffer
 from ruvllm_cli.engine.kernels import Bf16Kernel, bf16_kernel
 
-BLOCK = 32            # the kernel reads 32 values a step: K must be a multiple
-GEMM_ROWS = 64        # from here on, the float32 GEMM
-WIDEN_VALUES = 1 << 23  # weights widened to float32 at a time (32 MiB of scratch)
+BLOCK = 32   # the kernel reads 32 values a step: K must be a multiple
 
 
 class Bf16Linear(nn.Module):
@@ -52,17 +50,9 @@ class Bf16Linear(nn.Module):
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM over the weights widened a block of rows at a time."""
-        weight, wide = self._buffers["weight"], rows.float()
-        step = max(1, WIDEN_VALUES // self.in_features)
-        size = min(step, self.out_features) * self.in_features
-        # The shared scratch is made under inference mode (the engine's steps); a call
-        # outside it gets a buffer of its own.
-        widened = scratch_buffer(size) if torch.is_inference_mode_enabled() else torch.empty(size)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        for start in range(0, self.out_features, step):
-            block = weight[start:start + step]
-            scratch = widened[:block.numel()].view(block.shape).copy_(block)
-            out[:, start:start + block.shape[0]] = wide @ scratch.t()
+        weight = self._buffers["weight"]
+        out = blockwise_gemm(rows, self.out_features,
+                             lambda start, count, room: room.copy_(weight[start:start + count]))
         if self.bias is not None:
             out += self.bias
         return out.to(torch.bfloat16)

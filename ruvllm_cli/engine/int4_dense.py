@@ -4,7 +4,7 @@ torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for a few rows:
 512-token prompt prefilled 1.5x slower under q4k than under f16 (docs/design.md,
 section 22). For 64 rows and more, `Int4Linear` instead unpacks its codes a block of
 output rows at a time into float32 (w = (q - 8) * scale + zero, the kernel's own
-formula) and runs MKL's float32 GEMM, as `Bf16Linear` does for bfloat16 weights.
+formula) for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens bfloat16 weights.
 
 The packed layout is torch's and depends on the CPU capability it dispatched to, so it
 is read off torch itself once per process: probe matrices whose codes spell out their
@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ruvllm_cli.engine.dense_gemm import blockwise_gemm
 from ruvllm_cli.engine.kernels import int4_unpack_kernel
-
-GEMM_ROWS = 64          # from here on, the dense path
-WIDEN_VALUES = 1 << 23  # weights unpacked at a time (32 MiB of float32 scratch)
 
 
 @dataclass(frozen=True)
@@ -58,17 +56,15 @@ def dense_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: in
 
 
 def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
-                 layout: PackedLayout, scratch: torch.Tensor) -> torch.Tensor:
+                 layout: PackedLayout) -> torch.Tensor:
     """x [M, K] (M >= GEMM_ROWS) times the int4 weight, float32 sums; float32 [M, N]."""
-    n_total, k = packed.shape[0], packed.shape[1] * 2
-    step = max(layout.block, WIDEN_VALUES // k // layout.block * layout.block)
-    wide = x.float()
-    out = torch.empty(x.shape[0], n_total, dtype=torch.float32)
-    for start in range(0, n_total, step):
-        rows = min(step, n_total - start)
-        weight = dense_weight(packed, scales_and_zeros, group, start, rows, layout, scratch[:rows * k].view(rows, k))
-        out[:, start:start + rows] = wide @ weight.t()
-    return out
+    return blockwise_gemm(x, packed.shape[0], functools.partial(_unpacked, packed, scales_and_zeros, group, layout),
+                          layout.block)
+
+
+def _unpacked(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, layout: PackedLayout,
+              start: int, rows: int, room: torch.Tensor) -> torch.Tensor:
+    return dense_weight(packed, scales_and_zeros, group, start, rows, layout, room)
 
 
 @functools.cache

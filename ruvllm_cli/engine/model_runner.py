@@ -144,14 +144,14 @@ class ModelRunner:
             self.lora.end_step()
 
     def _decode_batch(self, decodes: list[ScheduledChunk]) -> DecodeBatch:
-        size = self.block_size
         lengths = [c.start + 1 for c in decodes]
-        width = -(-max(lengths) // size)
+        width = -(-max(lengths) // self.block_size)
         tables = [c.request.block_table[:width] for c in decodes]
         return DecodeBatch(
             input_ids=self._tensor([c.request.all_token_ids[c.start] for c in decodes]),
             positions=self._tensor([c.start for c in decodes]).unsqueeze(0),
-            slots=self._tensor([t[c.start // size] * size + c.start % size for c, t in zip(decodes, tables)]),
+            slots=self._tensor([slot for c in decodes for slot in self._slots(c.request.block_table, c.start,
+                                                                               c.start + 1)]),
             tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
             lengths=torch.tensor(lengths, dtype=torch.int32))
 

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
 from ruvllm_cli.quantization import Quantization, int4_fits
 
 INT4_GROUP = 128      # weights per scale/zero group (llama.cpp's Q4_K uses 32-weight sub-blocks)
@@ -216,7 +217,7 @@ class Int4Linear(nn.Module):
         if rows.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
         buffers = self._buffers
-        if rows.shape[0] >= DENSE_ROWS and (dense := self._dense(rows)) is not None:
+        if rows.shape[0] >= GEMM_ROWS and (dense := self._dense(rows)) is not None:
             out = dense
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu.default(rows, buffers["qweight"], self.group_size,
@@ -228,21 +229,18 @@ class Int4Linear(nn.Module):
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor | None:
         """A prompt chunk through float32 GEMM on weights unpacked a block at a time
-        (engine/int4_dense.py), where torch's packed layout is one it reads."""
-        from ruvllm_cli.engine.half import scratch_buffer
-        from ruvllm_cli.engine.int4_dense import WIDEN_VALUES, dense_linear, packed_layout
+        (engine/int4_dense.py), where torch's packed layout is one it reads. Inside the
+        engine's steps (inference mode) only: elsewhere torch's kernel, the reference
+        tests compare this path with."""
+        from ruvllm_cli.engine.int4_dense import dense_linear, packed_layout
 
         layout = packed_layout(INT4_INNER_K_TILES)
         if layout is None or self.out_features % layout.block or not torch.is_inference_mode_enabled():
             return None
-        scratch = scratch_buffer(min(WIDEN_VALUES, self.out_features * self.in_features) + layout.block
-                                 * self.in_features)
-        out = dense_linear(rows, self._buffers["qweight"], self._buffers["scales_and_zeros"], self.group_size,
-                           layout, scratch)
-        return out.to(torch.bfloat16)
+        return dense_linear(rows, self._buffers["qweight"], self._buffers["scales_and_zeros"], self.group_size,
+                            layout).to(torch.bfloat16)
 
 
-DENSE_ROWS = 64   # prompt chunks of this many rows take Int4Linear._dense
 CHUNK_ROWS = 4096  # rows quantized at a time (a multiple of the int4 packer's 16)
 
 
@@ -448,12 +446,13 @@ class WeightPlan:
         # bfloat16 weights in our own kernel (engine/bf16.py) where it runs; oneDNN's
         # packed layer for the widths it cannot take.
         self.own_bf16 = self.packed and dtype == torch.bfloat16 and bf16_weights_here()
-        self._last_bf16: tuple[torch.Tensor, nn.Module] | None = None
         # q8 in our own int8 kernel (engine/int8.py) where it runs, else fbgemm's.
         self.own_int8 = quantization is Quantization.Q8_0 and int8_weights_here()
         self._last_half: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._last_int8: tuple[object, nn.Module] | None = None
-        self.shared_table = False   # an int8 embedding reads the tied head's table
+        # Our int8 or bfloat16 layer built last, with its source: a tied head, built just
+        # before the embedding, lends it its table.
+        self._last_linear: tuple[object, nn.Module] | None = None
+        self.shared_table = False   # the embedding reads the tied head's table
         self.group = None
         if quantization is Quantization.Q4_K_M:
             self.group = int4_group or int4_group_size(hidden_size)
@@ -504,7 +503,7 @@ class WeightPlan:
         layer = int8_linear(codes, scales, bias)
         if layer is None:   # no kernel here, or a width it cannot take
             return DynamicInt8Linear.from_codes(codes, scales, bias)
-        self._last_int8 = (weight, layer)
+        self._last_linear = (weight, layer)
         return layer
 
     def _bf16_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
@@ -514,8 +513,13 @@ class WeightPlan:
 
         layer = bf16_linear(weight.to(torch.bfloat16, copy=True), bias)
         if layer is not None:
-            self._last_bf16 = (weight, layer)
+            self._last_linear = (weight, layer)
         return layer
+
+    def _tied_head(self, weight: torch.Tensor | RowBlocks) -> nn.Module | None:
+        """The int8 or bfloat16 layer just built from this very matrix, if any."""
+        last = self._last_linear
+        return last[1] if last is not None and _same_matrix(last[0], weight) else None
 
     def embedding(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> nn.Module | None:
         if self.half:
@@ -523,15 +527,15 @@ class WeightPlan:
 
             table = self._half_copy(_whole(weight))
             return None if table is None else HalfEmbedding(table, padding_idx)
-        if self.own_bf16 and self._last_bf16 is not None and _same_matrix(self._last_bf16[0], weight):
-            self.shared_table = True   # a tied head, built just before: one table for both
-            table = self._last_bf16[1].weight
+        head = self._tied_head(weight)
+        if head is not None and self.own_bf16:
+            self.shared_table = True
+            table = head.weight
             return nn.Embedding(table.shape[0], table.shape[1], padding_idx, _weight=table, _freeze=True)
         if self.quantization is Quantization.Q8_0:
-            last = self._last_int8
-            if last is not None and _same_matrix(last[0], weight):  # a tied head, built just before
+            if head is not None:
                 self.shared_table = True
-                return Int8Embedding.sharing(last[1], padding_idx)
+                return Int8Embedding.sharing(head, padding_idx)
             return Int8Embedding.from_weight(weight, padding_idx)
         if self.quantization is Quantization.Q4_K_M:
             return Int4Embedding.from_weight(weight, padding_idx)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ruvllm_cli.engine import int4_dense
+from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
 from ruvllm_cli.engine.int4_dense import dense_weight, packed_layout
-from ruvllm_cli.engine.quantize import DENSE_ROWS, INT4_INNER_K_TILES, Int4Linear, int4_kernel_params
+from ruvllm_cli.engine.quantize import INT4_INNER_K_TILES, Int4Linear, int4_kernel_params
 
 pytestmark = pytest.mark.skipif(packed_layout(INT4_INNER_K_TILES) is None,
                                 reason="torch's packed int4 layout here is not one int4_dense reads")
@@ -40,7 +41,7 @@ def test_unpacked_rows_are_the_weights_the_codes_stand_for(with_c, monkeypatch):
     assert torch.allclose(out, expected[start:start + rows], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [DENSE_ROWS, 130])
+@pytest.mark.parametrize("rows", [GEMM_ROWS, 130])
 def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(512, 320, bias=True)
@@ -52,6 +53,6 @@ def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
     monkeypatch.setattr(int4_dense, "dense_linear", lambda *args: calls.append(1) or dense_linear(*args))
     with torch.inference_mode():
         dense = layer(x).float()               # inside (the engine's steps): the dense path
-        layer(x[:DENSE_ROWS - 1])              # fewer rows: torch's kernel
+        layer(x[:GEMM_ROWS - 1])              # fewer rows: torch's kernel
     assert len(calls) == 1
     assert (dense - kernel).abs().max().item() <= 0.02 * kernel.abs().max().item()

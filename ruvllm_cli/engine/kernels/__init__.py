@@ -37,9 +37,8 @@ class HalfKernel:
     """`ruvllm_f16_linear` from half_gemm.c: float32 activations times float16 weights."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.linear = library.ruvllm_f16_linear
-        self.linear.argtypes = [_pointer, _size, _size, _pointer, _size, _pointer, _pointer, _pointer, ctypes.c_int]
-        self.linear.restype = None
+        self.linear = _bind(library.ruvllm_f16_linear, [_pointer, _size, _size, _pointer, _size, _pointer, _pointer,
+                                                        _pointer, ctypes.c_int])
 
 
 class Int8Kernel:
@@ -51,16 +50,11 @@ class Int8Kernel:
     rows = 4
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.quantize = library.ruvllm_q8_quantize
-        self.quantize.argtypes = [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int]
-        self.quantize.restype = None
-        self.linear_few = library.ruvllm_q8_linear_few
-        self.linear_few.argtypes = [_pointer, _size, _size, _pointer, _pointer, _size, _pointer, _pointer, _pointer,
-                                    ctypes.c_int]
-        self.linear_few.restype = None
-        self.scale = library.ruvllm_q8_scale
-        self.scale.argtypes = [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer, ctypes.c_int]
-        self.scale.restype = None
+        self.quantize = _bind(library.ruvllm_q8_quantize, [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int])
+        self.linear_few = _bind(library.ruvllm_q8_linear_few, [_pointer, _size, _size, _pointer, _pointer, _size,
+                                                               _pointer, _pointer, _pointer, ctypes.c_int])
+        self.scale = _bind(library.ruvllm_q8_scale, [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer,
+                                                     ctypes.c_int])
 
 
 class Bf16Kernel:
