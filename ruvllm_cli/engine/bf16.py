@@ -3,9 +3,10 @@
 oneDNN's packed layout (`quantize.PackedLinear`) read the 0.5B shape's weights at
 about 21 GB/s in a one-row decode step, and its packed copy of a tied LM head held
 the vocabulary matrix a second time (260 MiB at 0.5B). Here the weights stay plain
-[out, in] bfloat16: up to 63 rows run our kernel (`kernels/bf16_gemm.c`: one row
-streams each weight row once, more rows share each pair of weight rows held in L1),
-and a tied head shares the embedding's table. Prompt chunks of 64 rows and more run
+[out, in] bfloat16: up to 191 rows run our kernel (`kernels/bf16_gemm.c`: the
+weights widened to float32 in registers four rows at a time, held in L1 while the
+activation rows pass by fours; a row's result is the same bits in any batch), and a
+tied head shares the embedding's table. Prompt chunks of 192 rows and more run
 `dense_gemm.blockwise_gemm` (MKL's float32 GEMM on weights widened a block of rows at
 a time). Both sum in float32 and round to bfloat16 once, as oneDNN does.
 """
@@ -15,11 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.dense_gemm import GEMM_ROWS, blockwise_gemm
+from ruvllm_cli.engine.dense_gemm import blockwise_gemm
 from ruvllm_cli.engine.half import scratch_buffer
 from ruvllm_cli.engine.kernels import Bf16Kernel, bf16_kernel
 
 BLOCK = 32   # the kernel reads 32 values a step: K must be a multiple
+# Rows from which a call takes the blockwise GEMM: our kernel took 0.86x its time at 128
+# rows, 0.99x at 192, 1.18x at 256 (docs/design.md, section 22).
+GEMM_ROWS = 192
 
 
 class Bf16Linear(nn.Module):

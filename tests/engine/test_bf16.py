@@ -40,6 +40,17 @@ def test_matches_float32_sums_rounded_once(rows, out_features, in_features, bias
     assert bool(((out.float() - expected.float()).abs() <= step).all())
 
 
+@pytest.mark.parametrize("in_features", [96, 1024])
+def test_a_row_gets_the_same_bits_alone_or_in_any_batch_the_kernel_takes(in_features):
+    torch.manual_seed(in_features)
+    weight = (torch.randn(37, in_features) * 0.05).bfloat16()
+    layer = bf16_linear(weight, torch.randn(37))
+    x = torch.randn(GEMM_ROWS - 1, in_features).bfloat16()
+    alone = torch.cat([layer(row[None]) for row in x])
+    for rows in (2, 3, 16, GEMM_ROWS - 1):
+        assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
 def test_a_width_the_kernel_cannot_take_is_refused():
     assert bf16_linear(torch.zeros(8, 40, dtype=torch.bfloat16), None) is None
 
