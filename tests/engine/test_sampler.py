@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ruvllm_cli.engine.request import Request
-from ruvllm_cli.engine.sampler import (SamplingFailure, apply_penalties, filter_min_p, filter_top_k, filter_top_p,
+from ruvllm_cli.engine.sampler import (SamplingFailure, greedy_tokens, apply_penalties, filter_min_p, filter_top_k, filter_top_p,
                                        sample)
 from ruvllm_cli.engine.sampling import SamplingParams
 
@@ -96,3 +96,21 @@ def test_a_failing_row_fails_alone():
     tokens, _ = sample(torch.tensor([[0.0, 1.0], [2.0, 1.0]]), requests)
     assert isinstance(tokens[0], SamplingFailure) and "boom" in tokens[0].message
     assert tokens[1] == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (16, 1000), (3, 37), (2, 8), (5, 9)])
+def test_greedy_tokens_are_torchs_argmax(shape):
+    torch.manual_seed(shape[1])
+    logits = torch.randn(*shape)
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist()
+
+
+def test_greedy_tokens_take_the_first_of_ties_and_of_nans_as_torch_does():
+    logits = torch.randn(5, 300)
+    logits[0, 40] = logits[0, 250] = logits[0].max() + 1       # a tie: the first
+    logits[1, 17] = logits[1, 200] = float("nan")              # NaNs: the first
+    logits[2] = float("-inf")                                 # nothing but -inf: 0
+    logits[3, 299] = float("inf")                             # the tail past the last 8
+    logits[4] = 0.0
+    logits[4, 3] = -0.0                                       # -0 and +0 tie
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist() == [40, 17, 0, 299, 0]
