@@ -19,24 +19,30 @@ static inline float bf16_value(uint16_t h) {
 }
 
 /* Rows [start, start + rows) of an [N, K] weight (start and rows multiples of block)
- * into out [rows, K]; scales_and_zeros: [K / group, N, 2] bfloat16. */
+ * into out [rows, K]; scales_and_zeros: [K / group, N, 2] bfloat16. Each output row is
+ * written in order along k (its bytes read at a stride of block / 2, from L1 or L2):
+ * writing the block's rows column by column cost 1.5-1.9 ns a value here. */
 void ruvllm_int4_unpack(const uint8_t *packed, int64_t N, int64_t K, int64_t block, const int64_t *low,
                         const int64_t *high, const uint16_t *scales_and_zeros, int64_t group, int64_t start,
                         int64_t rows, float *out, int threads) {
     const int64_t half = block / 2;
-    #pragma omp parallel for num_threads(threads) schedule(static)
+    #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t b = 0; b < rows / block; ++b) {
-        const int64_t first = start + b * block;           /* the block's first weight row */
-        const uint8_t *bytes = packed + first * K / 2;
-        float *dst = out + b * block * K;
-        for (int64_t k = 0; k < K; ++k) {
-            const uint16_t *sz = scales_and_zeros + ((k / group) * N + first) * 2;
-            const uint8_t *at = bytes + k * half;
-            for (int64_t j = 0; j < half; ++j) {
-                const int64_t lo = low[j], hi = high[j];
-                const float q_lo = (float)(at[j] & 0xF) - 8.0f, q_hi = (float)(at[j] >> 4) - 8.0f;
-                dst[lo * K + k] = q_lo * bf16_value(sz[2 * lo]) + bf16_value(sz[2 * lo + 1]);
-                dst[hi * K + k] = q_hi * bf16_value(sz[2 * hi]) + bf16_value(sz[2 * hi + 1]);
+        for (int64_t j = 0; j < half; ++j) {
+            const int64_t first = start + b * block;           /* the block's first weight row */
+            const uint8_t *bytes = packed + first * K / 2 + j;
+            const int64_t lo = low[j], hi = high[j];
+            float *row_lo = out + (b * block + lo) * K, *row_hi = out + (b * block + hi) * K;
+            for (int64_t g = 0; g * group < K; ++g) {
+                const uint16_t *sz = scales_and_zeros + (g * N + first) * 2;
+                const float scale_lo = bf16_value(sz[2 * lo]), zero_lo = bf16_value(sz[2 * lo + 1]);
+                const float scale_hi = bf16_value(sz[2 * hi]), zero_hi = bf16_value(sz[2 * hi + 1]);
+                const int64_t end = (g + 1) * group < K ? (g + 1) * group : K;
+                for (int64_t k = g * group; k < end; ++k) {
+                    const uint8_t byte = bytes[k * half];
+                    row_lo[k] = ((float)(byte & 0xF) - 8.0f) * scale_lo + zero_lo;
+                    row_hi[k] = ((float)(byte >> 4) - 8.0f) * scale_hi + zero_hi;
+                }
             }
         }
     }
