@@ -131,11 +131,13 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     vocabulary, docs/design.md section 21), else torch's."""
     from ruvllm_cli.engine.kernels import decode_kernel
 
-    kernel = decode_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    kinds = {torch.float32: 0, torch.bfloat16: 1}
+    kernel = decode_kernel() if logits.device.type == "cpu" and logits.dtype in kinds else None
     if kernel is None or logits.dim() != 2 or not logits.is_contiguous():
         return logits.argmax(-1).tolist()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(), torch.get_num_threads())
+    kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], kinds[logits.dtype], out.data_ptr(),
+                       torch.get_num_threads())
     return out.tolist()
 
 
@@ -150,10 +152,13 @@ class SamplingFailure:
 def sample(logits: torch.Tensor, requests: Sequence[Request]
            ) -> tuple[list[int | SamplingFailure], list[TokenLogprob | None]]:
     """One next token per row of `logits` [S, V], with the row's request's parameters."""
+    plain = all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests)
+    if plain and all(r.grammar is None and not r.params.logit_bias for r in requests):
+        return greedy_tokens(logits), [None] * len(requests)   # the logits as they are: no float32 copy
     logits = logits.float()
     apply_logit_bias(logits, requests)
     apply_grammar_masks(logits, requests)
-    if all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests):
+    if plain:
         return greedy_tokens(logits), [None] * len(requests)
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None

@@ -99,14 +99,16 @@ def test_a_failing_row_fails_alone():
 
 
 @pytest.mark.parametrize("shape", [(1, 151936), (16, 1000), (3, 37), (2, 8), (5, 9)])
-def test_greedy_tokens_are_torchs_argmax(shape):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax(shape, dtype):
     torch.manual_seed(shape[1])
-    logits = torch.randn(*shape)
+    logits = torch.randn(*shape).to(dtype)
     assert greedy_tokens(logits) == logits.argmax(-1).tolist()
 
 
-def test_greedy_tokens_take_the_first_of_ties_and_of_nans_as_torch_does():
-    logits = torch.randn(5, 300)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_take_the_first_of_ties_and_of_nans_as_torch_does(dtype):
+    logits = torch.randn(5, 300, dtype=dtype)
     logits[0, 40] = logits[0, 250] = logits[0].max() + 1       # a tie: the first
     logits[1, 17] = logits[1, 200] = float("nan")              # NaNs: the first
     logits[2] = float("-inf")                                 # nothing but -inf: 0

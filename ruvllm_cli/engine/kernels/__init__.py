@@ -86,7 +86,8 @@ class DecodeKernel:
         self.attention = _bind(library.ruvllm_decode_attention, [_pointer] * 3 + [_size, _pointer, _size, _pointer]
                                + [_size] * 5 + [ctypes.c_float, _pointer, ctypes.c_int, ctypes.c_int])
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size, ctypes.c_int, ctypes.c_int])
-        self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, _pointer, ctypes.c_int])
+        self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
+                                                               ctypes.c_int])
 
 
 def _bind(function: Any, argtypes: list[Any]) -> Any:
