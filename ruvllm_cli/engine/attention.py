@@ -71,8 +71,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     step = ruvllm_step
     layer = module.layer_idx
     k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
-    k_cache.index_copy_(1, step.slot_mapping, key[0])
-    v_cache.index_copy_(1, step.slot_mapping, value[0])
+    # A float16 cache beside float32 activations (model_runner.kv_cache_dtype) takes the
+    # keys and values rounded; reads come back in the activations' dtype.
+    k_cache.index_copy_(1, step.slot_mapping, key[0].to(k_cache.dtype))
+    v_cache.index_copy_(1, step.slot_mapping, value[0].to(v_cache.dtype))
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     if step.num_decodes:
         out[:step.num_decodes] = _decode_attention(query, k_cache, v_cache, step, scaling)
@@ -97,8 +99,8 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     q = query[0, :, :batch].reshape(kv_heads, groups, batch, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
     # index_select: 5.6x faster than advanced indexing for this gather (57 vs 317 us).
     flat = slots.reshape(-1)
-    k = k_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim)          # [Hkv, B, L, D]
-    v = v_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim)
+    k = k_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim).to(q.dtype)  # [Hkv, B, L, D]
+    v = v_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim).to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).float()                              # [Hkv, B, G, L]
     scores *= scaling if scaling is not None else head_dim ** -0.5
     if step.decode_padding is not None:
@@ -117,8 +119,8 @@ def _single_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     a layer for 16 requests), so they keep the batched matmuls."""
     kv_heads, head_dim = k_cache.shape[0], query.shape[3]
     q = query[0, :, :1].reshape(1, kv_heads, -1, head_dim)                   # [1, Hkv, G, D]
-    k = k_cache.index_select(1, slots).unsqueeze(0)                          # [1, Hkv, L, D]
-    v = v_cache.index_select(1, slots).unsqueeze(0)
+    k = k_cache.index_select(1, slots).unsqueeze(0).to(q.dtype)              # [1, Hkv, L, D]
+    v = v_cache.index_select(1, slots).unsqueeze(0).to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, scale=scaling)             # [1, Hkv, G, D]
     return out.reshape(1, -1, head_dim)                                      # [1, Hq, D]
 
@@ -133,8 +135,8 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         v = value[:, :, seg.start:seg.start + seg.length]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:
-        k = k_cache.index_select(1, seg.slots).unsqueeze(0)                  # [1, Hkv, L, D]
-        v = v_cache.index_select(1, seg.slots).unsqueeze(0)
+        k = k_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
+        v = v_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=gqa)
     return o[0].transpose(0, 1)                                              # [n, Hq, D]
 

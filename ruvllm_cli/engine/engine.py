@@ -19,7 +19,7 @@ from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
 from ruvllm_cli.engine.loader import LoadedModel, free_memory, load_model
 from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRAManager, read_adapter
-from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block
+from ruvllm_cli.engine.model_runner import ModelRunner, kv_bytes_per_block, kv_cache_dtype
 from ruvllm_cli.engine.output_processor import OutputProcessor
 from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
 from ruvllm_cli.engine.request import FinishReason, Request, RequestOptions
@@ -41,7 +41,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 4096, loaded.max_context)
         num_blocks = plan_num_blocks(loaded, config, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, loaded.dtype, config.block_size)
+        swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, kv_cache_dtype(loaded),
+                                                              config.block_size)
         self.swap_space = SwapSpace(swap_blocks) if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type), config.max_loras,
@@ -49,7 +50,8 @@ class LLMEngine:
             self.block_manager, self.swap_space)
         self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype,
-                                  self.lora, swap_blocks if self.swap_space is not None else 0, config.fused_decode)
+                                  self.lora, swap_blocks if self.swap_space is not None else 0, config.fused_decode,
+                                  kv_cache_dtype(loaded))
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,
@@ -292,7 +294,7 @@ class Completion:
 def plan_num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
     """KV blocks from the memory budget: --kv-cache-memory if given, else a share of
     free memory, capped by what max_num_seqs sequences of max_model_len can use."""
-    per_block = kv_bytes_per_block(loaded.model.config, loaded.dtype, config.block_size)
+    per_block = kv_bytes_per_block(loaded.model.config, kv_cache_dtype(loaded), config.block_size)
     if config.kv_cache_memory is not None:
         return max(1, config.kv_cache_memory // per_block)
     share = 0.9 if loaded.device.type == "cuda" else config.kv_cache_fraction

@@ -23,6 +23,7 @@ from ruvllm_cli.engine.kernels import DecodeKernel, decode_kernel
 
 FAMILIES = ("llama", "qwen2", "mistral")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # decode_step.c's kinds
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,12 @@ class DecodeBatch:
 class FusedDecoder:
     """Next-token logits [B, V] for a decode-only step, over the model's own modules."""
 
-    def __init__(self, model: Any, kernel: DecodeKernel, dtype: torch.dtype, block_size: int) -> None:
+    def __init__(self, model: Any, kernel: DecodeKernel, dtype: torch.dtype, block_size: int,
+                 kv_dtype: torch.dtype) -> None:
         inner, config = model.model, model.config
         self.kernel, self.block_size = kernel, block_size
         self.bf16 = int(dtype == torch.bfloat16)
+        self.kv = KV_KINDS[kv_dtype]
         self.embed, self.rotary, self.lm_head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.layers = list(inner.layers)
         self.final_norm = inner.norm
@@ -76,11 +79,11 @@ class FusedDecoder:
             keys, values = cache.keys[index], cache.values[index]
             self.kernel.rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
                                    self.q_heads, self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(),
-                                   keys.shape[1], batch.slots.data_ptr(), self.bf16)
+                                   keys.shape[1], batch.slots.data_ptr(), self.bf16, self.kv)
             self.kernel.attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
                                   batch.tables.data_ptr(), batch.tables.shape[1], batch.lengths.data_ptr(), rows,
                                   self.block_size, self.q_heads, self.kv_heads, self.head_dim, self.scaling,
-                                  attended.data_ptr(), self.bf16, threads)
+                                  attended.data_ptr(), self.bf16, self.kv, threads)
             self._add_norm(x, _out(attn["o_proj"], attended), after, h)
             gate = _out(mlp["gate_proj"], h)
             up = _out(mlp["up_proj"], h)
@@ -109,13 +112,16 @@ def _out(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return y if y.is_contiguous() else y.contiguous()
 
 
-def fused_decoder(model: Any, dtype: torch.dtype, device: torch.device, block_size: int) -> FusedDecoder | None:
+def fused_decoder(model: Any, dtype: torch.dtype, device: torch.device, block_size: int,
+                  kv_dtype: torch.dtype | None = None) -> FusedDecoder | None:
     """The fused decode step for this model, or None where it does not apply (another
     architecture or device, an unusual layer, no kernel: RUVLLM_COMPILE=0 or no compiler)."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not supported(model, dtype):
+    kv_dtype = kv_dtype or dtype
+    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or kv_dtype not in KV_KINDS
+            or not supported(model, dtype)):
         return None
     kernel = decode_kernel()
-    return None if kernel is None else FusedDecoder(model, kernel, dtype, block_size)
+    return None if kernel is None else FusedDecoder(model, kernel, dtype, block_size, kv_dtype)
 
 
 def supported(model: Any, dtype: torch.dtype) -> bool:

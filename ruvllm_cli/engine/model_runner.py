@@ -13,6 +13,7 @@ from ruvllm_cli.engine.loader import free_memory
 from ruvllm_cli.engine.lora import AdapterError, LoRAManager
 from ruvllm_cli.engine.request import Request
 from ruvllm_cli.engine.scheduler import ScheduledChunk
+from ruvllm_cli.quantization import Quantization
 
 
 def kv_layout(config: Any) -> tuple[int, int, int]:
@@ -25,6 +26,17 @@ def kv_layout(config: Any) -> tuple[int, int, int]:
 
 def kv_bytes_per_block(config: Any, dtype: torch.dtype, block_size: int) -> int:
     return block_size * PagedKVCache.bytes_per_slot(*kv_layout(config), dtype)
+
+
+def kv_cache_dtype(loaded: Any) -> torch.dtype:
+    """The KV cache's dtype: the activations', except where a quantized model runs float32
+    activations on a CPU (q8, and f16 on float16 weights): its keys and values are held in
+    float16, as llama.cpp holds them, half the bytes a decode step reads and the pool
+    keeps (docs/design.md, section 21). `-q none` keeps float32, the reference."""
+    if (loaded.device.type == "cpu" and loaded.dtype == torch.float32
+            and loaded.quantization in (Quantization.Q8_0, Quantization.F16)):
+        return torch.float16
+    return loaded.dtype
 
 
 def adapter_segments(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, int, int]]:
@@ -59,10 +71,12 @@ class ModelRunner:
 
     def __init__(self, model: Any, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, lora: LoRAManager | None = None, swap_blocks: int = 0,
-                 fused: bool = True) -> None:
+                 fused: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.kv_dtype = kv_dtype or dtype
         # Decode-only steps of Llama-family models on a CPU: our fused step (engine/fused.py).
-        self.fused: FusedDecoder | None = fused_decoder(model, dtype, device, block_size) if fused else None
+        self.fused: FusedDecoder | None = (fused_decoder(model, dtype, device, block_size, self.kv_dtype)
+                                           if fused else None)
         self.fused_steps = 0
         self.lora = lora
         self.scaling_cache: PagedKVCache | None = None   # X-LoRA's scaling pass (ensure_scaling_cache)
@@ -71,10 +85,10 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_layout(model.config)
         self.dtype = dtype
         self.cache = PagedKVCache(self.num_layers, num_blocks * block_size, self.num_kv_heads,
-                                  self.head_dim, self.dtype, device)
+                                  self.head_dim, self.kv_dtype, device)
         # Preemption by swap: a pool of its own in host memory (on a CPU, beside the cache).
         self.swap_pool = PagedKVCache(self.num_layers, swap_blocks * block_size, self.num_kv_heads, self.head_dim,
-                                      self.dtype, torch.device("cpu"), zeroed=False) if swap_blocks else None
+                                      self.kv_dtype, torch.device("cpu"), zeroed=False) if swap_blocks else None
 
     def ensure_scaling_cache(self) -> None:
         """The second KV pool X-LoRA's scaling pass writes (same block ids, same size)."""
@@ -86,7 +100,7 @@ class ModelRunner:
                 raise AdapterError(f"X-LoRA needs a second KV pool of {needed / 2**20:,.0f} MiB for its scaling "
                                    f"pass; {free / 2**20:,.0f} MiB is free (a smaller --kv-cache-memory leaves room)")
             self.scaling_cache = PagedKVCache(self.num_layers, keys.shape[1], self.num_kv_heads, self.head_dim,
-                                              self.dtype, self.device)
+                                              self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor | None, list[Request]]:

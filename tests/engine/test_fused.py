@@ -19,6 +19,7 @@ from ruvllm_cli.engine.fused import fused_decoder, supported
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.memory import kv_dtype_bytes
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 LENGTHS = (1, 5, 16, 17, 40, 70)   # one-block, block-edge and several-block contexts, uneven
@@ -73,6 +74,21 @@ def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_ti
     assert taken > 0 and first.shape == reference.shape
     assert (first - reference).abs().max().item() <= 0.03 * reference.abs().max().item()
     assert (first.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
+
+
+def test_q8_keeps_its_kv_cache_in_float16_and_both_paths_read_it_alike(make_tiny_model):
+    # float32 activations, float16 keys and values (model_runner.kv_cache_dtype): the
+    # fused kernels and the stock attention read the same rounded cache.
+    loaded = load_model(make_tiny_model(), "cpu", Quantization.Q8_0)
+    assert loaded.dtype == torch.float32
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.Q8_0))
+    assert engine.runner.cache.keys[0].dtype == torch.float16
+    assert kv_dtype_bytes(Quantization.Q8_0) == engine.runner.cache.keys[0].element_size()
+    fused_tokens, fused_steps, taken = run(loaded, fused=True, quantization=Quantization.Q8_0)
+    stock_tokens, stock_steps, _ = run(loaded, fused=False, quantization=Quantization.Q8_0)
+    assert fused_tokens == stock_tokens
+    assert taken == len(fused_steps) == GREEDY.max_tokens - 1
+    assert max((a - b).abs().max().item() for a, b in zip(fused_steps, stock_steps)) < 1e-4
 
 
 def test_a_prefix_hit_of_all_but_one_token_decodes_on_the_fused_path(make_tiny_model):

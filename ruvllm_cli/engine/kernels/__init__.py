@@ -82,9 +82,9 @@ class DecodeKernel:
         self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float,
                                                                                  ctypes.c_int])
         self.rope_store = _bind(library.ruvllm_rope_store, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
-                                + [_size, _pointer, ctypes.c_int])
+                                + [_size, _pointer, ctypes.c_int, ctypes.c_int])
         self.attention = _bind(library.ruvllm_decode_attention, [_pointer] * 3 + [_size, _pointer, _size, _pointer]
-                               + [_size] * 5 + [ctypes.c_float, _pointer, ctypes.c_int, ctypes.c_int])
+                               + [_size] * 5 + [ctypes.c_float, _pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int])
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size, ctypes.c_int, ctypes.c_int])
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
                                                                ctypes.c_int])

@@ -2,7 +2,8 @@
  * calls a layer (engine/fused.py): residual add + RMSNorm, RoPE of q and k + the KV
  * cache write, attention over each request's cache blocks, SiLU(gate) * up.
  *
- * Activations are float32 or bfloat16 (`bf16` flag); arithmetic is float32. In bfloat16
+ * Activations are float32 or bfloat16 (`bf16` flag), the KV cache float32, bfloat16 or
+ * float16 (`kv`: float16 beside float32 activations); arithmetic is float32. In bfloat16
  * every value transformers rounds (after each elementwise op) is rounded here at the
  * same point, so the residual stream and RoPE match it; RMSNorm and softmax sum in
  * another order, and the attention keeps its scores in float32 where transformers
@@ -33,32 +34,44 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* n values of a float32 or bfloat16 array from `start`, into float32. */
-static void load_row(const void *src, i64 start, i64 n, int bf16, float *dst) {
-    if (!bf16) {
+/* The dtype of an array: 0 float32, 1 bfloat16, 2 float16 (a KV cache beside float32
+ * activations). Activations are float32 or bfloat16 only. */
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* n values of an array of `kind` from `start`, into float32. */
+static void load_row(const void *src, i64 start, i64 n, int kind, float *dst) {
+    if (kind == F32) {
         memcpy(dst, (const float *)src + start, (size_t)n * 4);
         return;
     }
     const uint16_t *s = (const uint16_t *)src + start;
-    for (i64 i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
+    if (kind == F16)
+        for (i64 i = 0; i < n; ++i) dst[i] = _cvtsh_ss(s[i]);
+    else
+        for (i64 i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
 }
 
-static void store_row(const float *src, i64 n, int bf16, void *dst, i64 start) {
-    if (!bf16) {
+/* n float32 values into an array of `kind` from `start`, rounded to nearest even. */
+static void store_row(const float *src, i64 n, int kind, void *dst, i64 start) {
+    if (kind == F32) {
         memcpy((float *)dst + start, src, (size_t)n * 4);
         return;
     }
     uint16_t *d = (uint16_t *)dst + start;
-    for (i64 i = 0; i < n; ++i) d[i] = bf16_round(src[i]);
+    if (kind == F16)
+        for (i64 i = 0; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+    else
+        for (i64 i = 0; i < n; ++i) d[i] = bf16_round(src[i]);
 }
 
 /* A value as the activation dtype holds it: rounded to bfloat16, or as is. */
 static inline float held(float v, int bf16) { return bf16 ? bf16_load(bf16_round(v)) : v; }
 
-/* Eight values of a cache row as float32. */
-static inline __m256 load8(const void *base, i64 at, int bf16) {
-    if (!bf16) return _mm256_loadu_ps((const float *)base + at);
+/* Eight values of an array of `kind` as float32. */
+static inline __m256 load8(const void *base, i64 at, int kind) {
+    if (kind == F32) return _mm256_loadu_ps((const float *)base + at);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    if (kind == F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
@@ -145,13 +158,13 @@ static void rope_row(float *x, i64 heads, i64 dim, const float *cos, const float
 }
 
 /* RoPE of q (in place) and k, then k and v written to each row's cache slot. q: [T, Hq*D],
- * k and v: [T, Hkv*D], cos/sin: [T, D]; caches [Hkv, cache_slots, D]. */
+ * k and v: [T, Hkv*D], cos/sin: [T, D]; caches [Hkv, cache_slots, D] of `kv` kind. */
 void ruvllm_rope_store(void *q, const void *k, const void *v, const void *cos, const void *sin,
                        i64 rows, i64 q_heads, i64 kv_heads, i64 dim, void *k_cache, void *v_cache,
-                       i64 cache_slots, const i64 *slots, int bf16) {
+                       i64 cache_slots, const i64 *slots, int bf16, int kv) {
     const i64 qw = q_heads * dim, kw = kv_heads * dim;
-    float *buf = malloc((size_t)(qw + kw + 2 * dim) * sizeof(float));
-    float *kb = buf + qw, *c = kb + kw, *s = c + dim;
+    float *buf = malloc((size_t)(qw + 2 * kw + 2 * dim) * sizeof(float));
+    float *kb = buf + qw, *vb = kb + kw, *c = vb + kw, *s = c + dim;
     const size_t item = bf16 ? 2 : 4;
     for (i64 t = 0; t < rows; ++t) {
         load_row(cos, t * dim, dim, bf16, c);
@@ -161,10 +174,14 @@ void ruvllm_rope_store(void *q, const void *k, const void *v, const void *cos, c
         store_row(buf, qw, bf16, q, t * qw);
         load_row(k, t * kw, kw, bf16, kb);
         rope_row(kb, kv_heads, dim, c, s, bf16);
+        if (kv != bf16) load_row(v, t * kw, kw, bf16, vb);
         for (i64 h = 0; h < kv_heads; ++h) {
             const i64 at = (h * cache_slots + slots[t]) * dim;
-            store_row(kb + h * dim, dim, bf16, k_cache, at);
-            memcpy((char *)v_cache + at * item, (const char *)v + (t * kw + h * dim) * item, (size_t)dim * item);
+            store_row(kb + h * dim, dim, kv, k_cache, at);
+            if (kv == bf16)   /* the activations' own dtype: copied as they are */
+                memcpy((char *)v_cache + at * item, (const char *)v + (t * kw + h * dim) * item, (size_t)dim * item);
+            else
+                store_row(vb + h * dim, dim, kv, v_cache, at);
         }
     }
     free(buf);
@@ -179,12 +196,12 @@ static inline __m256 hsum8(const __m256 a[8]) {
 
 /* q . k * scale for the eight keys at `rows` of one query head: eight independent sums
  * advancing together (one chain of dependent FMAs per key would wait on latency). */
-static inline __attribute__((always_inline)) __m256 scores8(const float *qf, i64 dim, const void *k_cache, const i64 *rows, int bf16, __m256 scale) {
+static inline __attribute__((always_inline)) __m256 scores8(const float *qf, i64 dim, const void *k_cache, const i64 *rows, int kv, __m256 scale) {
     __m256 acc[8];
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
     for (i64 d = 0; d < dim; d += 8) {
         const __m256 query = _mm256_loadu_ps(qf + d);
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(query, load8(k_cache, rows[r] + d, bf16), acc[r]);
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(query, load8(k_cache, rows[r] + d, kv), acc[r]);
     }
     return _mm256_mul_ps(hsum8(acc), scale);
 }
@@ -210,19 +227,19 @@ static void softmax(float *p, i64 n) {
 /* out[0, width) = sum over j of p[j] * (value row j)[d0, d0 + width), width <= 64: up
  * to eight accumulators, kept in registers by the constant trip count of the full case. */
 static inline __attribute__((always_inline)) void weighted_values(
-        const float *p, i64 length, const void *v_cache, const i64 *rows, i64 d0, i64 width, int bf16, float *out) {
+        const float *p, i64 length, const void *v_cache, const i64 *rows, i64 d0, i64 width, int kv, float *out) {
     __m256 acc[8];
     for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
     if (width == 64) {
         for (i64 j = 0; j < length; ++j) {
             const __m256 weight = _mm256_set1_ps(p[j]);
-            for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(weight, load8(v_cache, rows[j] + d0 + 8 * v, bf16), acc[v]);
+            for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(weight, load8(v_cache, rows[j] + d0 + 8 * v, kv), acc[v]);
         }
     } else {
         for (i64 j = 0; j < length; ++j) {
             const __m256 weight = _mm256_set1_ps(p[j]);
             for (i64 v = 0; v < width / 8; ++v)
-                acc[v] = _mm256_fmadd_ps(weight, load8(v_cache, rows[j] + d0 + 8 * v, bf16), acc[v]);
+                acc[v] = _mm256_fmadd_ps(weight, load8(v_cache, rows[j] + d0 + 8 * v, kv), acc[v]);
         }
     }
     for (i64 v = 0; v < width / 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
@@ -233,12 +250,12 @@ static inline __attribute__((always_inline)) void weighted_values(
  * float32; rows: each token's offset in the caches, padded to a multiple of 8 with
  * token 0's; scores: [G, padded]; out: [G, D] float32. dim % 8 == 0. */
 static inline __attribute__((always_inline)) void attend(const float *qf, i64 groups, i64 dim, const void *k_cache, const void *v_cache,
-                   const i64 *rows, i64 length, float scale, int bf16, float *scores, float *out) {
+                   const i64 *rows, i64 length, float scale, int kv, float *scores, float *out) {
     const i64 padded = (length + 7) / 8 * 8;
     const __m256 scaled = _mm256_set1_ps(scale);
     for (i64 j = 0; j < padded; j += 8)   /* eight keys stay in L1 for the G heads */
         for (i64 g = 0; g < groups; ++g)
-            _mm256_storeu_ps(scores + g * padded + j, scores8(qf + g * dim, dim, k_cache, rows + j, bf16, scaled));
+            _mm256_storeu_ps(scores + g * padded + j, scores8(qf + g * dim, dim, k_cache, rows + j, kv, scaled));
     for (i64 g = 0; g < groups; ++g) {
         float *p = scores + g * padded;
         for (i64 j = length; j < padded; ++j) p[j] = -INFINITY;
@@ -246,17 +263,17 @@ static inline __attribute__((always_inline)) void attend(const float *qf, i64 gr
     }
     for (i64 g = 0; g < groups; ++g)
         for (i64 d0 = 0; d0 < dim; d0 += 64)
-            weighted_values(scores + g * padded, length, v_cache, rows, d0, dim - d0 < 64 ? dim - d0 : 64, bf16,
+            weighted_values(scores + g * padded, length, v_cache, rows, d0, dim - d0 < 64 ? dim - d0 : 64, kv,
                             out + g * dim + d0);
 }
 
 /* One query row per request over its cached tokens. q, out: [B, Hq, D]; caches
- * [Hkv, cache_slots, D]; tables [B, width] block ids; lengths [B] tokens cached
- * (the new one included). One task per (request, KV head). */
+ * [Hkv, cache_slots, D] of `kv` kind; tables [B, width] block ids; lengths [B] tokens
+ * cached (the new one included). One task per (request, KV head). */
 void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_cache, i64 cache_slots,
                              const int32_t *tables, i64 width, const int32_t *lengths, i64 batch,
                              i64 block_size, i64 q_heads, i64 kv_heads, i64 dim, float scale,
-                             void *out, int bf16, int threads) {
+                             void *out, int bf16, int kv, int threads) {
     const i64 groups = q_heads / kv_heads, tasks = batch * kv_heads;
     i64 longest = 0;
     for (i64 b = 0; b < batch; ++b) longest = lengths[b] > longest ? lengths[b] : longest;
@@ -278,10 +295,12 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
             }
             for (i64 j = length; j < padded; ++j) rows[j] = rows[0];
             load_row(q, at, groups * dim, bf16, qf);
-            if (bf16)   /* a constant flag inside: no dtype test per load */
-                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, 1, work, acc);
+            if (kv == F32)   /* a constant kind inside: no dtype test per load */
+                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, F32, work, acc);
+            else if (kv == BF16)
+                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, BF16, work, acc);
             else
-                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, 0, work, acc);
+                attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, F16, work, acc);
             store_row(acc, groups * dim, bf16, out, at);
         }
         free(rows);
