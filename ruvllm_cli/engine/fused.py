@@ -46,6 +46,7 @@ class FusedDecoder:
         self.kernel, self.block_size = kernel, block_size
         self.bf16 = int(dtype == torch.bfloat16)
         self.kv = KV_KINDS[kv_dtype]
+        self.threads = torch.get_num_threads()   # read again each step
         self.embed, self.rotary, self.lm_head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.layers = list(inner.layers)
         self.final_norm = inner.norm
@@ -72,7 +73,7 @@ class FusedDecoder:
         h = torch.empty_like(x)
         attended = x.new_empty(rows, self.q_heads * self.head_dim)
         delta = None
-        threads = torch.get_num_threads()
+        threads = self.threads = torch.get_num_threads()
         for index, ((before, after), (attn, mlp)) in enumerate(zip(self.norms, self.modules)):
             self._add_norm(x, delta, before, h)
             q, k, v = _out(attn["q_proj"], h), _out(attn["k_proj"], h), _out(attn["v_proj"], h)
@@ -96,7 +97,7 @@ class FusedDecoder:
                   out: torch.Tensor) -> None:
         """x += delta (in place), out = norm(x); `norm`: its weight and eps."""
         self.kernel.add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), norm[0].data_ptr(),
-                                 out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16)
+                                 out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16, self.threads)
 
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:

@@ -80,7 +80,7 @@ class DecodeKernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float,
-                                                                                 ctypes.c_int])
+                                                                                 ctypes.c_int, ctypes.c_int])
         self.rope_store = _bind(library.ruvllm_rope_store, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
                                 + [_size, _pointer, ctypes.c_int, ctypes.c_int])
         self.attention = _bind(library.ruvllm_decode_attention, [_pointer] * 3 + [_size, _pointer, _size, _pointer]

@@ -98,29 +98,35 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
- * transformers' order: x * rsqrt(mean(x^2) + eps), held in the dtype, times the weight. */
+ * transformers' order: x * rsqrt(mean(x^2) + eps), held in the dtype, times the weight.
+ * Rows split over the threads from four rows on. */
 void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out,
-                         i64 rows, i64 width, float eps, int bf16) {
-    float *row = malloc((size_t)width * 3 * sizeof(float));
-    float *add = row + width, *w = row + 2 * width;
-    load_row(weight, 0, width, bf16, w);
-    for (i64 r = 0; r < rows; ++r) {
-        load_row(x, r * width, width, bf16, row);
-        if (delta != NULL) {
-            load_row(delta, r * width, width, bf16, add);
-            for (i64 i = 0; i < width; ++i) row[i] = held(row[i] + add[i], bf16);
-            store_row(row, width, bf16, x, r * width);
+                         i64 rows, i64 width, float eps, int bf16, int threads) {
+    #pragma omp parallel num_threads(threads) if (rows >= 4)
+    {
+        float *row = malloc((size_t)width * 3 * sizeof(float));
+        float *add = row + width, *w = row + 2 * width;
+        load_row(weight, 0, width, bf16, w);
+        #pragma omp for schedule(static)
+        for (i64 r = 0; r < rows; ++r) {
+            load_row(x, r * width, width, bf16, row);
+            if (delta != NULL) {
+                load_row(delta, r * width, width, bf16, add);
+                for (i64 i = 0; i < width; ++i) row[i] = held(row[i] + add[i], bf16);
+                store_row(row, width, bf16, x, r * width);
+            }
+            __m256 squares = _mm256_setzero_ps();
+            i64 i = 0;
+            for (; i + 8 <= width; i += 8)
+                squares = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i), squares);
+            float sum = hsum(squares);
+            for (; i < width; ++i) sum += row[i] * row[i];
+            const float inv = 1.0f / sqrtf(sum / (float)width + eps);
+            for (i64 i = 0; i < width; ++i) row[i] = w[i] * held(row[i] * inv, bf16);
+            store_row(row, width, bf16, out, r * width);
         }
-        __m256 squares = _mm256_setzero_ps();
-        i64 i = 0;
-        for (; i + 8 <= width; i += 8) squares = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(row + i), squares);
-        float sum = hsum(squares);
-        for (; i < width; ++i) sum += row[i] * row[i];
-        const float inv = 1.0f / sqrtf(sum / (float)width + eps);
-        for (i64 i = 0; i < width; ++i) row[i] = w[i] * held(row[i] * inv, bf16);
-        store_row(row, width, bf16, out, r * width);
+        free(row);
     }
-    free(row);
 }
 
 /* Eight values as the activation dtype holds them (`held`, vectorized). */
@@ -311,9 +317,9 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
 /* gate = SiLU(gate) * up, elementwise over count values (a multiple of 8), as
  * transformers computes it: silu(g) = g / (1 + exp(-g)), held, times up, held. */
 void ruvllm_silu_mul(void *gate, const void *up, i64 count, int bf16, int threads) {
-    const i64 chunk = 4096;
+    const i64 chunk = 1024;   /* a one-row step's 4,864 values still split over the threads */
     const i64 chunks = (count + chunk - 1) / chunk;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 4)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
     for (i64 c = 0; c < chunks; ++c) {
         float g[chunk], u[chunk];
         const i64 start = c * chunk, n = count - start < chunk ? count - start : chunk;
