@@ -74,17 +74,18 @@ class FusedDecoder:
         attended = x.new_empty(rows, self.q_heads * self.head_dim)
         delta = None
         threads = self.threads = torch.get_num_threads()
+        # The step's fixed addresses, read once.
+        cos_at, sin_at, attended_at = cos.data_ptr(), sin.data_ptr(), attended.data_ptr()
+        slots_at, tables_at, lengths_at = batch.slots.data_ptr(), batch.tables.data_ptr(), batch.lengths.data_ptr()
+        width = batch.tables.shape[1]
         for index, ((before, after), (attn, mlp)) in enumerate(zip(self.norms, self.modules)):
             self._add_norm(x, delta, before, h)
             q, k, v = _out(attn["q_proj"], h), _out(attn["k_proj"], h), _out(attn["v_proj"], h)
             keys, values = cache.keys[index], cache.values[index]
-            self.kernel.rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
-                                   self.q_heads, self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(),
-                                   keys.shape[1], batch.slots.data_ptr(), self.bf16, self.kv)
-            self.kernel.attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
-                                  batch.tables.data_ptr(), batch.tables.shape[1], batch.lengths.data_ptr(), rows,
-                                  self.block_size, self.q_heads, self.kv_heads, self.head_dim, self.scaling,
-                                  attended.data_ptr(), self.bf16, self.kv, threads)
+            self.kernel.rope_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos_at, sin_at, rows, self.q_heads,
+                                    self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(), keys.shape[1],
+                                    slots_at, tables_at, width, lengths_at, self.block_size, self.scaling,
+                                    attended_at, self.bf16, self.kv, threads)
             self._add_norm(x, _out(attn["o_proj"], attended), after, h)
             gate = _out(mlp["gate_proj"], h)
             up = _out(mlp["up_proj"], h)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
+from ruvllm_cli.engine.kernels import int4_unpack_kernel
 from ruvllm_cli.quantization import Quantization, int4_fits
 
 INT4_GROUP = 128      # weights per scale/zero group (llama.cpp's Q4_K uses 32-weight sub-blocks)
@@ -414,6 +415,13 @@ class Int4Embedding(nn.Module):
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        kernel = int4_unpack_kernel() if ids.device.type == "cpu" and self.embedding_dim % 2 == 0 else None
+        if kernel is not None:   # the same bits in one call (a decode step's single id: 35 -> a few us)
+            flat = ids.reshape(-1).to(torch.int64).contiguous()
+            out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.bfloat16)
+            kernel.embedding(self.packed.data_ptr(), self.scales.data_ptr(), self.lows.data_ptr(), flat.data_ptr(),
+                             flat.numel(), self.embedding_dim, self.group_size, out.data_ptr())
+            return out.view(*ids.shape, self.embedding_dim)
         packed = self.packed[ids]
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
         groups = codes.reshape(*ids.shape, -1, self.group_size).to(torch.bfloat16)

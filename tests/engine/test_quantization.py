@@ -231,3 +231,19 @@ def test_int4_codes_round_trip():
     scales, zeros = sz[..., 0].float().T, sz[..., 1].float().T          # [N, groups]
     deq = (q.reshape(16, 2, 128).float() - 8) * scales[..., None] + zeros[..., None]
     assert (deq.reshape(16, 256) - weight).abs().max() <= scales.max() * 0.51 + 1e-3
+
+
+@pytest.mark.parametrize("dim, group", [(896, 128), (96, 32), (64, 64)])
+def test_int4_embedding_lookup_in_c_gives_the_torch_ops_bits(dim, group, monkeypatch):
+    from ruvllm_cli.engine import kernels, quantize
+
+    if kernels.int4_unpack_kernel() is None:
+        pytest.skip("needs a C compiler")
+    torch.manual_seed(dim)
+    table = torch.nn.Embedding(300, dim)
+    table.weight.data = (table.weight.data * 3).bfloat16()
+    layer = Int4Embedding(table, group)
+    ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
+    in_c = layer(ids)
+    monkeypatch.setattr(quantize, "int4_unpack_kernel", lambda: None)
+    assert in_c.shape == (2, 3, dim) and torch.equal(in_c, layer(ids))

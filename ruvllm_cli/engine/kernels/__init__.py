@@ -67,11 +67,13 @@ class Bf16Kernel:
 
 
 class Int4UnpackKernel:
-    """`ruvllm_int4_unpack` from int4_unpack.c: torch's packed int4 rows to float32."""
+    """int4_unpack.c: torch's packed int4 rows to float32 (`unpack`), and the rows of
+    an int4 embedding table looked up (`embedding`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.unpack = _bind(library.ruvllm_int4_unpack, [_pointer, _size, _size, _size, _pointer, _pointer, _pointer,
                                                          _size, _size, _size, _pointer, ctypes.c_int])
+        self.embedding = _bind(library.ruvllm_int4_embedding, [_pointer] * 4 + [_size] * 3 + [_pointer])
 
 
 class DecodeKernel:
@@ -81,10 +83,9 @@ class DecodeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float,
                                                                                  ctypes.c_int, ctypes.c_int])
-        self.rope_store = _bind(library.ruvllm_rope_store, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
-                                + [_size, _pointer, ctypes.c_int, ctypes.c_int])
-        self.attention = _bind(library.ruvllm_decode_attention, [_pointer] * 3 + [_size, _pointer, _size, _pointer]
-                               + [_size] * 5 + [ctypes.c_float, _pointer, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+        self.rope_attend = _bind(library.ruvllm_rope_attend, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
+                                 + [_size, _pointer, _pointer, _size, _pointer, _size, ctypes.c_float, _pointer]
+                                 + [ctypes.c_int] * 3)
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size, ctypes.c_int, ctypes.c_int])
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
                                                                ctypes.c_int])

@@ -382,3 +382,14 @@ void ruvllm_argmax_rows(const void *x, i64 rows, i64 n, int bf16, i64 *out, int 
         out[r] = bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
     }
 }
+
+/* ruvllm_rope_store, then ruvllm_decode_attention over the same rows: one call a layer
+ * from Python instead of two (each ctypes call converts its arguments one by one). */
+void ruvllm_rope_attend(void *q, const void *k, const void *v, const void *cos, const void *sin, i64 rows,
+                        i64 q_heads, i64 kv_heads, i64 dim, void *k_cache, void *v_cache, i64 cache_slots,
+                        const i64 *slots, const int32_t *tables, i64 width, const int32_t *lengths, i64 block_size,
+                        float scale, void *out, int bf16, int kv, int threads) {
+    ruvllm_rope_store(q, k, v, cos, sin, rows, q_heads, kv_heads, dim, k_cache, v_cache, cache_slots, slots, bf16, kv);
+    ruvllm_decode_attention(q, k_cache, v_cache, cache_slots, tables, width, lengths, rows, block_size, q_heads,
+                            kv_heads, dim, scale, out, bf16, kv, threads);
+}

@@ -47,3 +47,30 @@ void ruvllm_int4_unpack(const uint8_t *packed, int64_t N, int64_t K, int64_t blo
         }
     }
 }
+
+/* Round to nearest even, as torch converts (NaN stays a quiet NaN). */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Rows of an int4 embedding table (quantize.Int4Embedding: byte i of a row holds values
+ * 2i and 2i + 1 in its low and high nibbles; a bfloat16 scale and low per group) for
+ * `count` token ids, as bfloat16 [count, K]: code * scale rounded to bfloat16, plus low,
+ * rounded again, as the module's torch ops compute it (35 us for one id, 11 calls). */
+void ruvllm_int4_embedding(const uint8_t *packed, const uint16_t *scales, const uint16_t *lows, const int64_t *ids,
+                           int64_t count, int64_t K, int64_t group, uint16_t *out) {
+    const int64_t groups = K / group;
+    for (int64_t r = 0; r < count; ++r) {
+        const uint8_t *row = packed + ids[r] * (K / 2);
+        const uint16_t *scale = scales + ids[r] * groups, *low = lows + ids[r] * groups;
+        uint16_t *dst = out + r * K;
+        for (int64_t k = 0; k < K; ++k) {
+            const float code = (float)(k % 2 ? row[k / 2] >> 4 : row[k / 2] & 0xF);
+            const float product = bf16_value(bf16_round(code * bf16_value(scale[k / group])));
+            dst[k] = bf16_round(product + bf16_value(low[k / group]));
+        }
+    }
+}
