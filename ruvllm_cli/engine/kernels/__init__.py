@@ -24,6 +24,7 @@ from typing import Any, Callable, TypeVar
 
 K = TypeVar("K")
 COMPILE_ENV = "RUVLLM_COMPILE"   # "0": no kernels of our own
+HEADER = "common.h"   # included by every kernel file: built beside it, hashed with it
 # No contraction of a * b + c into one FMA: the int8 epilogue must round as torch does.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 CPU_FLAGS = ("avx2", "fma", "f16c")
@@ -162,14 +163,15 @@ def _library(name: str, what: str, fallback: str, flags: tuple[str, ...] = FLAGS
     CPU lacks the instructions or RUVLLM_COMPILE=0."""
     if os.environ.get(COMPILE_ENV, "1") == "0" or not cpu_has(cpu_flags):
         return None
-    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+    files = resources.files(__package__)
+    source, header = files.joinpath(f"{name}.c").read_bytes(), files.joinpath(HEADER).read_bytes()
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         _say(f"no C compiler (cc or gcc) found: {fallback}")
         return None
-    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + header + " ".join(flags).encode()).hexdigest()[:16]
     path = kernels_dir() / f"{name}-{key}.so"
-    if not path.is_file() and not _build(compiler, source, path, what, fallback, flags):
+    if not path.is_file() and not _build(compiler, source, header, path, what, fallback, flags):
         return None
     try:
         return ctypes.CDLL(str(path))
@@ -191,7 +193,8 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
     return all(flag in present for flag in flags)
 
 
-def _build(compiler: str, source: bytes, path: Path, what: str, fallback: str, flags: tuple[str, ...]) -> bool:
+def _build(compiler: str, source: bytes, header: bytes, path: Path, what: str, fallback: str,
+           flags: tuple[str, ...]) -> bool:
     """Compile into a temporary file renamed into place: a reader never sees half a library."""
     _say(f"building ruvllm's {what} kernel (once; about a second)")
     try:
@@ -199,6 +202,7 @@ def _build(compiler: str, source: bytes, path: Path, what: str, fallback: str, f
         with tempfile.TemporaryDirectory(dir=path.parent) as work:
             c_file, so_file = Path(work) / path.with_suffix(".c").name, Path(work) / path.name
             c_file.write_bytes(source)
+            (Path(work) / HEADER).write_bytes(header)
             done = subprocess.run([compiler, *flags, "-o", str(so_file), str(c_file)],
                                   capture_output=True, text=True, timeout=120)
             if done.returncode != 0:

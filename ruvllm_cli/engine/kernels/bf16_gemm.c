@@ -18,14 +18,9 @@
 #include <string.h>
 #include <omp.h>
 
-#define AHEAD 16384  /* software prefetch distance along the weights (4096 read 2-3% slower at one row) */
+#include "common.h"
 
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+#define AHEAD 16384  /* software prefetch distance along the weights (4096 read 2-3% slower at one row) */
 
 /* Rows of x [M, K] as float32 in xf, each 32-value chunk as its 16 even values then its
  * 16 odd ones: the order in which `tile` widens the weights. */

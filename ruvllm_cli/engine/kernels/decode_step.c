@@ -17,22 +17,9 @@
 #include <string.h>
 #include <omp.h>
 
+#include "common.h"
+
 typedef int64_t i64;
-
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch converts (NaN stays a quiet NaN). */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The dtype of an array: 0 float32, 1 bfloat16, 2 float16 (a KV cache beside float32
  * activations). Activations are float32 or bfloat16 only. */
@@ -73,13 +60,6 @@ static inline __m256 load8(const void *base, i64 at, int kind) {
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
     if (kind == F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
 }
 
 /* exp(x) for eight floats: 2^n * e^r with |r| <= ln2/2, r's series to degree 7

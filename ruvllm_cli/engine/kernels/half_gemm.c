@@ -12,17 +12,12 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "common.h"
+
 #define ROWS 4
 /* Software prefetch distance, in bytes, along the weight rows (a thread's rows are
  * contiguous, so it runs on into the next): as in int8_gemm.c (design.md, 19 and 20). */
 #define AHEAD 4096
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
 
 static inline __m256 load_half(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));

@@ -11,12 +11,7 @@
 #include <string.h>
 #include <omp.h>
 
-static inline float bf16_value(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "common.h"
 
 /* Rows [start, start + rows) of an [N, K] weight (start and rows multiples of block)
  * into out [rows, K]; scales_and_zeros: [K / group, N, 2] bfloat16. Each output row is
@@ -35,8 +30,8 @@ void ruvllm_int4_unpack(const uint8_t *packed, int64_t N, int64_t K, int64_t blo
             float *row_lo = out + (b * block + lo) * K, *row_hi = out + (b * block + hi) * K;
             for (int64_t g = 0; g * group < K; ++g) {
                 const uint16_t *sz = scales_and_zeros + (g * N + first) * 2;
-                const float scale_lo = bf16_value(sz[2 * lo]), zero_lo = bf16_value(sz[2 * lo + 1]);
-                const float scale_hi = bf16_value(sz[2 * hi]), zero_hi = bf16_value(sz[2 * hi + 1]);
+                const float scale_lo = bf16_load(sz[2 * lo]), zero_lo = bf16_load(sz[2 * lo + 1]);
+                const float scale_hi = bf16_load(sz[2 * hi]), zero_hi = bf16_load(sz[2 * hi + 1]);
                 const int64_t end = (g + 1) * group < K ? (g + 1) * group : K;
                 for (int64_t k = g * group; k < end; ++k) {
                     const uint8_t byte = bytes[k * half];
@@ -46,14 +41,6 @@ void ruvllm_int4_unpack(const uint8_t *packed, int64_t N, int64_t K, int64_t blo
             }
         }
     }
-}
-
-/* Round to nearest even, as torch converts (NaN stays a quiet NaN). */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Rows of an int4 embedding table (quantize.Int4Embedding: byte i of a row holds values
@@ -69,8 +56,8 @@ void ruvllm_int4_embedding(const uint8_t *packed, const uint16_t *scales, const 
         uint16_t *dst = out + r * K;
         for (int64_t k = 0; k < K; ++k) {
             const float code = (float)(k % 2 ? row[k / 2] >> 4 : row[k / 2] & 0xF);
-            const float product = bf16_value(bf16_round(code * bf16_value(scale[k / group])));
-            dst[k] = bf16_round(product + bf16_value(low[k / group]));
+            const float product = bf16_load(bf16_round(code * bf16_load(scale[k / group])));
+            dst[k] = bf16_round(product + bf16_load(low[k / group]));
         }
     }
 }
