@@ -93,11 +93,11 @@ class OpenedEngine:
 
     def kv_summary(self) -> str:
         """The KV pool: its memory, the tokens it holds, and what sized it."""
-        from ruvllm_cli.engine.model_runner import kv_bytes_per_block, kv_cache_dtype
+        from ruvllm_cli.engine.model_runner import kv_bytes_per_block
 
         engine, loaded = self.engine, self.loaded
         blocks = engine.block_manager.num_blocks
-        size = blocks * kv_bytes_per_block(loaded.model.config, kv_cache_dtype(loaded), engine.config.block_size)
+        size = blocks * kv_bytes_per_block(loaded.model.config, engine.runner.kv_dtype, engine.config.block_size)
         tokens = blocks * engine.config.block_size
         if engine.config.kv_cache_memory is not None:
             source = "--kv-cache-memory"

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.dense_gemm import blockwise_gemm
-from ruvllm_cli.engine.half import scratch_buffer
+from ruvllm_cli.engine.half import kernel_rows, scratch_buffer
 from ruvllm_cli.engine.kernels import Bf16Kernel, bf16_kernel
 
 BLOCK = 32   # the kernel reads 32 values a step: K must be a multiple
@@ -38,9 +38,7 @@ class Bf16Linear(nn.Module):
         self._kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
-            rows = rows.to(torch.bfloat16).contiguous()
+        rows = kernel_rows(x, self.in_features, torch.bfloat16)
         count = rows.shape[0]
         if count >= GEMM_ROWS:
             out = self._gemm(rows)

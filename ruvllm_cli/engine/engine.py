@@ -41,8 +41,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or 4096, loaded.max_context)
         num_blocks = plan_num_blocks(loaded, config, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, kv_cache_dtype(loaded),
-                                                              config.block_size)
+        kv_dtype = kv_cache_dtype(loaded)
+        swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, kv_dtype, config.block_size)
         self.swap_space = SwapSpace(swap_blocks) if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type), config.max_loras,
@@ -51,7 +51,7 @@ class LLMEngine:
         self.lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank, loaded.dtype, loaded.device)
         self.runner = ModelRunner(loaded.model, num_blocks, config.block_size, loaded.device, loaded.dtype,
                                   self.lora, swap_blocks if self.swap_space is not None else 0, config.fused_decode,
-                                  kv_cache_dtype(loaded))
+                                  kv_dtype)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,

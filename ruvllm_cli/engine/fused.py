@@ -23,7 +23,8 @@ from ruvllm_cli.engine.kernels import DecodeKernel, decode_kernel
 
 FAMILIES = ("llama", "qwen2", "mistral")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # decode_step.c's kinds
+# decode_step.c's array kinds (caches, activations, logits)
+DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,10 @@ class FusedDecoder:
         inner, config = model.model, model.config
         self.kernel, self.block_size = kernel, block_size
         self.bf16 = int(dtype == torch.bfloat16)
-        self.kv = KV_KINDS[kv_dtype]
-        self.threads = torch.get_num_threads()   # read again each step
+        self.kv = DTYPE_KINDS[kv_dtype]
         self.embed, self.rotary, self.lm_head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.layers = list(inner.layers)
-        self.final_norm = inner.norm
+        self.final_norm = _norm_args(inner.norm)
         # What a step reads of each layer, looked up once: the norms' weights and eps, and
         # the attention's and MLP's module dicts, read at each call (an adapter installed
         # later replaces a linear module in its dict). Module.__getattr__ and __call__ cost
@@ -73,32 +73,32 @@ class FusedDecoder:
         h = torch.empty_like(x)
         attended = x.new_empty(rows, self.q_heads * self.head_dim)
         delta = None
-        threads = self.threads = torch.get_num_threads()
+        threads = torch.get_num_threads()
         # The step's fixed addresses, read once.
         cos_at, sin_at, attended_at = cos.data_ptr(), sin.data_ptr(), attended.data_ptr()
         slots_at, tables_at, lengths_at = batch.slots.data_ptr(), batch.tables.data_ptr(), batch.lengths.data_ptr()
         width = batch.tables.shape[1]
         for index, ((before, after), (attn, mlp)) in enumerate(zip(self.norms, self.modules)):
-            self._add_norm(x, delta, before, h)
+            self._add_norm(x, delta, before, h, threads)
             q, k, v = _out(attn["q_proj"], h), _out(attn["k_proj"], h), _out(attn["v_proj"], h)
             keys, values = cache.keys[index], cache.values[index]
             self.kernel.rope_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos_at, sin_at, rows, self.q_heads,
                                     self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(), keys.shape[1],
                                     slots_at, tables_at, width, lengths_at, self.block_size, self.scaling,
                                     attended_at, self.bf16, self.kv, threads)
-            self._add_norm(x, _out(attn["o_proj"], attended), after, h)
+            self._add_norm(x, _out(attn["o_proj"], attended), after, h, threads)
             gate = _out(mlp["gate_proj"], h)
             up = _out(mlp["up_proj"], h)
             self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, threads)
             delta = _out(mlp["down_proj"], gate)
-        self._add_norm(x, delta, _norm_args(self.final_norm), h)
+        self._add_norm(x, delta, self.final_norm, h, threads)
         return self.lm_head(h)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: tuple[torch.Tensor, float],
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor, threads: int) -> None:
         """x += delta (in place), out = norm(x); `norm`: its weight and eps."""
         self.kernel.add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), norm[0].data_ptr(),
-                                 out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16, self.threads)
+                                 out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16, threads)
 
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:
@@ -119,7 +119,7 @@ def fused_decoder(model: Any, dtype: torch.dtype, device: torch.device, block_si
     """The fused decode step for this model, or None where it does not apply (another
     architecture or device, an unusual layer, no kernel: RUVLLM_COMPILE=0 or no compiler)."""
     kv_dtype = kv_dtype or dtype
-    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or kv_dtype not in KV_KINDS
+    if (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or kv_dtype not in DTYPE_KINDS
             or not supported(model, dtype)):
         return None
     kernel = decode_kernel()

@@ -32,6 +32,15 @@ def scratch_buffer(size: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return buffer
 
 
+def kernel_rows(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """x as the contiguous [rows, width] matrix of `dtype` our linear kernels read, with
+    no conversion or copy where it already is one (a decode step asks 169 times)."""
+    rows = x.reshape(-1, width)
+    if rows.dtype != dtype or not rows.is_contiguous():
+        rows = rows.to(dtype).contiguous()
+    return rows
+
+
 def to_half(weight: torch.Tensor) -> torch.Tensor | None:
     """A float16 copy of `weight` in process memory, or None where float16 cannot hold
     it (values beyond its range would become infinities)."""
@@ -56,9 +65,7 @@ class HalfLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this 169 times: plain attribute reads, no no-op conversions
         # (60 -> 52 us a call for a small layer here; docs/design.md, section 20).
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.to(torch.float32).contiguous()
+        rows = kernel_rows(x, self.in_features, torch.float32)
         count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.half import scratch_buffer
+from ruvllm_cli.engine.half import kernel_rows, scratch_buffer
 from ruvllm_cli.engine.kernels import Int8Kernel, int8_kernel
 from ruvllm_cli.engine.quantize import bucket_rows
 
@@ -42,9 +42,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this 169 times: plain attribute reads, no no-op conversions.
         width, kernel, buffers = self.in_features, self._kernel, self._buffers
-        rows = x.reshape(-1, width)
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.to(torch.float32).contiguous()
+        rows = kernel_rows(x, width, torch.float32)
         count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.data_ptr()

@@ -129,15 +129,16 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first largest; a NaN counts as largest, as torch's): our
     kernel on a CPU (torch's argmax took 2.1 ms a step over 16 rows of a 152k
     vocabulary, docs/design.md section 21), else torch's."""
+    from ruvllm_cli.engine.fused import DTYPE_KINDS
     from ruvllm_cli.engine.kernels import decode_kernel
 
-    kinds = {torch.float32: 0, torch.bfloat16: 1}
-    kernel = decode_kernel() if logits.device.type == "cpu" and logits.dtype in kinds else None
+    readable = logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+    kernel = decode_kernel() if readable else None
     if kernel is None or logits.dim() != 2 or not logits.is_contiguous():
         return logits.argmax(-1).tolist()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], kinds[logits.dtype], out.data_ptr(),
-                       torch.get_num_threads())
+    kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], DTYPE_KINDS[logits.dtype],
+                       out.data_ptr(), torch.get_num_threads())
     return out.tolist()
 
 
