@@ -12,7 +12,9 @@ through transformers' GGUF path (which dequantizes the whole file), beside llama
 on the same file; --gguf-only skips the safetensors rows.
 
 Peak is the process's VmHWM (resident high-water mark: anonymous memory and the
-file pages it mapped), after `import torch, transformers` and after the load;
+file pages it mapped), after `import torch` and after the load; "cached, stock
+classes" reads the same cache into transformers' model classes (RUVLLM_NATIVE=0),
+whose import the Llama family's own classes (engine/native.py) leave out;
 llama.cpp's is GNU time's maximum resident size of a whole `llama-bench -p 0 -n 16`
 run. Ratios are taken inside one run of this script.
 
@@ -48,7 +50,7 @@ def status():
             if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
 
 started = time.perf_counter()
-import torch, transformers  # noqa: F401
+import torch  # noqa: F401
 imported = status()
 import_s = time.perf_counter() - started
 torch.set_num_threads(int(sys.argv[3]))
@@ -66,11 +68,13 @@ print(json.dumps({"import_mib": imported["VmHWM"], "import_s": import_s, "peak_m
 
 MODES = {"streamed": {"RUVLLM_STREAM_LOAD": "1", "RUVLLM_WEIGHT_CACHE": "0"},
          "transformers": {"RUVLLM_STREAM_LOAD": "0", "RUVLLM_WEIGHT_CACHE": "0"},
-         "cached": {"RUVLLM_STREAM_LOAD": "1", "RUVLLM_WEIGHT_CACHE": "1"}}
+         "cached": {"RUVLLM_STREAM_LOAD": "1", "RUVLLM_WEIGHT_CACHE": "1"},
+         # the same cache read into transformers' model classes (engine/native.py off)
+         "cached_stock": {"RUVLLM_STREAM_LOAD": "1", "RUVLLM_WEIGHT_CACHE": "1", "RUVLLM_NATIVE": "0"}}
 
 
 def ruvllm_load(model: Path, quantization: str, mode: str, threads: int) -> dict[str, Any] | None:
-    if mode == "cached":
+    if mode.startswith("cached"):
         if quantization not in ("q8", "q4k"):
             return None
         first = _child(model, quantization, mode, threads)
@@ -81,11 +85,14 @@ def ruvllm_load(model: Path, quantization: str, mode: str, threads: int) -> dict
 
 def _child(model: Path, quantization: str, mode: str, threads: int) -> dict[str, Any]:
     env = dict(os.environ, **MODES[mode])
+    started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, str(model), quantization, str(threads)],
                           capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"loading {quantization} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # run_s: the whole process, interpreter start to exit, as llama-bench's run is timed
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "run_s": wall}
 
 
 def llamacpp_load(tools: Path, quantization: str, threads: int) -> dict[str, Any] | None:
@@ -164,23 +171,30 @@ def print_gguf_rows(tools: Path, rows: list[dict[str, Any]], threads: int) -> No
 
 
 def print_rows(model: Path, rows: list[dict[str, Any]], threads: int) -> None:
-    print(f"{model} · {threads} threads · MiB of peak resident memory (VmHWM)")
-    print("quant  import  weights  peak: streamed / cached / transformers' path  llama.cpp  "
-          "streamed/llama.cpp  cached/llama.cpp  load s: streamed / cached / transformers  llama.cpp run s")
+    print(f"{model} · {threads} threads · MiB of peak resident memory (VmHWM) · run s: a whole process, "
+          f"start to exit (llama.cpp: llama-bench -p 0 -n 16)")
+    print("quant  import  weights  peak: streamed / cached / cached, stock classes / transformers' path  "
+          "llama.cpp  streamed/llama.cpp  cached/llama.cpp  run s: streamed / cached / cached, stock classes / "
+          "transformers  llama.cpp  cached/llama.cpp")
     for row in rows:
-        s, c, t, ll = row["streamed"], row["cached"], row["transformers"], row["llamacpp"]
-        cached_peak = f"{c['peak_mib']:6d}" if c else f"{'n/a':>6s}"
-        cached_load = f"{c['load_s']:6.1f}" if c else f"{'n/a':>6s}"
-        llama = f"{ll['peak_mib']:9.0f}  {s['peak_mib'] / ll['peak_mib']:17.2f}x  " + (
-            f"{c['peak_mib'] / ll['peak_mib']:15.2f}x" if c else f"{'n/a':>16s}") if ll else (
-            f"{'n/a':>9s}  {'n/a':>18s}  {'n/a':>16s}")
+        s, c, k, t, ll = (row[name] for name in ("streamed", "cached", "cached_stock", "transformers", "llamacpp"))
         print(f"{row['quantization']:5s}  {s['import_mib']:6d}  {s['weights_mib']:7.0f}  "
-              f"{s['peak_mib']:14d} / {cached_peak} / {t['peak_mib']:6d}  {llama}  "
-              f"{s['load_s']:14.1f} / {cached_load} / {t['load_s']:5.1f}  "
-              f"{ll['run_s'] if ll else float('nan'):15.1f}")
+              f"{s['peak_mib']:14d} / {_cell(c, 'peak_mib', '6d')} / {_cell(k, 'peak_mib', '21d')} / "
+              f"{t['peak_mib']:6d}  {_cell(ll, 'peak_mib', '9.0f')}  {_ratio(s, ll, 'peak_mib', 17)}  "
+              f"{_ratio(c, ll, 'peak_mib', 15)}  {s['run_s']:14.1f} / {_cell(c, 'run_s', '6.1f')} / "
+              f"{_cell(k, 'run_s', '21.1f')} / {t['run_s']:5.1f}  {_cell(ll, 'run_s', '9.1f')}  "
+              f"{_ratio(c, ll, 'run_s', 15)}")
         if not s["streamed"]:
             print(f"       (not streamed: {s['path']})")
 
+
+def _cell(row: dict[str, Any] | None, key: str, spec: str) -> str:
+    width = int("".join(ch for ch in spec.split(".")[0] if ch.isdigit()) or 0)
+    return format(row[key], spec) if row else f"{'n/a':>{width}s}"
+
+
+def _ratio(ours: dict[str, Any] | None, theirs: dict[str, Any] | None, key: str, width: int) -> str:
+    return f"{ours[key] / theirs[key]:{width}.2f}x" if ours and theirs else f"{'n/a':>{width + 1}s}"
 
 if __name__ == "__main__":
     main()

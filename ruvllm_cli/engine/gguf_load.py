@@ -45,14 +45,14 @@ Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 12
 
 
 @torch.no_grad()
-def stream_gguf(path: Path, layout: GGUFLayout, dtype: torch.dtype, quantization: Quantization,
-                attn_implementation: str) -> tuple[Any, str]:
+def stream_gguf(path: Path, layout: GGUFLayout, dtype: torch.dtype, quantization: Quantization
+                ) -> tuple[Any, str]:
     """The model, built from the GGUF file one tensor at a time, and the one-line
     description of what each tensor became."""
     reason = unstreamable(layout)
     if reason:
         raise NotStreamable(reason)
-    model = _skeleton(layout, dtype, attn_implementation)
+    model = _skeleton(layout, dtype)
     source = GGUFSource(path, layout, model)
     plan = WeightPlan(quantization, dtype, model.config.hidden_size, int4_group=INT4_GROUP)
     fill_model(model, source, plan)
@@ -87,15 +87,21 @@ def gguf_config(layout: GGUFLayout) -> Any:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def _skeleton(layout: GGUFLayout, dtype: torch.dtype, attn_implementation: str) -> Any:
-    """The model with its parameters on the meta device (stream_load's `_skeleton`)."""
+def _skeleton(layout: GGUFLayout, dtype: torch.dtype) -> Any:
+    """The model with its parameters on the meta device (stream_load's `_skeleton`):
+    our own classes for the Llama family (engine/native.py), transformers' for the rest."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from ruvllm_cli.engine import attention, native
+
     try:
         config = gguf_config(layout)
+        raw = config.to_dict()
+        if native.unsupported(raw) is None:
+            return native.NativeForCausalLM(native.NativeConfig.from_dict(raw), dtype, device="meta").eval()
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.register())
     except Exception as error:  # noqa: BLE001 - metadata transformers rejects: its own path says how
         raise NotStreamable(f"its metadata builds no model here: {error}") from None
     model.tie_weights()

@@ -254,11 +254,11 @@ def load_model(path: str | Path, device: str = "auto",
     started = time.perf_counter()
     # The tokenizer first: transformers' GGUF reader parses the whole vocabulary (about
     # 250 MiB passing through for 150k tokens), over before the weights arrive.
-    tokenizer = _tokenizer(path, source)
+    tokenizer = _tokenizer(path, source, config)
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
         use_cache and config is not None and weight_cache.enabled(quantization, target)) else None
-    cached = weight_cache.load(cache, path, dtype, attention.register()) if cache is not None else None
+    cached = weight_cache.load(cache, path, dtype) if cache is not None else None
     streamed, not_streamed = (cached, None) if cached else _stream(path, config, target, dtype, quantization)
     if streamed is not None:
         model, quant_path = streamed
@@ -311,8 +311,8 @@ def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dty
         return None, f"{STREAM_ENV}=0"
     try:
         if config is None:
-            return stream_gguf(path, check_gguf(path), dtype, quantization, attention.register()), None
-        return stream_load(path, dtype, quantization, attention.register()), None
+            return stream_gguf(path, check_gguf(path), dtype, quantization), None
+        return stream_load(path, dtype, quantization), None
     except NotStreamable as error:
         log.debug("streamed load of %s not used: %s", path, error)
         return None, str(error)
@@ -336,9 +336,16 @@ def _transformers_errors(path: Path) -> Iterator[None]:
                              "the file may be damaged: download it again") from error
 
 
-def _tokenizer(path: Path, source: dict[str, Any]) -> Any:
+def _tokenizer(path: Path, source: dict[str, Any], config: dict[str, Any] | None) -> Any:
+    """transformers' tokenizer. AutoTokenizer reads the model's config to pick the
+    class; for the families of our own model classes it gets their config, since
+    AutoConfig would import transformers' modeling stack (docs/design.md, section 8)."""
     from transformers import AutoTokenizer
 
+    from ruvllm_cli.engine import native
+
+    if config is not None and native.unsupported(config) is None:
+        source = {**source, "config": native.NativeConfig.from_dict(config, str(path))}
     with _transformers_errors(path):
         return AutoTokenizer.from_pretrained(**source)
 

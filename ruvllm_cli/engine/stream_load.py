@@ -134,15 +134,25 @@ class WeightSource(Protocol):
     def matrix(self, name: str, dtype: torch.dtype | None, plan: WeightPlan) -> torch.Tensor | RowBlocks: ...
 
 
-def _skeleton(path: Path, dtype: torch.dtype, attn_implementation: str) -> Any:
+def _skeleton(path: Path, dtype: torch.dtype) -> Any:
     """The model with every parameter on the meta device; buffers computed at
-    construction (rotary frequencies) are real."""
+    construction (rotary frequencies) are real. Our own classes for the Llama family
+    (engine/native.py), transformers' for the rest."""
+    from ruvllm_cli.engine import native
+
+    model = native.skeleton(path, dtype)
+    return model if model is not None else _stock_skeleton(path, dtype)
+
+
+def _stock_skeleton(path: Path, dtype: torch.dtype) -> Any:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from ruvllm_cli.engine import attention
+
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.register())
     if getattr(model, "_keep_in_fp32_modules", None) or getattr(model, "_keep_in_fp32_modules_strict", None):
         raise NotStreamable(f"{type(model).__name__} keeps some modules in float32")
     if (path / "generation_config.json").is_file():
@@ -152,12 +162,11 @@ def _skeleton(path: Path, dtype: torch.dtype, attn_implementation: str) -> Any:
 
 
 @torch.no_grad()
-def stream_load(path: Path, dtype: torch.dtype, quantization: Quantization,
-                attn_implementation: str) -> tuple[Any, str]:
+def stream_load(path: Path, dtype: torch.dtype, quantization: Quantization) -> tuple[Any, str]:
     """The model, built from `path`'s safetensors one module at a time, and the
     one-line description `quantize_model` would give of it."""
     source = SafetensorsSource(path)
-    model = _skeleton(path, dtype, attn_implementation)
+    model = _skeleton(path, dtype)
     plan = WeightPlan(quantization, dtype, model.config.hidden_size)
     fill_model(model, source, plan)
     return model, plan.describe()
@@ -194,7 +203,8 @@ def fill_model(model: Any, source: WeightSource, plan: WeightPlan) -> None:
             release_freed_memory()
         else:
             for name, param in own:
-                module._parameters[name] = _plain(source.tensor(prefix + name, param.dtype), param.dtype)
+                tensor = _checked(prefix + name, source.tensor(prefix + name, param.dtype), param)
+                module._parameters[name] = _plain(tensor, param.dtype)
     if tied and not plan.unties_head:
         model.tie_weights()
     model.eval()
@@ -215,6 +225,14 @@ def release_freed_memory() -> None:
             pass
 
 
+def _checked(name: str, found: Any, param: torch.Tensor) -> Any:
+    """`found` (a tensor or a block reader), if its shape is the parameter's; the
+    meta model does not check what replaces its parameters."""
+    if tuple(found.shape) != tuple(param.shape):
+        raise NotStreamable(f"{name} has shape {tuple(found.shape)} where the config gives {tuple(param.shape)}")
+    return found
+
+
 def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
     # A copy in process memory, never a view of the file's pages (design: _own_weights).
     return nn.Parameter(tensor.to(dtype, copy=True), requires_grad=False)
@@ -228,8 +246,9 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def _load_linear(model: nn.Module, name: str, linear: nn.Linear, source: WeightSource,
                  plan: WeightPlan) -> None:
     dtype = linear.weight.dtype
-    weight = source.matrix(f"{name}.weight", plan.read_dtype(dtype), plan)
-    bias = None if linear.bias is None else source.tensor(f"{name}.bias", dtype)
+    weight = _checked(f"{name}.weight", source.matrix(f"{name}.weight", plan.read_dtype(dtype), plan), linear.weight)
+    bias = None if linear.bias is None else _checked(f"{name}.bias", source.tensor(f"{name}.bias", dtype),
+                                                      linear.bias)
     replacement = plan.linear(weight, bias)
     if replacement is not None:
         _set_module(model, name, replacement)
@@ -243,7 +262,8 @@ def _load_linear(model: nn.Module, name: str, linear: nn.Linear, source: WeightS
 def _load_embedding(model: Any, name: str, embedding: nn.Module, source: WeightSource,
                     plan: WeightPlan, tied_head: nn.Linear | None) -> None:
     dtype = embedding.weight.dtype
-    weight = source.matrix(f"{name}.weight", plan.read_dtype(dtype), plan)
+    weight = _checked(f"{name}.weight", source.matrix(f"{name}.weight", plan.read_dtype(dtype), plan),
+                      embedding.weight)
     if tied_head is not None and plan.unties_head:
         head_name = next(n for n, m in model.named_modules() if m is tied_head)
         if tied_head.bias is not None:

@@ -152,7 +152,7 @@ def save(model: nn.Module, path: Path, description: str) -> None:
 
 
 @torch.no_grad()
-def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: str) -> tuple[Any, str] | None:
+def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | None:
     """The model rebuilt from a cache file, or None when there is none (or it does
     not fit this model: then it is ignored)."""
     from safetensors import safe_open
@@ -168,7 +168,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, attn_implementation: 
         if metadata.get("ruvllm_layout") != str(LAYOUT) or metadata.get("dtype") != str(dtype):
             return None  # another layout, or built for other activations (kernels differ per machine)
         kinds: dict[str, list[Any]] = json.loads(metadata["modules"])
-        model = _skeleton(model_path, dtype, attn_implementation)
+        model = _skeleton(model_path, dtype)
         if json.loads(metadata["tie_word_embeddings"]) is False:
             model.config.tie_word_embeddings = False
         modules = dict(model.named_modules())
