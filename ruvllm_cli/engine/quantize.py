@@ -241,16 +241,28 @@ class Int4Linear(nn.Module):
                             layout).to(torch.bfloat16)
 
 
-CHUNK_ROWS = 4096  # rows quantized at a time (a multiple of the int4 packer's 16)
+CHUNK_ROWS = 4096  # rows a streamed matrix is read at a time at most
+CHUNK_VALUES = 1 << 21  # values quantized at a time: 8 MiB in float32
+PACK_ROWS = 64  # torch's CPU int4 packer lays out blocks of 64 rows: chunks start on them
+
+
+def chunk_rows(columns: int) -> int:
+    """Rows of a [N, columns] matrix quantized at a time: about CHUNK_VALUES values, a
+    multiple of PACK_ROWS (smaller chunks pack differently). The quantizers' temporaries
+    (float32 rows, codes, rounding) come to some dozen bytes a value. 0.5B shape, q4k,
+    streamed, two runs each: blocks of 2^22 / 2^21 / 2^20 values peaked at 667 / 648 /
+    630 MiB and loaded in 4.5-4.8 / 5.2-6.2 / 7.5-8.0 s (smaller blocks, more calls)."""
+    return max(PACK_ROWS, min(CHUNK_ROWS, CHUNK_VALUES // max(columns, 1)) // PACK_ROWS * PACK_ROWS)
 
 
 def _row_chunks(weight: torch.Tensor | RowBlocks) -> Iterator[tuple[int, torch.Tensor]]:
     """Row blocks of [N, K]: each quantizer works row by row, so quantizing blocks
-    gives the very same codes as the whole matrix, with a float32 temporary of a
-    block (14 MiB at K = 896) instead of the matrix (545 MiB for a 151,936-row head).
+    gives the very same codes as the whole matrix, with float32 temporaries of a
+    block (`chunk_rows`) instead of the matrix (545 MiB for a 151,936-row head).
     A `RowBlocks` source (the streamed loader's) reads each block from its file.
     Yields (first row, block)."""
-    blocks = weight.blocks(CHUNK_ROWS) if not isinstance(weight, torch.Tensor) else weight.split(CHUNK_ROWS)
+    rows = chunk_rows(weight.shape[1])
+    blocks = weight.blocks(rows) if not isinstance(weight, torch.Tensor) else weight.split(rows)
     start = 0
     for block in blocks:
         yield start, block
@@ -275,7 +287,7 @@ def int4_chunks(weight: torch.Tensor | RowBlocks, group_size: int) -> Iterator[I
     at a time, w = code * scale + low: the source's own groups where it has them (kept
     as they are), else quantized from its float rows."""
     own = getattr(weight, "int4_groups", None)
-    groups = own(CHUNK_ROWS, group_size) if own is not None else None
+    groups = own(chunk_rows(weight.shape[1]), group_size) if own is not None else None
     if groups is None:
         groups = (int4_groups(rows.float(), group_size) for _, rows in _row_chunks(weight))
     start = 0

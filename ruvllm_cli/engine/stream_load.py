@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.quantize import CHUNK_ROWS, RowBlocks, WeightPlan
+from ruvllm_cli.engine.quantize import CHUNK_VALUES, RowBlocks, WeightPlan
 from ruvllm_cli.quantization import Quantization
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,7 +119,7 @@ class SafetensorsSource:
         are all its quantizers need), else whole."""
         if plan.quantized and dtype is not None:
             rows = FileRows(self.files[name], name, dtype)
-            if rows.shape[0] > CHUNK_ROWS:
+            if rows.shape[0] * rows.shape[1] > CHUNK_VALUES:   # a float32 copy of it whole would be transient
                 return rows
         return self.tensor(name, dtype)
 

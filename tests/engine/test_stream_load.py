@@ -122,14 +122,15 @@ def test_a_sharded_checkpoint_streams(make_tiny_model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_K_M])
 def test_row_blocks_read_from_the_file_give_the_same_model(make_tiny_model, monkeypatch, quant):
-    """Matrices taller than a block are quantized block by block, each block read
-    through its own mapping; with 64-row blocks every matrix of the tiny model is."""
+    """Matrices larger than a block are quantized block by block, each block read
+    through its own mapping; with blocks of 8,192 values (64 rows of 128, the int4
+    packer's least) every matrix of the tiny model is."""
     from ruvllm_cli.engine import quantize, stream_load
 
     path = make_tiny_model(**VARIANTS["untied-bias-bf16"])
     old = _load(path, quant, monkeypatch, stream=False)
-    monkeypatch.setattr(quantize, "CHUNK_ROWS", 64)
-    monkeypatch.setattr(stream_load, "CHUNK_ROWS", 64)
+    monkeypatch.setattr(quantize, "CHUNK_VALUES", 64 * 128)
+    monkeypatch.setattr(stream_load, "CHUNK_VALUES", 64 * 128)
     blocks = []
     real_blocks = stream_load.FileRows.blocks
 
