@@ -1,4 +1,4 @@
-"""A fused decode step for Llama-family models on a CPU (Llama, Qwen2, Mistral).
+"""A fused decode step for Llama-family models on a CPU (Llama, Qwen2, Mistral, Phi-3).
 
 A decode step through transformers' layer code issues some 1,400 small ATen calls
 besides its 169 linear layers (RMSNorm, RoPE, SiLU, residual adds, the attention's
@@ -21,8 +21,9 @@ from torch import nn
 from ruvllm_cli.engine.attention import PagedKVCache
 from ruvllm_cli.engine.kernels import DecodeKernel, decode_kernel
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "mistral", "phi3")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_FUSED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")   # Phi-3's
 # decode_step.c's array kinds (caches, activations, logits)
 DTYPE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -63,6 +64,7 @@ class FusedDecoder:
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.q_heads)
         self.scaling = float(attn.scaling)
         self.hidden = int(config.hidden_size)
+        self.qkv_sizes = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
 
     @torch.inference_mode()
     def __call__(self, batch: DecodeBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -80,19 +82,30 @@ class FusedDecoder:
         width = batch.tables.shape[1]
         for index, ((before, after), (attn, mlp)) in enumerate(zip(self.norms, self.modules)):
             self._add_norm(x, delta, before, h, threads)
-            q, k, v = _out(attn["q_proj"], h), _out(attn["k_proj"], h), _out(attn["v_proj"], h)
+            q, k, v = self._qkv(attn, h)
             keys, values = cache.keys[index], cache.values[index]
             self.kernel.rope_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos_at, sin_at, rows, self.q_heads,
                                     self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(), keys.shape[1],
                                     slots_at, tables_at, width, lengths_at, self.block_size, self.scaling,
                                     attended_at, self.bf16, self.kv, threads)
             self._add_norm(x, _out(attn["o_proj"], attended), after, h, threads)
-            gate = _out(mlp["gate_proj"], h)
-            up = _out(mlp["up_proj"], h)
+            gate, up = self._gate_up(mlp, h)
             self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, threads)
             delta = _out(mlp["down_proj"], gate)
         self._add_norm(x, delta, self.final_norm, h, threads)
         return self.lm_head(h)
+
+    def _qkv(self, attn: dict[str, nn.Module], h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if "qkv_proj" in attn:   # Phi-3: one matrix; the kernels take each part contiguous
+            return tuple(part.contiguous() for part in _out(attn["qkv_proj"], h).split(self.qkv_sizes, dim=1))
+        return _out(attn["q_proj"], h), _out(attn["k_proj"], h), _out(attn["v_proj"], h)
+
+    @staticmethod
+    def _gate_up(mlp: dict[str, nn.Module], h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if "gate_up_proj" in mlp:
+            gate, up = _out(mlp["gate_up_proj"], h).chunk(2, dim=1)
+            return gate.contiguous(), up.contiguous()
+        return _out(mlp["gate_proj"], h), _out(mlp["up_proj"], h)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, norm: tuple[torch.Tensor, float],
                   out: torch.Tensor, threads: int) -> None:
@@ -127,20 +140,22 @@ def fused_decoder(model: Any, dtype: torch.dtype, device: torch.device, block_si
 
 
 def supported(model: Any, dtype: torch.dtype) -> bool:
-    """Whether every layer is the plain Llama shape the kernels compute: separate
-    q/k/v/o and gate/up/down modules, RMSNorms, SiLU, a rotary module giving [1, T, D]
-    tables, head and intermediate sizes the AVX2 loops take."""
+    """Whether every layer is the plain Llama shape the kernels compute: q/k/v/o and
+    gate/up/down modules (Phi-3's q/k/v and gate/up fused), RMSNorms, SiLU, a rotary
+    module giving [1, T, D] tables, head and intermediate sizes the AVX2 loops take."""
     config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     if config is None or inner is None or getattr(config, "model_type", None) not in FAMILIES:
         return False
     if config.hidden_act != "silu" or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         return False
+    if (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) != 1.0:
+        return False   # the kernels rotate whole heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim % 8 or config.intermediate_size % 8:
         return False
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(not hasattr(n, "variance_epsilon") or n.weight.dtype != dtype for n in norms):
         return False
-    return all(hasattr(layer.self_attn, name) or hasattr(layer.mlp, name)
-               for layer in inner.layers for name in _LINEARS)
+    names = _FUSED_LINEARS if config.model_type == "phi3" else _LINEARS
+    return all(hasattr(layer.self_attn, name) or hasattr(layer.mlp, name) for layer in inner.layers for name in names)

@@ -1,4 +1,4 @@
-"""Our own model classes for the Llama family (Llama, Qwen2, Mistral) on a CPU.
+"""Our own model classes for the Llama family (Llama, Qwen2, Mistral, Phi-3) on a CPU.
 
 They hold the same modules under the same names as transformers' classes (so the
 checkpoint, the quantizers, the LoRA wrappers, the weight cache and the fused decode
@@ -9,6 +9,7 @@ save is transformers' import: its configuration and modeling modules pull in
 a cached start on the 0.5B shape (docs/design.md, section 8). The config comes from
 config.json with each family's defaults; anything these classes do not compute (other
 RoPE types, other activations, pre-quantized checkpoints) keeps the stock classes.
+Phi-3 differs only in its fused q/k/v and gate/up projections and its "longrope".
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from torch import nn
 from ruvllm_cli.engine.attention import StepMetadata, paged_attention_forward
 
 NATIVE_ENV = "RUVLLM_NATIVE"   # "0": transformers' model classes for every family
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
-# config.json's defaults per family: transformers' LlamaConfig, Qwen2Config and
-# MistralConfig (5.x) for the fields these classes read.
+# config.json's defaults per family: transformers' LlamaConfig, Qwen2Config,
+# MistralConfig and Phi3Config (5.x) for the fields these classes read.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"vocab_size": 32000, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
               "attention_bias": False, "mlp_bias": False, "num_key_value_heads": None},
@@ -38,10 +39,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32},
     "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2,
                 "num_key_value_heads": 8},
+    "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+             "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000, "num_key_value_heads": None,
+             "rms_norm_eps": 1e-5},
 }
 _COMMON = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "pad_token_id": None,
            "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "head_dim": None}
-_INTERMEDIATE = {"llama": 11008, "qwen2": 22016, "mistral": 14336}
+_INTERMEDIATE = {"llama": 11008, "qwen2": 22016, "mistral": 14336, "phi3": 8192}
 
 
 class NativeConfig:
@@ -62,7 +66,7 @@ class NativeConfig:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         values.setdefault("mlp_bias", False)
         values.setdefault("attention_bias", False)
-        values["rope_parameters"] = _rope_parameters(raw, values["max_position_embeddings"])
+        values["rope_parameters"] = _rope_parameters(values, values["max_position_embeddings"])
         return cls(values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,9 +79,14 @@ def _rope_parameters(raw: dict[str, Any], max_positions: int) -> dict[str, Any]:
     parameters = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     parameters.setdefault("rope_type", parameters.get("type", "default"))
     parameters.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
-    if parameters["rope_type"] == "llama3":
-        parameters.setdefault("original_max_position_embeddings",
-                              raw.get("original_max_position_embeddings", max_positions))
+    if raw.get("model_type") == "phi3":   # Phi3Config's reading: older names, the factor kept
+        parameters.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        if parameters["rope_type"] in ("su", "yarn"):
+            parameters["rope_type"] = "longrope"
+    if parameters["rope_type"] in ("llama3", "longrope"):
+        if "original_max_position_embeddings" in raw:   # the config's own field wins (Phi-3's)
+            parameters["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        parameters.setdefault("original_max_position_embeddings", max_positions)
     return parameters
 
 
@@ -134,10 +143,14 @@ class GenerationDefaults:
         return cls(**{key: raw.get(key) for key in ("eos_token_id", "bos_token_id", "pad_token_id")})
 
 
-def inverse_frequencies(config: NativeConfig) -> torch.Tensor:
+def inverse_frequencies(config: NativeConfig, long: bool = False) -> torch.Tensor:
     """RoPE's inverse frequencies (transformers' `ROPE_INIT_FUNCTIONS` for the default,
-    linear and llama3 types, the same float32 operations)."""
+    linear, llama3 and longrope types, the same float32 operations); `long`: longrope's
+    set for sequences past its original length."""
     rope, dim = config.rope_parameters, config.head_dim
+    if rope["rope_type"] == "longrope":
+        factors = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope["rope_type"] == "linear":
         return inv_freq / rope["factor"]
@@ -154,16 +167,36 @@ def inverse_frequencies(config: NativeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def attention_factor(config: NativeConfig) -> float:
+    """longrope's scale of cos and sin (1 for the other types)."""
+    rope = config.rope_parameters
+    if rope["rope_type"] != "longrope":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: NativeConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
-        self.attention_scaling = 1.0
+        self.attention_scaling = attention_factor(config)
+        # longrope: a step whose furthest position passes the original length takes the
+        # long set, for all its tokens, as transformers' module does.
+        longrope = config.rope_parameters["rope_type"] == "longrope"
+        self.long_inv_freq = inverse_frequencies(config, long=True) if longrope else None
+        self.original_length = config.rope_parameters.get("original_max_position_embeddings", 0)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, T, D] in x's dtype for positions [1, T]."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and int(position_ids.max()) + 1 > self.original_length:
+            inv_freq = self.long_inv_freq
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
@@ -213,20 +246,27 @@ class Attention(nn.Module):
         self.scaling = self.head_dim ** -0.5
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         # Qwen2: q/k/v always carry a bias, o_proj never; Llama: all four follow
-        # attention_bias; Mistral: none.
+        # attention_bias; Mistral and Phi-3: none. Phi-3 keeps q, k, v in one matrix.
         llama_bias = config.model_type == "llama" and bool(config.attention_bias)
         qkv_bias = llama_bias or config.model_type == "qwen2"
-        self.q_proj = _linear(config.hidden_size, q_size, qkv_bias, **factory)
-        self.k_proj = _linear(config.hidden_size, kv_size, qkv_bias, **factory)
-        self.v_proj = _linear(config.hidden_size, kv_size, qkv_bias, **factory)
+        self.sizes = (q_size, kv_size, kv_size)
+        if config.model_type == "phi3":
+            self.qkv_proj = _linear(config.hidden_size, q_size + 2 * kv_size, False, **factory)
+        else:
+            self.q_proj = _linear(config.hidden_size, q_size, qkv_bias, **factory)
+            self.k_proj = _linear(config.hidden_size, kv_size, qkv_bias, **factory)
+            self.v_proj = _linear(config.hidden_size, kv_size, qkv_bias, **factory)
         self.o_proj = _linear(q_size, config.hidden_size, llama_bias, **factory)
+
+    def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if "qkv_proj" in self._modules:
+            return self.qkv_proj(hidden_states).split(self.sizes, dim=-1)
+        return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 step: StepMetadata) -> torch.Tensor:
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(shape).transpose(1, 2)    # [1, Hq, T, D]
-        key = self.k_proj(hidden_states).view(shape).transpose(1, 2)      # [1, Hkv, T, D]
-        value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        query, key, value = (t.view(shape).transpose(1, 2) for t in self._project(hidden_states))  # [1, H, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         query = (query * cos) + (_rotate_half(query) * sin)
         key = (key * cos) + (_rotate_half(key) * sin)
@@ -238,12 +278,18 @@ class MLP(nn.Module):
     def __init__(self, config: NativeConfig, **factory: Any) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        bias = config.model_type == "llama" and bool(config.mlp_bias)   # Qwen2's and Mistral's have none
-        self.gate_proj = _linear(hidden, inner, bias, **factory)
-        self.up_proj = _linear(hidden, inner, bias, **factory)
+        bias = config.model_type == "llama" and bool(config.mlp_bias)   # the other families have none
+        if config.model_type == "phi3":   # gate and up in one matrix
+            self.gate_up_proj = _linear(hidden, 2 * inner, False, **factory)
+        else:
+            self.gate_proj = _linear(hidden, inner, bias, **factory)
+            self.up_proj = _linear(hidden, inner, bias, **factory)
         self.down_proj = _linear(inner, hidden, bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "gate_up_proj" in self._modules:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * F.silu(gate))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -23,7 +23,7 @@ from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.testing.forward import prefill_logits
 
-CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "phi3": "Phi3"}
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
           "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act", "rope_parameters")
@@ -41,6 +41,11 @@ CONFIGS = {
                      "tie_word_embeddings": True, "eos_token_id": 151645, "bos_token_id": 151643,
                      "max_position_embeddings": 32768, "sliding_window": 32768, "use_sliding_window": False},
     "mistral-minimal": {"model_type": "mistral", **SHAPE},
+    "phi3-minimal": {"model_type": "phi3", **SHAPE},
+    "phi3.5-longrope": {"model_type": "phi3", **SHAPE, "max_position_embeddings": 131072,
+                        "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+                        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + i / 100 for i in range(16)],
+                                         "long_factor": [2.0 + i for i in range(16)]}},
 }
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], list(range(10, 50)), [300, 12, 77, 401, 9] * 4]
@@ -63,7 +68,12 @@ def test_config_and_rope_frequencies_are_transformers_own(name):
     family = raw["model_type"]
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     rotary = getattr(modeling, f"{CLASS_PREFIX[family]}RotaryEmbedding")(theirs)
-    assert torch.equal(native.inverse_frequencies(ours), rotary.inv_freq)
+    mine = native.RotaryEmbedding(ours)
+    assert torch.equal(mine.inv_freq, rotary.inv_freq) and mine.attention_scaling == rotary.attention_scaling
+    x = torch.zeros(1, 1)
+    for last in (7, 5000):   # longrope takes its long set past the original length
+        positions = torch.arange(last - 4, last).unsqueeze(0)
+        assert all(torch.equal(a, b) for a, b in zip(mine(x, positions), rotary(x, positions)))
 
 
 def _rewrite(source, target, model_type, drop=()):
@@ -84,7 +94,29 @@ def _rewrite(source, target, model_type, drop=()):
     return target
 
 
-@pytest.fixture(params=["llama-gqa", "llama-mha-bias-untied", "qwen2", "mistral"])
+def _phi3(source, target):
+    """A tiny Phi-3 (fused q/k/v and gate/up, longrope switching at 32 positions)
+    with the tiny Llama's tokenizer."""
+    from transformers import Phi3Config
+
+    from ruvllm_cli.testing.tiny_model import random_model
+
+    llama = json.loads((source / "config.json").read_text())
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 10 for i in range(8)],
+            "long_factor": [1.5 + i for i in range(8)]}
+    config = Phi3Config(vocab_size=llama["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                        original_max_position_embeddings=32, rope_parameters=rope,
+                        bos_token_id=llama["bos_token_id"], eos_token_id=llama["eos_token_id"],
+                        pad_token_id=llama["pad_token_id"], tie_word_embeddings=False)
+    random_model(config, "float32", seed=3).save_pretrained(target)
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "chat_template", "generation_config")):
+            shutil.copy(file, target / file.name)
+    return target
+
+
+@pytest.fixture(params=["llama-gqa", "llama-mha-bias-untied", "qwen2", "mistral", "phi3"])
 def family_dir(request, make_tiny_model, tmp_path):
     if request.param == "llama-gqa":
         return make_tiny_model()
@@ -93,6 +125,8 @@ def family_dir(request, make_tiny_model, tmp_path):
     if request.param == "qwen2":   # q/k/v biases, none on o_proj; one KV head
         source = make_tiny_model(num_kv_heads=1, attention_bias=True)
         return _rewrite(source, tmp_path / "qwen2", "qwen2", drop=("o_proj.bias",))
+    if request.param == "phi3":
+        return _phi3(make_tiny_model(), tmp_path / "phi3")
     return _rewrite(make_tiny_model(), tmp_path / "mistral", "mistral")
 
 
@@ -131,6 +165,28 @@ def test_logits_are_bit_identical_to_transformers_classes(family_dir, monkeypatc
     assert len(our_steps) == len(their_steps) > GREEDY.max_tokens
     assert all(torch.equal(a, b) for a, b in zip(our_steps, their_steps))
     assert ours.eos_token_ids == theirs.eos_token_ids and ours.max_context == theirs.max_context
+
+
+def test_the_fused_step_on_our_classes_matches_transformers_classes(family_dir, monkeypatch):
+    """Decode steps through the fused step (engine/fused.py) over our classes, against
+    transformers' classes and layer code: the same greedy tokens, logits within float32
+    rounding (the C kernels sum in another order)."""
+    ours, theirs = _load(family_dir, monkeypatch, ours=True), _load(family_dir, monkeypatch, ours=False)
+    fused = LLMEngine(ours, EngineConfig(device="cpu", quantization=Quantization.F32, max_num_batched_tokens=24))
+    assert fused.runner.fused is not None
+    steps, execute = [], fused.runner.execute
+
+    def recorded(chunks):
+        logits, sampled = execute(chunks)
+        if logits is not None:
+            steps.append(logits.clone())
+        return logits, sampled
+
+    fused.runner.execute = recorded
+    tokens = [r.token_ids for r in fused.generate(PROMPTS, GREEDY)]
+    reference_tokens, reference_steps = _engine_steps(theirs)
+    assert fused.runner.fused_steps > 0 and tokens == reference_tokens
+    assert max((a - b).abs().max().item() for a, b in zip(steps, reference_steps)) < 1e-4
 
 
 def test_the_tokenizer_is_the_one_autotokenizer_picks(family_dir, monkeypatch):
@@ -189,7 +245,7 @@ def test_what_our_classes_do_not_compute_takes_transformers(make_tiny_model, mon
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert type(load_model(make_tiny_model(), "cpu", Quantization.F32).model).__name__ == "LlamaForCausalLM"
     monkeypatch.delenv(native.NATIVE_ENV)
-    for raw, reason in (({"model_type": "phi3"}, "model type 'phi3'"),
+    for raw, reason in (({"model_type": "gemma"}, "model type 'gemma'"),
                         ({"model_type": "llama", "hidden_act": "gelu"}, "activation 'gelu'"),
                         ({"model_type": "llama", "quantization_config": {"quant_method": "awq"}},
                          "a pre-quantized checkpoint")):
