@@ -135,11 +135,13 @@ def _load(path, monkeypatch, ours: bool, quantization=Quantization.F32):
     return load_model(path, "cpu", quantization, use_cache=False)
 
 
-def _engine_steps(loaded):
+def _engine_steps(loaded, fused: bool = False):
     """Greedy tokens of the prompts run together (chunked prompts, uneven decodes),
-    and every step's logits, through the model's forward (no fused step)."""
-    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=False,
+    every step's logits, and how many steps the fused decode step ran (none unless
+    `fused`: then the model's forward runs prompt steps only)."""
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=fused,
                                             max_num_batched_tokens=24))
+    assert (engine.runner.fused is not None) == fused
     steps: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -150,7 +152,7 @@ def _engine_steps(loaded):
         return logits, sampled
 
     engine.runner.execute = recorded
-    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)], steps
+    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)], steps, engine.runner.fused_steps
 
 
 def test_logits_are_bit_identical_to_transformers_classes(family_dir, monkeypatch):
@@ -159,8 +161,8 @@ def test_logits_are_bit_identical_to_transformers_classes(family_dir, monkeypatc
     assert type(theirs.model).__name__ == json.loads((family_dir / "config.json").read_text())["architectures"][0]
     assert ours.model.state_dict().keys() == theirs.model.state_dict().keys()
     assert torch.equal(prefill_logits(ours.model, PROMPTS[1]), prefill_logits(theirs.model, PROMPTS[1]))
-    our_tokens, our_steps = _engine_steps(ours)
-    their_tokens, their_steps = _engine_steps(theirs)
+    our_tokens, our_steps, _ = _engine_steps(ours)
+    their_tokens, their_steps, _ = _engine_steps(theirs)
     assert our_tokens == their_tokens
     assert len(our_steps) == len(their_steps) > GREEDY.max_tokens
     assert all(torch.equal(a, b) for a, b in zip(our_steps, their_steps))
@@ -172,20 +174,9 @@ def test_the_fused_step_on_our_classes_matches_transformers_classes(family_dir, 
     transformers' classes and layer code: the same greedy tokens, logits within float32
     rounding (the C kernels sum in another order)."""
     ours, theirs = _load(family_dir, monkeypatch, ours=True), _load(family_dir, monkeypatch, ours=False)
-    fused = LLMEngine(ours, EngineConfig(device="cpu", quantization=Quantization.F32, max_num_batched_tokens=24))
-    assert fused.runner.fused is not None
-    steps, execute = [], fused.runner.execute
-
-    def recorded(chunks):
-        logits, sampled = execute(chunks)
-        if logits is not None:
-            steps.append(logits.clone())
-        return logits, sampled
-
-    fused.runner.execute = recorded
-    tokens = [r.token_ids for r in fused.generate(PROMPTS, GREEDY)]
-    reference_tokens, reference_steps = _engine_steps(theirs)
-    assert fused.runner.fused_steps > 0 and tokens == reference_tokens
+    tokens, steps, fused_steps = _engine_steps(ours, fused=True)
+    reference_tokens, reference_steps, _ = _engine_steps(theirs)
+    assert fused_steps > 0 and tokens == reference_tokens
     assert max((a - b).abs().max().item() for a, b in zip(steps, reference_steps)) < 1e-4
 
 
