@@ -16,7 +16,7 @@ import torch
 
 from ruvllm_cli.engine import attention, weight_cache
 from ruvllm_cli.engine.gguf_check import check_gguf
-from ruvllm_cli.engine.stream_load import release_freed_memory
+from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 
@@ -249,6 +249,8 @@ def load_model(path: str | Path, device: str = "auto",
     _check_gguf_device(path, target, quantization)
     dtype = dtype_for(quantization, target)
     _check_memory(path, config, target, quantization)
+    if target.type == "cpu":
+        hold_freed_memory()
     hf_logging.disable_progress_bar()  # our own output says what is happening
     hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()

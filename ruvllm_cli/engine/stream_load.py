@@ -225,6 +225,32 @@ def release_freed_memory() -> None:
             pass
 
 
+# glibc's mallopt parameters, and the values the engine sets (hold_freed_memory).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 128 << 20
+TRIM_THRESHOLD = 256 << 20
+
+
+def hold_freed_memory() -> None:
+    """Keep a step's freed temporaries in the heap for the next step. glibc serves
+    blocks over its mmap threshold from fresh mappings, returned on free, and only
+    raises that threshold as mapped blocks are freed: a process whose first large
+    frees came late kept mapping, faulting and zeroing a prompt's 10 MiB temporaries
+    anew (0.5B q8, 512-token prompt: 664k page faults over 7 prompts and 830 ms
+    each, against 145k and 660 ms with fixed thresholds). The loader still hands
+    pages back after each weight (release_freed_memory)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def _checked(name: str, found: Any, param: torch.Tensor) -> Any:
     """`found` (a tensor or a block reader), if its shape is the parameter's; the
     meta model does not check what replaces its parameters."""
