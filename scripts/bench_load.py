@@ -123,6 +123,7 @@ def gguf_rows(tools: Path, names: list[str], threads: int) -> list[dict[str, Any
             raise SystemExit(f"{path}: no such GGUF file (llamacpp.sh converts f16, Q8_0 and Q4_K_M)")
         rows.append({"gguf": path.name, "quantization": quantization,
                      "streamed": _child(path, quantization, "streamed", threads),
+                     "cached": ruvllm_load(path, quantization, "cached", threads),
                      "transformers": _child(path, quantization, "transformers", threads),
                      "llamacpp": llamacpp_run(tools, path, threads)})
     return rows
@@ -157,15 +158,15 @@ def main() -> None:
 
 def print_gguf_rows(tools: Path, rows: list[dict[str, Any]], threads: int) -> None:
     print(f"{tools} · GGUF files · {threads} threads · MiB of peak resident memory (VmHWM)")
-    print("file          quant  weights  peak: tensor by tensor / transformers' path  llama.cpp  "
-          "ours/llama.cpp  load s: tensor by tensor / transformers  llama.cpp run s")
+    print("file          quant  weights  peak: tensor by tensor / cached / transformers' path  llama.cpp  "
+          "ours (cached) / llama.cpp  run s: tensor by tensor / cached / transformers  llama.cpp  cached/llama.cpp")
     for row in rows:
-        s, t, ll = row["streamed"], row["transformers"], row["llamacpp"]
-        llama = (f"{ll['peak_mib']:9.0f}  {s['peak_mib'] / ll['peak_mib']:13.2f}x" if ll
-                 else f"{'n/a':>9s}  {'n/a':>14s}")
+        s, c, t, ll = row["streamed"], row["cached"], row["transformers"], row["llamacpp"]
         print(f"{row['gguf']:12s}  {row['quantization']:5s}  {s['weights_mib']:7.0f}  "
-              f"{s['peak_mib']:21d} / {t['peak_mib']:6d}  {llama}  {s['load_s']:22.1f} / {t['load_s']:5.1f}  "
-              f"{ll['run_s'] if ll else float('nan'):15.1f}")
+              f"{s['peak_mib']:21d} / {_cell(c, 'peak_mib', '6d')} / {t['peak_mib']:6d}  "
+              f"{_cell(ll, 'peak_mib', '9.0f')}  {_ratio(s, ll, 'peak_mib', 6)} ({_ratio(c, ll, 'peak_mib', 5)})  "
+              f"{s['run_s']:22.1f} / {_cell(c, 'run_s', '6.1f')} / {t['run_s']:5.1f}  {_cell(ll, 'run_s', '9.1f')}  "
+              f"{_ratio(c, ll, 'run_s', 15)}")
         for mode, load in (("tensor by tensor", s), ("transformers", t)):
             print(f"       {mode}: {load['path']}")
 

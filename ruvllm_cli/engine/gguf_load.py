@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo
+from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo, check_gguf
 from ruvllm_cli.engine.gguf_plan import EMBEDDING, HEAD, INT4_GROUP, label, summary, type_name, unstreamable
 from ruvllm_cli.engine.quantize import CHUNK_ROWS, WeightPlan
 from ruvllm_cli.engine.stream_load import NotStreamable, fill_model
@@ -61,11 +61,27 @@ def stream_gguf(path: Path, layout: GGUFLayout, dtype: torch.dtype, quantization
                    f"{plan.describe()}")
 
 
+def cached_skeleton(path: Path, dtype: torch.dtype) -> Any:
+    """The meta model a weight-cache file of this GGUF file fills (engine/weight_cache.py),
+    with the file's RoPE factors applied (they are not weights the cache holds)."""
+    layout = check_gguf(path)
+    model = _skeleton(layout, dtype)
+    GGUFSource(path, layout, model).apply_rope_freqs(model)
+    return model
+
+
 def gguf_config(layout: GGUFLayout) -> Any:
-    """The transformers config of the file, from the metadata check_gguf read, by
-    transformers' own GGUF key table (what `AutoConfig.from_pretrained(gguf_file=)`
+    """The transformers config of the file (what `AutoConfig.from_pretrained(gguf_file=)`
     builds, without its second parse of the vocabulary)."""
     from transformers import AutoConfig
+
+    fields = gguf_fields(layout)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def gguf_fields(layout: GGUFLayout) -> dict[str, Any]:
+    """The file's config.json, as it were: its metadata by transformers' own GGUF key
+    table, with model_type."""
     from transformers.integrations import GGUF_CONFIG_MAPPING
 
     metadata = layout.metadata
@@ -84,7 +100,7 @@ def gguf_config(layout: GGUFLayout) -> Any:
     if arch == "llama":  # llama.cpp loads these when the file has them; transformers' reader drops them
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
         fields["mlp_bias"] = "blk.0.ffn_gate.bias" in names
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return fields
 
 
 def _skeleton(layout: GGUFLayout, dtype: torch.dtype) -> Any:
@@ -96,10 +112,10 @@ def _skeleton(layout: GGUFLayout, dtype: torch.dtype) -> Any:
     from ruvllm_cli.engine import attention, native
 
     try:
+        fields = gguf_fields(layout)
+        if native.unsupported(fields) is None:   # no AutoConfig: it imports transformers' modeling stack
+            return native.NativeForCausalLM(native.NativeConfig.from_dict(fields), dtype, device="meta").eval()
         config = gguf_config(layout)
-        raw = config.to_dict()
-        if native.unsupported(raw) is None:
-            return native.NativeForCausalLM(native.NativeConfig.from_dict(raw), dtype, device="meta").eval()
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.register())
     except Exception as error:  # noqa: BLE001 - metadata transformers rejects: its own path says how

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -256,10 +257,11 @@ def load_model(path: str | Path, device: str = "auto",
     started = time.perf_counter()
     # The tokenizer first: transformers' GGUF reader parses the whole vocabulary (about
     # 250 MiB passing through for 150k tokens), over before the weights arrive.
-    tokenizer = _tokenizer(path, source, config)
+    caching = use_cache and weight_cache.enabled(quantization, target)
+    tokenizer = _gguf_tokenizer(path, source) if caching and config is None else _tokenizer(path, source, config)
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
-        use_cache and config is not None and weight_cache.enabled(quantization, target)) else None
+        caching and (config is not None or _gguf_streams(path))) else None
     cached = weight_cache.load(cache, path, dtype) if cache is not None else None
     streamed, not_streamed = (cached, None) if cached else _stream(path, config, target, dtype, quantization)
     if streamed is not None:
@@ -282,6 +284,13 @@ def load_model(path: str | Path, device: str = "auto",
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path, streamed=streamed is not None,
                        from_weight_cache=cached is not None)
+
+
+def _gguf_streams(path: Path) -> bool:
+    """Whether a GGUF file loads tensor by tensor (so its weight cache can be read back)."""
+    from ruvllm_cli.engine import gguf_plan
+
+    return gguf_plan.unstreamable(check_gguf(path)) is None and os.environ.get(STREAM_ENV, "1") != "0"
 
 
 def _quantize_loaded(model: Any, quantization: Quantization, target: torch.device, bitsandbytes: bool) -> str:
@@ -350,6 +359,33 @@ def _tokenizer(path: Path, source: dict[str, Any], config: dict[str, Any] | None
         source = {**source, "config": native.NativeConfig.from_dict(config, str(path))}
     with _transformers_errors(path):
         return AutoTokenizer.from_pretrained(**source)
+
+
+def _gguf_tokenizer(path: Path, source: dict[str, Any]) -> Any:
+    """A GGUF file's tokenizer, kept beside its weight cache: transformers builds it from
+    the file's metadata in Python (5-6 s and some 250 MiB passing through for a 150k
+    vocabulary), a saved copy loads in a fraction of a second. The copy is kept only if
+    it loads back as the same tokenizer (weight_cache.save_tokenizer)."""
+    from transformers import AutoTokenizer
+
+    saved = weight_cache.tokenizer_dir(path)
+    # AutoTokenizer picks the class by the model type; the GGUF architecture names it.
+    config = _TokenizerConfig(check_gguf(path).metadata.get("general.architecture", ""))
+    if saved.is_dir():
+        with contextlib.suppress(Exception):   # a damaged copy: build it from the file again
+            with _transformers_errors(path):
+                return AutoTokenizer.from_pretrained(saved, config=config)
+    tokenizer = _tokenizer(path, source, None)
+    weight_cache.save_tokenizer(tokenizer, saved, lambda where: AutoTokenizer.from_pretrained(where, config=config))
+    return tokenizer
+
+
+@dataclass
+class _TokenizerConfig:
+    """What AutoTokenizer reads of a model config to pick a tokenizer class."""
+
+    model_type: str
+    _name_or_path: str = ""
 
 
 def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype, extra: dict[str, Any]) -> Any:

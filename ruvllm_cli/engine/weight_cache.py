@@ -4,7 +4,10 @@ loads read int8/int4 tensors instead of quantizing again.
 One safetensors file per quantization in `<model dir>/.ruvllm-weights/`, named by
 the quantization, `LAYOUT` (bumped whenever a quantized module's tensors change
 meaning) and a key of the checkpoint's files (names, sizes, modification times) and
-config.json, so a changed checkpoint or a new layout never reads a stale file. The
+config.json, so a changed checkpoint or a new layout never reads a stale file. A
+GGUF file's go beside it, in the same directory, named also by the file's name and
+keyed by its size and time: without them every start requantized the file's blocks
+(15 s for the 0.5B shape's Q4_K_M, minutes at 7B). The
 file is written under a temporary name and renamed into place: a killed write
 leaves at most a temporary file, never a partial cache file that a load would use.
 Removing the model (`ruvllm rm`) removes its directory and so its cache.
@@ -50,13 +53,60 @@ def enabled(quantization: Quantization, device: torch.device) -> bool:
 
 
 def cache_file(model_path: Path, quantization: Quantization) -> Path:
-    """Where this checkpoint's weights at `quantization` are cached."""
+    """Where this checkpoint's (a model directory's or a GGUF file's) weights at
+    `quantization` are cached."""
+    if model_path.suffix == ".gguf":
+        stat = model_path.stat()
+        key = hashlib.sha256(f"{model_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+        file_tag = hashlib.sha256(model_path.name.encode()).hexdigest()[:8]   # no "-": save() globs by prefix
+        return model_path.parent / CACHE_DIR / f"{quantization.value}.gguf{file_tag}-layout{LAYOUT}-{key[:16]}.safetensors"
     digest = hashlib.sha256()
     for file in sorted(model_path.glob("*.safetensors")) + [model_path / "config.json"]:
         stat = file.stat()
         digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     digest.update((model_path / "config.json").read_bytes())
     return model_path / CACHE_DIR / f"{quantization.value}-layout{LAYOUT}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def tokenizer_dir(gguf_path: Path) -> Path:
+    """Where a GGUF file's tokenizer is kept (saved by transformers), keyed as its weights."""
+    weights = cache_file(gguf_path, Quantization.Q8_0)   # "q8.gguf<name hash>-layout<n>-<key>.safetensors"
+    return weights.with_name("tokenizer." + weights.stem.split(".", 1)[1])
+
+
+def save_tokenizer(tokenizer: Any, where: Path, load: Any) -> None:
+    """Save `tokenizer` (transformers') to the directory `where` if it loads back, by
+    `load(directory)`, as the same tokenizer: class, backend (its whole JSON), special
+    tokens, chat template and a probe's ids; else keep nothing. Written under a
+    temporary name and renamed into place; a failure only costs the next load time."""
+    import shutil
+
+    temporary = where.with_name(f".{where.name}.{os.getpid()}.tmp")
+    try:
+        where.parent.mkdir(exist_ok=True)
+        for stale in where.parent.glob(f"{where.name.split('-')[0]}-*"):
+            shutil.rmtree(stale, ignore_errors=True)   # this file's copies for older versions of it
+        tokenizer.save_pretrained(temporary)
+        if _same_tokenizer(tokenizer, load(temporary)):
+            os.replace(temporary, where)
+        else:
+            log.info("the tokenizer of %s was not kept: it does not load back the same", where)
+    except Exception as error:  # noqa: BLE001 - a read-only directory, a tokenizer that cannot be saved
+        log.info("the tokenizer was not kept in %s: %s", where.parent, error)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+PROBE = "Hello, world! <|im_start|>user\n def f(x):\n\treturn x  # héllo 😀 12345<|im_end|></s>"
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    def facts(t: Any) -> tuple[Any, ...]:
+        return (type(t), t.backend_tokenizer.to_str(), t.chat_template, t.all_special_tokens, t.all_special_ids,
+                t.eos_token_id, t.bos_token_id, t.pad_token_id, len(t), t.encode(PROBE),
+                t.decode(t.encode(PROBE)), t.decode(t.encode(PROBE), skip_special_tokens=True))
+
+    return facts(a) == facts(b)
 
 
 def _module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -157,7 +207,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | 
     not fit this model: then it is ignored)."""
     from safetensors import safe_open
 
-    from ruvllm_cli.engine.stream_load import _set_module, _skeleton
+    from ruvllm_cli.engine.stream_load import _set_module
 
     if not path.is_file():
         return None
@@ -229,6 +279,17 @@ def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | 
         return None
     model.eval()
     return model, metadata["description"]
+
+
+def _skeleton(model_path: Path, dtype: torch.dtype) -> Any:
+    """The model the cache file fills: a model directory's or a GGUF file's."""
+    if model_path.suffix == ".gguf":
+        from ruvllm_cli.engine.gguf_load import cached_skeleton
+
+        return cached_skeleton(model_path, dtype)
+    from ruvllm_cli.engine.stream_load import _skeleton as directory_skeleton
+
+    return directory_skeleton(model_path, dtype)
 
 
 def _name_of(module: nn.Module | None, modules: dict[str, nn.Module]) -> str | None:

@@ -161,3 +161,44 @@ def test_a_cache_built_for_other_activations_is_not_read(model_copy, monkeypatch
     finally:
         monkeypatch.delenv(kernels.COMPILE_ENV)
         kernels.int8_kernel.cache_clear()
+
+
+def test_a_gguf_files_weights_and_tokenizer_are_kept_beside_it(make_tiny_model, tmp_path, monkeypatch):
+    """A GGUF file's requantized weights and its tokenizer (which transformers builds
+    from the file's metadata) are cached in the file's directory: the next load reads
+    neither the file's blocks nor its vocabulary, and builds the same model and tokenizer."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    monkeypatch.setenv(weight_cache.ENV, "1")
+    path = write_gguf(make_tiny_model(), tmp_path / "tiny.gguf")
+    first = load_model(path, "cpu", Q.Q4_K_M)
+    assert not first.from_weight_cache
+    assert _cache_files(tmp_path) == sorted([weight_cache.cache_file(path, Q.Q4_K_M).name,
+                                             weight_cache.tokenizer_dir(path).name])
+    parsed = []
+    real = gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parsed.append(a) or real(*a, **k))
+    second = load_model(path, "cpu", Q.Q4_K_M)
+    assert second.from_weight_cache and not parsed
+    assert type(second.tokenizer) is type(first.tokenizer)
+    assert weight_cache._same_tokenizer(second.tokenizer, first.tokenizer)
+    assert second.eos_token_ids == first.eos_token_ids
+    assert torch.equal(_logits(second.model), _logits(first.model))
+    # A changed file is another key: read again, and its old copies replaced.
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    third = load_model(path, "cpu", Q.Q4_K_M)
+    assert not third.from_weight_cache and parsed
+    assert _cache_files(tmp_path) == sorted([weight_cache.cache_file(path, Q.Q4_K_M).name,
+                                             weight_cache.tokenizer_dir(path).name])
+
+
+def test_a_tokenizer_that_does_not_load_back_the_same_is_not_kept(make_tiny_model, tmp_path, monkeypatch):
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    monkeypatch.setenv(weight_cache.ENV, "1")
+    monkeypatch.setattr(weight_cache, "_same_tokenizer", lambda a, b: False)
+    path = write_gguf(make_tiny_model(), tmp_path / "tiny.gguf")
+    load_model(path, "cpu", Q.Q8_0)
+    assert _cache_files(tmp_path) == [weight_cache.cache_file(path, Q.Q8_0).name]
