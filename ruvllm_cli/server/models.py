@@ -54,6 +54,9 @@ class ModelPool:
 
     def add(self, spec: ModelSpec) -> None:
         """A model loaded on the first request that names it."""
+        from ruvllm_cli.engine.stream_load import keep_returning_freed_memory
+
+        keep_returning_freed_memory()   # models come and go here: their memory must go back
         self._add(ModelEntry(spec.names, spec.load, dict(spec.adapters)))
 
     def _add(self, entry: ModelEntry) -> None:

@@ -1,7 +1,10 @@
 """Overload through the server (127.0.0.1, bounded): 200 long low-priority requests and
 50 short high-priority ones at once, with a KV cache small enough to force preemption.
-Under --scheduling-policy priority the high-priority ones start at least three times
-sooner (p95 TTFT) and every request completes, with either preemption mode."""
+Under --scheduling-policy priority every request completes, with either preemption
+mode, and the high-priority ones start sooner (p95 TTFT); at least three times sooner
+in the slow run (`scripts/test --slow`) and in `scripts/bench_priority.py`: beside
+another test worker the ratio fell to 2.3-2.7 in 4 of 12 runs (with and without the
+commit that split it), so the default run asserts the order only."""
 
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ from ruvllm_cli.engine.model_runner import kv_bytes_per_block
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.parametrize("ratio", [1, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_high_priority_requests_start_three_times_sooner(make_server, server_model, mode):
+def test_high_priority_requests_start_sooner(make_server, server_model, mode, ratio):
     per_block = kv_bytes_per_block(server_model.model.config, server_model.dtype, 16)
     live = make_server(engine={"scheduling_policy": "priority", "preemption_mode": mode, "max_num_seqs": 16,
                                "kv_cache_memory": 48 * per_block, "swap_space": 256 * per_block},
@@ -25,7 +29,7 @@ def test_high_priority_requests_start_three_times_sooner(make_server, server_mod
     result = asyncio.run(run_overload(live.url, live.model, low=200, high=50, low_tokens=48, high_tokens=8))
     assert not result.failures, result.failures[:3]
     assert all(o.tokens == (48 if o.priority == LOW else 8) for o in result.outcomes)
-    assert result.p95(HIGH) <= result.p95(LOW) / 3, (result.p95(HIGH), result.p95(LOW))
+    assert result.p95(HIGH) * ratio <= result.p95(LOW), (result.p95(HIGH), result.p95(LOW))
     preemptions = live.engine(lambda e: dict(e.scheduler.preemptions))
     assert sum(preemptions.values()) > 0
     assert any(m == mode for _, m in preemptions)
