@@ -46,7 +46,7 @@ class FusedDecoder:
                  kv_dtype: torch.dtype) -> None:
         inner, config = model.model, model.config
         self.kernel, self.block_size = kernel, block_size
-        self.bf16 = int(dtype == torch.bfloat16)
+        self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
         self.kv = DTYPE_KINDS[kv_dtype]
         self.embed, self.rotary, self.lm_head = inner.embed_tokens, inner.rotary_emb, model.lm_head
         self.layers = list(inner.layers)
@@ -69,6 +69,8 @@ class FusedDecoder:
     @torch.inference_mode()
     def __call__(self, batch: DecodeBatch, cache: PagedKVCache) -> torch.Tensor:
         x = self.embed(batch.input_ids)                                   # [B, H]
+        if x.dtype != self.dtype:   # an untied q8 table gives bfloat16 rows; the kernels read x as the model's dtype
+            x = x.to(self.dtype)
         cos, sin = self.rotary(x, batch.positions)                        # [1, B, D] each
         cos, sin = cos.contiguous(), sin.contiguous()
         rows = x.shape[0]
