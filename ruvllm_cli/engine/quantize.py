@@ -355,15 +355,18 @@ class Int8Embedding(nn.Module):
         self._build(embedding.weight.detach(), embedding.padding_idx)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> "Int8Embedding":
+    def from_weight(cls, weight: torch.Tensor | RowBlocks, padding_idx: int | None,
+                    dtype: torch.dtype = torch.bfloat16) -> "Int8Embedding":
+        """`dtype`: the activations', which the scales (and so the rows) take."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._build(weight, padding_idx)
+        layer._build(weight, padding_idx, dtype)
         return layer
 
-    def _build(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None) -> None:
+    def _build(self, weight: torch.Tensor | RowBlocks, padding_idx: int | None,
+               dtype: torch.dtype = torch.bfloat16) -> None:
         codes = torch.empty(weight.shape, dtype=torch.int8)
-        scales = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+        scales = torch.empty(weight.shape[0], dtype=dtype)
         for start, rows in _row_chunks(weight):
             rows = rows.float()
             block_scales = absmax_scales(rows)
@@ -387,8 +390,8 @@ class Int8Embedding(nn.Module):
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # Rows come out in the scales' dtype: bfloat16 for a table of its own, float32
-        # for one shared with an int8 head (whose model runs float32 activations).
+        # Rows come out in the scales' dtype: the activations' (float32 where our int8
+        # kernel runs, and for a table shared with its int8 head; else bfloat16).
         return self.qweight[ids].to(self.scales.dtype) * self.scales[ids].unsqueeze(-1)
 
 
@@ -555,7 +558,7 @@ class WeightPlan:
             if head is not None:
                 self.shared_table = True
                 return Int8Embedding.sharing(head, padding_idx)
-            return Int8Embedding.from_weight(weight, padding_idx)
+            return Int8Embedding.from_weight(weight, padding_idx, self.dtype)
         if self.quantization is Quantization.Q4_K_M:
             return Int4Embedding.from_weight(weight, padding_idx)
         return None

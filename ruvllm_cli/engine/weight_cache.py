@@ -40,7 +40,7 @@ from ruvllm_cli.quantization import Quantization
 
 log = logging.getLogger(__name__)
 
-LAYOUT = 2
+LAYOUT = 3   # 3: an untied q8 table's scales in the activations' dtype (float32 beside our int8 kernel)
 CACHE_DIR = ".ruvllm-weights"
 ENV = "RUVLLM_WEIGHT_CACHE"  # "0": neither read nor write the cache
 CACHED = (Quantization.Q8_0, Quantization.Q4_K_M)
