@@ -368,9 +368,12 @@ def _gguf_tokenizer(path: Path, source: dict[str, Any]) -> Any:
     it loads back as the same tokenizer (weight_cache.save_tokenizer)."""
     from transformers import AutoTokenizer
 
+    from ruvllm_cli.engine.native import NativeConfig
+
     saved = weight_cache.tokenizer_dir(path)
     # AutoTokenizer picks the class by the model type; the GGUF architecture names it.
-    config = _TokenizerConfig(check_gguf(path).metadata.get("general.architecture", ""))
+    config = NativeConfig({"model_type": check_gguf(path).metadata.get("general.architecture", ""),
+                           "_name_or_path": ""})
     if saved.is_dir():
         with contextlib.suppress(Exception):   # a damaged copy: build it from the file again
             with _transformers_errors(path):
@@ -378,14 +381,6 @@ def _gguf_tokenizer(path: Path, source: dict[str, Any]) -> Any:
     tokenizer = _tokenizer(path, source, None)
     weight_cache.save_tokenizer(tokenizer, saved, lambda where: AutoTokenizer.from_pretrained(where, config=config))
     return tokenizer
-
-
-@dataclass
-class _TokenizerConfig:
-    """What AutoTokenizer reads of a model config to pick a tokenizer class."""
-
-    model_type: str
-    _name_or_path: str = ""
 
 
 def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype, extra: dict[str, Any]) -> Any:
