@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ruvllm_cli.engine import attention, weight_cache
-from ruvllm_cli.engine.gguf_check import check_gguf
+from ruvllm_cli.engine.gguf_check import GGUFLayout, check_gguf
 from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
@@ -258,10 +258,11 @@ def load_model(path: str | Path, device: str = "auto",
     # The tokenizer first: transformers' GGUF reader parses the whole vocabulary (about
     # 250 MiB passing through for 150k tokens), over before the weights arrive.
     caching = use_cache and weight_cache.enabled(quantization, target)
-    tokenizer = _gguf_tokenizer(path, source) if caching and config is None else _tokenizer(path, source, config)
+    layout = check_gguf(path) if caching and config is None else None   # read once for the two below
+    tokenizer = _gguf_tokenizer(path, source, layout) if layout is not None else _tokenizer(path, source, config)
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
-        caching and (config is not None or _gguf_streams(path))) else None
+        caching and (config is not None or _gguf_streams(layout))) else None
     cached = weight_cache.load(cache, path, dtype) if cache is not None else None
     streamed, not_streamed = (cached, None) if cached else _stream(path, config, target, dtype, quantization)
     if streamed is not None:
@@ -286,11 +287,11 @@ def load_model(path: str | Path, device: str = "auto",
                        from_weight_cache=cached is not None)
 
 
-def _gguf_streams(path: Path) -> bool:
+def _gguf_streams(layout: GGUFLayout) -> bool:
     """Whether a GGUF file loads tensor by tensor (so its weight cache can be read back)."""
     from ruvllm_cli.engine import gguf_plan
 
-    return gguf_plan.unstreamable(check_gguf(path)) is None and os.environ.get(STREAM_ENV, "1") != "0"
+    return gguf_plan.unstreamable(layout) is None and os.environ.get(STREAM_ENV, "1") != "0"
 
 
 def _quantize_loaded(model: Any, quantization: Quantization, target: torch.device, bitsandbytes: bool) -> str:
@@ -361,7 +362,7 @@ def _tokenizer(path: Path, source: dict[str, Any], config: dict[str, Any] | None
         return AutoTokenizer.from_pretrained(**source)
 
 
-def _gguf_tokenizer(path: Path, source: dict[str, Any]) -> Any:
+def _gguf_tokenizer(path: Path, source: dict[str, Any], layout: GGUFLayout) -> Any:
     """A GGUF file's tokenizer, kept beside its weight cache: transformers builds it from
     the file's metadata in Python (5-6 s and some 250 MiB passing through for a 150k
     vocabulary), a saved copy loads in a fraction of a second. The copy is kept only if
@@ -372,7 +373,7 @@ def _gguf_tokenizer(path: Path, source: dict[str, Any]) -> Any:
 
     saved = weight_cache.tokenizer_dir(path)
     # AutoTokenizer picks the class by the model type; the GGUF architecture names it.
-    config = NativeConfig({"model_type": check_gguf(path).metadata.get("general.architecture", ""),
+    config = NativeConfig({"model_type": layout.metadata.get("general.architecture", ""),
                            "_name_or_path": ""})
     if saved.is_dir():
         with contextlib.suppress(Exception):   # a damaged copy: build it from the file again

@@ -215,13 +215,18 @@ def release_freed_memory() -> None:
     of a 0.5B q8 load's temporaries stayed resident after the load, and during a
     GGUF q8 load the heap grew by each layer's temporaries (a peak of 1,351 MiB against
     1,090 with this after each weight matrix; 0.3 s for the model's 169)."""
+    _glibc_call("malloc_trim", 0)
+
+
+def _glibc_call(name: str, *args: int) -> None:
+    """glibc's `name(*args)` on Linux; elsewhere (musl, other systems) nothing."""
     import ctypes
     import sys
 
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # musl and others: nothing to do
+            getattr(ctypes.CDLL("libc.so.6"), name)(*args)
+        except (OSError, AttributeError):  # not glibc: nothing to do
             pass
 
 
@@ -249,16 +254,9 @@ def hold_freed_memory() -> None:
     faults over 7 prompts; with 32/64 MiB thresholds 670-681 ms, 145k; transformers'
     classes 675-680 ms). The loader still hands pages back after each weight
     (release_freed_memory)."""
-    import ctypes
-    import sys
-
-    if sys.platform.startswith("linux") and _policy["hold"]:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    if _policy["hold"]:
+        _glibc_call("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        _glibc_call("mallopt", _M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def _checked(name: str, found: Any, param: torch.Tensor) -> Any:
