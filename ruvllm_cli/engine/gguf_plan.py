@@ -16,6 +16,7 @@ A weight's route (docs/design.md, section 9, "GGUF straight in"):
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -176,14 +177,16 @@ def _layout_bytes(target: Layout, rows: int, elements: int, embedding: bool, int
     return elements * (0.5 + 4 / INT4_GROUP)
 
 
-def loaded_bytes(layout: GGUFLayout, quantization: Quantization, dtype_bytes: int, head_copy: bool,
-                 int8_row_bytes: int = 16) -> int:
+def loaded_bytes(layout: GGUFLayout, quantization: Quantization, dtype_bytes: int,
+                 head_copy: Callable[[int, int], bool], int8_row_bytes: int = 16) -> int:
     """Bytes the loaded weights take: each weight in its layout, the 1-D tensors in the
-    model's dtype, and a tied head's own copy where the plan gives it one."""
+    model's dtype, and a tied head's own copy where the plan gives it one
+    (`head_copy(rows, columns)`, WeightPlan's rule)."""
     total = 0.0
     for plan in plan_tensors(layout, quantization):
         total += _layout_bytes(plan.layout, plan.rows, plan.elements, plan.name == EMBEDDING, int8_row_bytes)
-        if plan.name == EMBEDDING and head_copy and not any(t.name == HEAD for t in layout.tensors):
+        if (plan.name == EMBEDDING and head_copy(plan.rows, plan.elements // plan.rows)
+                and not any(t.name == HEAD for t in layout.tensors)):
             head = plan.layout
             if head is Layout.INT4 and not int4_fits(plan.rows, plan.elements // plan.rows, INT4_GROUP):
                 head = Layout.INT8

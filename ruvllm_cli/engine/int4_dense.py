@@ -55,6 +55,37 @@ def dense_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: in
     return out
 
 
+def packed_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, ids: torch.Tensor,
+                layout: PackedLayout) -> torch.Tensor:
+    """Rows `ids` (int64, 1-D) of the weight as bfloat16 [len(ids), K]: a tied head's
+    packed weights read as its embedding's table, each value the float32 one
+    `dense_weight` gives, rounded once. In C where the kernel runs, else each id's block
+    unpacked in torch."""
+    n_total, half_k = packed.shape
+    k = half_k * 2
+    kernel = int4_unpack_kernel()
+    if kernel is not None:
+        byte_of, shift_of = _row_places(layout)
+        out = torch.empty(len(ids), k, dtype=torch.bfloat16)
+        kernel.packed_rows(packed.data_ptr(), n_total, k, layout.block, byte_of.data_ptr(), shift_of.data_ptr(),
+                           scales_and_zeros.data_ptr(), group, ids.data_ptr(), len(ids), out.data_ptr())
+        return out
+    room = torch.empty(layout.block, k)
+    rows = [dense_weight(packed, scales_and_zeros, group, int(i) - int(i) % layout.block, layout.block, layout,
+                         room)[int(i) % layout.block].clone() for i in ids]
+    return torch.stack(rows).to(torch.bfloat16) if rows else torch.empty(0, k, dtype=torch.bfloat16)
+
+
+@functools.cache
+def _row_places(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of a block: the byte of a k that holds it, and its nibble's shift."""
+    byte_of, shift_of = torch.empty(layout.block, dtype=torch.int64), torch.empty(layout.block, dtype=torch.int64)
+    for j, (low, high) in enumerate(zip(layout.low.tolist(), layout.high.tolist())):
+        byte_of[low], shift_of[low] = j, 0
+        byte_of[high], shift_of[high] = j, 4
+    return byte_of, shift_of
+
+
 def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                  layout: PackedLayout) -> torch.Tensor:
     """x [M, K] (M >= GEMM_ROWS) times the int4 weight, float32 sums; float32 [M, N]."""

@@ -139,7 +139,7 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     embedding, tied, rows, norms, hidden = _shape_counts(config)
     plan = WeightPlan(quantization, dtype, hidden)
     # The loaders' own rule for whether a tied head gets a copy of its own.
-    head_copy = embedding if tied and plan.head_copy else 0
+    head_copy = embedding if tied and plan.head_copy(embedding // hidden, hidden) else 0
     if quantization in QUANT_BYTES:
         linear, table = QUANT_BYTES[quantization]
         # Streamed (stream_load): the quantized model, plus the one tensor being

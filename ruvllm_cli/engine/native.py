@@ -374,6 +374,9 @@ class NativeForCausalLM(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    def set_output_embeddings(self, module: nn.Module) -> None:
+        self.lm_head = module
+
 
 def skeleton(path: Path, dtype: torch.dtype) -> NativeForCausalLM | None:
     """Our model for `path` with its parameters on the meta device (the RoPE frequencies

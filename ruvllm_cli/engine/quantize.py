@@ -243,6 +243,7 @@ class Int4Linear(nn.Module):
 
 CHUNK_ROWS = 4096  # rows a streamed matrix is read at a time at most
 CHUNK_VALUES = 1 << 21  # values quantized at a time: 8 MiB in float32
+TIED_INT4_GROUP = 32  # a tied q4k head's group: its table is the embedding's too (Int4Embedding's group)
 PACK_ROWS = 64  # torch's CPU int4 packer lays out blocks of 64 rows: chunks start on them
 
 
@@ -443,6 +444,34 @@ class Int4Embedding(nn.Module):
         return rows.flatten(-2)
 
 
+class Int4TiedEmbedding(nn.Module):
+    """The lookup table of a tied q4k head: rows read out of the head's own packed int4
+    weights (an `Int4Linear`, torch's layout as engine/int4_dense.py reads it), so the
+    vocabulary matrix is held once, as q8's tied head and table share their codes."""
+
+    @classmethod
+    def sharing(cls, head: Int4Linear, padding_idx: int | None) -> "Int4TiedEmbedding":
+        from ruvllm_cli.engine.int4_dense import packed_layout
+
+        layout = packed_layout(INT4_INNER_K_TILES)
+        if layout is None or head.out_features % layout.block:
+            raise ValueError("torch's packed int4 layout is not one ruvllm reads on this machine")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.register_buffer("qweight", head.qweight)
+        layer.register_buffer("scales_and_zeros", head.scales_and_zeros)
+        layer.num_embeddings, layer.embedding_dim = head.out_features, head.in_features
+        layer.group_size, layer.padding_idx, layer.layout = head.group_size, padding_idx, layout
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from ruvllm_cli.engine.int4_dense import packed_rows
+
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        rows = packed_rows(self.qweight, self.scales_and_zeros, self.group_size, flat, self.layout)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
 def int4_group_size(hidden_size: int) -> int:
     """The largest of 128/64/32 that divides the model's hidden size."""
     return next((g for g in (INT4_GROUP, 64, 32) if hidden_size % g == 0), 32)
@@ -487,12 +516,34 @@ class WeightPlan:
         head at every batch size (docs/design.md)."""
         return self.quantized or self.packed or self.half
 
-    @property
-    def head_copy(self) -> bool:
-        """Whether a tied head holds a copy of the vocabulary matrix of its own: not
-        float16 (one table), nor q8 or bfloat16 in our kernels (the lookups read the
-        head's codes or weights)."""
-        return self.unties_head and not self.half and not self.own_int8 and not self.own_bf16
+    def head_copy(self, rows: int, columns: int) -> bool:
+        """Whether a tied head of [rows, columns] holds a copy of the vocabulary matrix of
+        its own: not float16 (one table), nor q8 or bfloat16 in our kernels, nor q4k where
+        torch's packed layout is one we read (the lookups read the head's codes or
+        weights)."""
+        return (self.unties_head and not self.half and not self.own_int8 and not self.own_bf16
+                and self.tied_int4_group(rows, columns) is None)
+
+    def tied_int4_group(self, rows: int, columns: int) -> int | None:
+        """The group a tied q4k head takes when the embedding reads its packed table: the
+        embedding's own (32), so the table keeps the precision a separate one had; None
+        where the head keeps a copy of its own (no layout we read, odd shapes)."""
+        if self.group is None or columns % TIED_INT4_GROUP or not int4_fits(rows, columns, TIED_INT4_GROUP):
+            return None
+        from ruvllm_cli.engine.int4_dense import packed_layout
+
+        layout = packed_layout(INT4_INNER_K_TILES)
+        return None if layout is None or rows % layout.block else TIED_INT4_GROUP
+
+    def tied_head(self, weight: torch.Tensor | RowBlocks) -> nn.Module | None:
+        """A tied head's layer, built just before the embedding that may share it."""
+        group = self.tied_int4_group(*weight.shape)
+        if group is None:
+            return self.linear(weight, None)
+        self.linears += 1
+        layer = Int4Linear.from_weight(weight, None, group)
+        self._last_linear = (weight, layer)
+        return layer
 
     def read_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
         """The dtype to read a weight matrix in; None: as stored (the half path converts
@@ -560,6 +611,9 @@ class WeightPlan:
                 return Int8Embedding.sharing(head, padding_idx)
             return Int8Embedding.from_weight(weight, padding_idx, self.dtype)
         if self.quantization is Quantization.Q4_K_M:
+            if isinstance(head, Int4Linear):
+                self.shared_table = True
+                return Int4TiedEmbedding.sharing(head, padding_idx)
             return Int4Embedding.from_weight(weight, padding_idx)
         return None
 
@@ -596,8 +650,9 @@ class WeightPlan:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")
         if self.quantization is Quantization.Q4_K_M:
+            shared = " read from the tied LM head's table" if self.shared_table else ""
             return (f"int4 weight-only, group {self.group} (torch int4pack kernel), {self.linears} linear "
-                    "layers incl. LM head; int4 embeddings")
+                    f"layers incl. LM head; int4 embeddings{shared}")
         path = f"{str(self.dtype).replace('torch.', '')} weights, no quantization"
         if self.own_bf16:
             shared = "; the tied LM head shares the embedding's table" if self.shared_table else ""
@@ -636,15 +691,17 @@ def _whole(weight: torch.Tensor | RowBlocks) -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else torch.cat(list(weight.blocks(CHUNK_ROWS)))
 
 
-def _replace_linears(module: nn.Module, plan: WeightPlan) -> None:
+def _replace_linears(module: nn.Module, plan: WeightPlan, skip: nn.Module | None = None) -> None:
     for name, child in list(module.named_children()):
+        if child is skip:
+            continue
         if isinstance(child, nn.Linear):
             bias = None if child.bias is None else child.bias.detach()
             replacement = plan.linear(child.weight.detach(), bias)
             if replacement is not None:
                 setattr(module, name, replacement)
         else:
-            _replace_linears(child, plan)
+            _replace_linears(child, plan, skip)
 
 
 @torch.no_grad()
@@ -656,10 +713,17 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
     if device.type != "cpu":
         return f"{str(dtype).replace('torch.', '')} weights, no quantization"
     plan = WeightPlan(quantization, dtype, model.config.hidden_size)
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embeddings.weight and plan.unties_head
     if plan.unties_head:
         model.config.tie_word_embeddings = False
-    _replace_linears(model, plan)
-    embeddings = model.get_input_embeddings()
+    _replace_linears(model, plan, skip=head if tied else None)
+    if tied:   # built last, as the streamed loader builds it: the embedding may share it
+        replacement = plan.tied_head(head.weight.detach()) if head.bias is None else None
+        if replacement is None:
+            replacement = plan.linear(head.weight.detach(), None if head.bias is None else head.bias.detach())
+        if replacement is not None:
+            model.set_output_embeddings(replacement)
     replacement = plan.embedding(embeddings.weight.detach(), embeddings.padding_idx)
     if replacement is not None:
         model.set_input_embeddings(replacement)

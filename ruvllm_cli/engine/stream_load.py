@@ -302,7 +302,7 @@ def _load_embedding(model: Any, name: str, embedding: nn.Module, source: WeightS
         head_name = next(n for n, m in model.named_modules() if m is tied_head)
         if tied_head.bias is not None:
             raise NotStreamable("a tied LM head with a bias")
-        head = plan.linear(weight, None)
+        head = plan.tied_head(weight)
         if head is None:
             raise NotStreamable("the LM head's weights do not fit the plan's layout")
         _set_module(model, head_name, head)

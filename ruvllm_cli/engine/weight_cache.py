@@ -35,17 +35,21 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.int8 import Int8Linear, int8_linear
-from ruvllm_cli.engine.quantize import DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding
+from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Embedding, Int4Linear, Int4TiedEmbedding,
+                                        Int8Embedding)
 from ruvllm_cli.quantization import Quantization
 
 log = logging.getLogger(__name__)
 
-LAYOUT = 3   # 3: an untied q8 table's scales in the activations' dtype (float32 beside our int8 kernel)
+# 3: an untied q8 table's scales in the activations' dtype (float32 beside our int8 kernel);
+# 4: a tied q4k head in groups of 32, its embedding reading the head's packed table.
+LAYOUT = 4
 CACHE_DIR = ".ruvllm-weights"
 ENV = "RUVLLM_WEIGHT_CACHE"  # "0": neither read nor write the cache
 CACHED = (Quantization.Q8_0, Quantization.Q4_K_M)
-KINDS = {cls.__name__: cls for cls in (DynamicInt8Linear, Int8Linear, Int4Linear, Int8Embedding, Int4Embedding)}
-SHARES = "shares"   # an embedding's setting: the name of the int8 head whose table it reads
+KINDS = {cls.__name__: cls for cls in (DynamicInt8Linear, Int8Linear, Int4Linear, Int8Embedding, Int4Embedding,
+                                       Int4TiedEmbedding)}
+SHARES = "shares"   # an embedding's setting: the name of the int8 or int4 head whose table it reads
 
 
 def enabled(quantization: Quantization, device: torch.device) -> bool:
@@ -169,9 +173,9 @@ def save(model: nn.Module, path: Path, description: str) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, list[Any]] = {}
-    heads = {m.qweight.data_ptr(): n for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+    heads = {m.qweight.data_ptr(): n for n, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
     for name, module in model.named_modules():
-        if isinstance(module, Int8Embedding) and module.qweight.data_ptr() in heads:
+        if isinstance(module, (Int8Embedding, Int4TiedEmbedding)) and module.qweight.data_ptr() in heads:
             kinds[name] = [type(module).__name__, {SHARES: heads[module.qweight.data_ptr()],
                                                    "padding_idx": module.padding_idx}]
             continue
@@ -260,7 +264,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | 
                 place(done_name, future.result())
         for name, (kind, settings) in kinds.items():
             if SHARES in settings:
-                place(name, Int8Embedding.sharing(model.get_submodule(settings[SHARES]), settings["padding_idx"]))
+                place(name, KINDS[kind].sharing(model.get_submodule(settings[SHARES]), settings["padding_idx"]))
         for name, module in dict(model.named_modules()).items():
             if type(module).__name__ in KINDS:
                 continue

@@ -92,7 +92,7 @@ def test_without_the_kernel_q8_is_fbgemm_with_bfloat16_activations(monkeypatch):
     try:
         assert dtype_for(Q.Q8_0, torch.device("cpu")) == torch.bfloat16
         plan = WeightPlan(Q.Q8_0, torch.bfloat16, 64)
-        assert not plan.own_int8 and plan.head_copy
+        assert not plan.own_int8 and plan.head_copy(8, 64)
         assert isinstance(plan.linear(torch.randn(8, 64), None), DynamicInt8Linear)
     finally:
         monkeypatch.delenv(kernels.COMPILE_ENV)

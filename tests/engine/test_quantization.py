@@ -12,10 +12,12 @@ from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.int8 import Int8Linear
 from ruvllm_cli.engine.loader import half_weights_here, load_model
 from ruvllm_cli.engine.bf16 import Bf16Linear
-from ruvllm_cli.engine.quantize import (PACK_ENV, DynamicInt8Linear, Int4Embedding, Int4Linear,
-                                        Int8Embedding, PackedLinear, bf16_weights_here, bucket_rows,
-                                        int8_weights_here,
-                                        packing_works, quantize_int4)
+from ruvllm_cli.engine import int4_dense
+from ruvllm_cli.engine.int4_dense import dense_weight, packed_layout
+from ruvllm_cli.engine.quantize import (INT4_INNER_K_TILES, PACK_ENV, TIED_INT4_GROUP, DynamicInt8Linear,
+                                        Int4Embedding, Int4Linear, Int4TiedEmbedding, Int8Embedding, PackedLinear,
+                                        bf16_weights_here, bucket_rows, int8_weights_here, packing_works,
+                                        quantize_int4)
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization as Q
 from ruvllm_cli.testing.tiny_model import cached_tiny_model
@@ -108,12 +110,41 @@ def next_token_logits_together(engine: LLMEngine, prompts: list[list[int]]) -> l
 
 def test_quantized_modules_replace_every_linear_and_the_embedding(engines):
     int8 = Int8Linear if int8_weights_here() else DynamicInt8Linear
-    for quant, kind, table in [(Q.Q8_0, int8, Int8Embedding), (Q.Q4_K_M, Int4Linear, Int4Embedding)]:
+    # A tied q4k head lends the embedding its packed table where torch's layout is one we read.
+    int4_table = Int4TiedEmbedding if packed_layout(INT4_INNER_K_TILES) is not None else Int4Embedding
+    for quant, kind, table in [(Q.Q8_0, int8, Int8Embedding), (Q.Q4_K_M, Int4Linear, int4_table)]:
         model = engines[quant].loaded.model
         assert not any(type(m) is torch.nn.Linear for m in model.modules())
         assert any(isinstance(m, kind) for m in model.modules())
         assert isinstance(model.get_input_embeddings(), table)
         assert isinstance(model.lm_head, kind)
+
+
+def test_q4k_shares_a_tied_heads_packed_table_with_the_embedding(engines, monkeypatch):
+    if packed_layout(INT4_INNER_K_TILES) is None:
+        pytest.skip("torch's packed int4 layout is not one ruvllm reads here (the embedding keeps a table)")
+    loaded = engines[Q.Q4_K_M].loaded
+    model, embedding = loaded.model, loaded.model.get_input_embeddings()
+    head = model.lm_head
+    assert embedding.qweight.data_ptr() == head.qweight.data_ptr()
+    assert embedding.scales_and_zeros.data_ptr() == head.scales_and_zeros.data_ptr()
+    assert head.group_size == TIED_INT4_GROUP   # the precision the embedding's own table had
+    assert "read from the tied LM head's table" in loaded.quantization_path
+    assert not any(isinstance(m, Int4Embedding) for m in model.modules())   # no second copy anywhere
+    ids = torch.tensor([[3, 17, 3], [head.out_features - 1, 0, 64]])
+    rows = embedding(ids)
+    assert rows.shape == (2, 3, head.in_features) and rows.dtype == torch.bfloat16
+    # The head's own weights, as its kernel reads them: every row of the vocabulary matrix.
+    weight = dense_weight(head.qweight, head.scales_and_zeros, head.group_size, 0, head.out_features,
+                          packed_layout(INT4_INNER_K_TILES), torch.empty(head.out_features, head.in_features))
+    assert torch.equal(rows, weight[ids].to(torch.bfloat16))
+    with torch.inference_mode():
+        through_kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            torch.eye(head.in_features, dtype=torch.bfloat16), head.qweight, head.group_size, head.scales_and_zeros)
+    torch.testing.assert_close(rows[0, 1], through_kernel[:, 17], rtol=2.0 ** -7, atol=1e-3)
+    # Without the C kernel, the same bits from torch.
+    monkeypatch.setattr(int4_dense, "int4_unpack_kernel", lambda: None)
+    assert torch.equal(embedding(ids), rows)
 
 
 def test_q8_in_our_kernel_shares_a_tied_heads_table_with_the_embedding(engines):

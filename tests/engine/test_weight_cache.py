@@ -120,24 +120,28 @@ def test_a_killed_write_never_leaves_a_cache_file_a_load_would_use(model_copy, m
     assert load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
 
 
-def test_a_tied_heads_shared_int8_table_is_cached_once_and_shared_again(make_tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_K_M])
+def test_a_tied_heads_shared_table_is_cached_once_and_shared_again(make_tiny_model, tmp_path, monkeypatch, quant):
     from safetensors import safe_open
 
-    from ruvllm_cli.engine.quantize import int8_weights_here
+    from ruvllm_cli.engine.int4_dense import packed_layout
+    from ruvllm_cli.engine.quantize import INT4_INNER_K_TILES, int8_weights_here
 
-    if not int8_weights_here():
+    if quant is Q.Q8_0 and not int8_weights_here():
         pytest.skip("ruvllm's int8 kernel does not run here: fbgemm's layers keep a table each")
+    if quant is Q.Q4_K_M and packed_layout(INT4_INNER_K_TILES) is None:
+        pytest.skip("torch's packed int4 layout is not one ruvllm reads here: the embedding keeps a table")
     monkeypatch.setenv(weight_cache.ENV, "1")
     path = tmp_path / "model"
     shutil.copytree(make_tiny_model(**VARIANTS["tied-float32"]), path)
-    first, second = load_model(path, "cpu", Q.Q8_0), load_model(path, "cpu", Q.Q8_0)
+    first, second = load_model(path, "cpu", quant), load_model(path, "cpu", quant)
     assert not first.from_weight_cache and second.from_weight_cache
     for loaded in (first, second):
         model = loaded.model
         assert model.get_input_embeddings().qweight.data_ptr() == model.lm_head.qweight.data_ptr()
     assert second.weight_bytes == first.weight_bytes
     assert torch.equal(_logits(second.model), _logits(first.model))
-    with safe_open(weight_cache.cache_file(path, Q.Q8_0), framework="pt") as handle:
+    with safe_open(weight_cache.cache_file(path, quant), framework="pt") as handle:
         names = set(handle.keys())
     assert "lm_head.qweight" in names and not any(n.startswith("model.embed_tokens.") for n in names)
 

@@ -68,13 +68,16 @@ class Bf16Kernel:
 
 
 class Int4UnpackKernel:
-    """int4_unpack.c: torch's packed int4 rows to float32 (`unpack`), and the rows of
-    an int4 embedding table looked up (`embedding`)."""
+    """int4_unpack.c: torch's packed int4 rows to float32 (`unpack`), the rows of an
+    int4 embedding table looked up (`embedding`), and rows of a tied head's packed
+    weights looked up as an embedding's (`packed_rows`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.unpack = _bind(library.ruvllm_int4_unpack, [_pointer, _size, _size, _size, _pointer, _pointer, _pointer,
                                                          _size, _size, _size, _pointer, ctypes.c_int])
         self.embedding = _bind(library.ruvllm_int4_embedding, [_pointer] * 4 + [_size] * 3 + [_pointer])
+        self.packed_rows = _bind(library.ruvllm_int4_packed_rows, [_pointer] + [_size] * 3 + [_pointer] * 3
+                                 + [_size, _pointer, _size, _pointer])
 
 
 class DecodeKernel:

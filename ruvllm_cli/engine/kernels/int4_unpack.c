@@ -61,3 +61,28 @@ void ruvllm_int4_embedding(const uint8_t *packed, const uint16_t *scales, const 
         }
     }
 }
+
+/* Rows of a tied q4k head's packed weights looked up as embedding rows, for `count` token
+ * ids, as bfloat16 [count, K]: (q - 8) * scale + zero in float32, rounded once, the values
+ * `ruvllm_int4_unpack` gives for the same rows. Row r of a block sits in byte byte_of[r]
+ * of each k, in the nibble at bit shift_of[r] (0 or 4). */
+void ruvllm_int4_packed_rows(const uint8_t *packed, int64_t N, int64_t K, int64_t block, const int64_t *byte_of,
+                             const int64_t *shift_of, const uint16_t *scales_and_zeros, int64_t group,
+                             const int64_t *ids, int64_t count, uint16_t *out) {
+    const int64_t half = block / 2;
+    for (int64_t r = 0; r < count; ++r) {
+        const int64_t id = ids[r], first = id - id % block, in_block = id % block;
+        const uint8_t *bytes = packed + first * K / 2 + byte_of[in_block];
+        const int shift = (int)shift_of[in_block];
+        uint16_t *dst = out + r * K;
+        for (int64_t g = 0; g * group < K; ++g) {
+            const uint16_t *sz = scales_and_zeros + (g * N + id) * 2;
+            const float scale = bf16_load(sz[0]), zero = bf16_load(sz[1]);
+            const int64_t end = (g + 1) * group < K ? (g + 1) * group : K;
+            for (int64_t k = g * group; k < end; ++k) {
+                const float code = (float)((bytes[k * half] >> shift) & 0xF);
+                dst[k] = bf16_round((code - 8.0f) * scale + zero);
+            }
+        }
+    }
+}
