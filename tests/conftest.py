@@ -45,6 +45,10 @@ for _name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORM
               "RUVLLM_API_KEY", "RUVLLM_DATA_DIR"):
     os.environ.pop(_name, None)
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+# The session's tiny models are shared: no load may write caches (quantized weights, the
+# checked tokenizer) into them, session-scoped fixtures included, which are built before
+# `isolated_env` runs. Tests that want the caches turn them on for copies.
+os.environ["RUVLLM_WEIGHT_CACHE"] = "0"
 _SESSION_HF_HOME = tempfile.mkdtemp(prefix="ruvllm-tests-hf-home-")
 os.environ["HF_HOME"] = _SESSION_HF_HOME
 SESSION_HUB = FakeHub().start()

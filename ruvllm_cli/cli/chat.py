@@ -86,6 +86,10 @@ def command(**options: Any) -> None:
                          kernels=not options["no_compile"])
     if options["structured"] is not None:
         validate_structured(opened.engine, options["structured"])
+    if interactive:   # while the prompt waits for the first message
+        from ruvllm_cli.engine.tokenizer import warm_up
+
+        warm_up(opened.engine.tokenizer)
     loop = EngineLoop(opened.engine)
     try:
         conversation = build_conversation(app, opened, loop, options, interactive)

@@ -65,7 +65,11 @@ class LocalBackend:
 def load_local(app: AppContext, options: dict[str, Any]) -> LocalBackend:
     from ruvllm_cli.cli.engine_setup import open_engine
 
-    return LocalBackend(open_engine(app, options["model"], adapters=options["adapters"], **engine_options(options)))
+    from ruvllm_cli.engine.tokenizer import warm_up
+
+    opened = open_engine(app, options["model"], adapters=options["adapters"], **engine_options(options))
+    warm_up(opened.engine.tokenizer)   # before the first chat request, not during it
+    return LocalBackend(opened)
 
 
 @dataclass

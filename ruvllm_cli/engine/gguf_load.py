@@ -106,15 +106,15 @@ def gguf_fields(layout: GGUFLayout) -> dict[str, Any]:
 def _skeleton(layout: GGUFLayout, dtype: torch.dtype) -> Any:
     """The model with its parameters on the meta device (stream_load's `_skeleton`):
     our own classes for the Llama family (engine/native.py), transformers' for the rest."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     from ruvllm_cli.engine import attention, native
 
     try:
         fields = gguf_fields(layout)
         if native.unsupported(fields) is None:   # no AutoConfig: it imports transformers' modeling stack
             return native.NativeForCausalLM(native.NativeConfig.from_dict(fields), dtype, device="meta").eval()
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
         config = gguf_config(layout)
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention.register())

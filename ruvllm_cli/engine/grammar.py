@@ -426,10 +426,21 @@ class GrammarCompiler:
 
 def _llguidance_tokenizer(tokenizer: "PreTrainedTokenizerFast", vocab_size: int,
                           eos_token_ids: Sequence[int] | None) -> "llguidance.LLTokenizer":
-    import llguidance.hf
+    """llguidance's tokenizer from the `tokenizers` backend's JSON, as
+    `llguidance.hf.from_tokenizer` builds it, for transformers' tokenizers and ruvllm's
+    own (engine/tokenizer.py) alike: that function accepts only transformers' class."""
+    import copy
 
-    eos = list(eos_token_ids) if eos_token_ids is not None else None
-    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    import llguidance
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("structured output needs a fast (tokenizers-backed) tokenizer")
+    backend = copy.copy(backend)   # padding and truncation off on a copy, as llguidance's own function does
+    backend.no_padding()
+    backend.no_truncation()
+    eos = list(eos_token_ids) if eos_token_ids is not None else tokenizer.eos_token_id
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
 def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ruvllm_cli.engine import attention, weight_cache
+from ruvllm_cli.engine import tokenizer as own_tokenizer
 from ruvllm_cli.engine.gguf_check import GGUFLayout, check_gguf
 from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
@@ -242,8 +243,6 @@ def load_model(path: str | Path, device: str = "auto",
                quantization: Quantization = Quantization.F16, use_cache: bool = True) -> LoadedModel:
     """Load model + tokenizer from a local directory, with the paged attention; q8/q4k
     read and write the quantized-weight cache unless `use_cache` is False."""
-    from transformers.utils import logging as hf_logging
-
     path = Path(path).expanduser()
     source, config = _pretrained_args(path)
     target = select_device(device)
@@ -252,14 +251,15 @@ def load_model(path: str | Path, device: str = "auto",
     _check_memory(path, config, target, quantization)
     if target.type == "cpu":
         hold_freed_memory()
-    hf_logging.disable_progress_bar()  # our own output says what is happening
-    hf_logging.set_verbosity_error()   # and transformers' advice lines are not for our users
     started = time.perf_counter()
     # The tokenizer first: transformers' GGUF reader parses the whole vocabulary (about
     # 250 MiB passing through for 150k tokens), over before the weights arrive.
     caching = use_cache and weight_cache.enabled(quantization, target)
     layout = check_gguf(path) if caching and config is None else None   # read once for the two below
-    tokenizer = _gguf_tokenizer(path, source, layout) if layout is not None else _tokenizer(path, source, config)
+    tokenizer = _checked_tokenizer(path, use_cache) or (
+        _gguf_tokenizer(path, source, layout) if layout is not None else _tokenizer(path, source, config))
+    if own_tokenizer.enabled(use_cache) and not isinstance(tokenizer, own_tokenizer.Tokenizer):
+        own_tokenizer.save_checked(tokenizer, path)
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
         caching and (config is not None or _gguf_streams(layout))) else None
@@ -348,10 +348,26 @@ def _transformers_errors(path: Path) -> Iterator[None]:
                              "the file may be damaged: download it again") from error
 
 
+def quiet_transformers() -> None:
+    """transformers' progress bars and advice lines off, before any of its code runs:
+    our own output says what is happening, and its advice is not for our users."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _checked_tokenizer(path: Path, use_cache: bool) -> own_tokenizer.Tokenizer | None:
+    """ruvllm's tokenizer where an earlier load checked it against transformers' for
+    this model (engine/tokenizer.py): no transformers import on the way to the prompt."""
+    return own_tokenizer.load(path) if own_tokenizer.enabled(use_cache) else None
+
+
 def _tokenizer(path: Path, source: dict[str, Any], config: dict[str, Any] | None) -> Any:
     """transformers' tokenizer. AutoTokenizer reads the model's config to pick the
     class; for the families of our own model classes it gets their config, since
     AutoConfig would import transformers' modeling stack (docs/design.md, section 8)."""
+    quiet_transformers()
     from transformers import AutoTokenizer
 
     from ruvllm_cli.engine import native
@@ -367,6 +383,7 @@ def _gguf_tokenizer(path: Path, source: dict[str, Any], layout: GGUFLayout) -> A
     the file's metadata in Python (5-6 s and some 250 MiB passing through for a 150k
     vocabulary), a saved copy loads in a fraction of a second. The copy is kept only if
     it loads back as the same tokenizer (weight_cache.save_tokenizer)."""
+    quiet_transformers()
     from transformers import AutoTokenizer
 
     from ruvllm_cli.engine.native import NativeConfig
@@ -387,6 +404,7 @@ def _gguf_tokenizer(path: Path, source: dict[str, Any], layout: GGUFLayout) -> A
 def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype, extra: dict[str, Any]) -> Any:
     """The model through transformers; a file that lacks weights is refused
     (transformers would fill them with random values)."""
+    quiet_transformers()
     from transformers import AutoModelForCausalLM
 
     with _transformers_errors(path):

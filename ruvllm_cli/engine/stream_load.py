@@ -145,6 +145,9 @@ def _skeleton(path: Path, dtype: torch.dtype) -> Any:
 
 
 def _stock_skeleton(path: Path, dtype: torch.dtype) -> Any:
+    from ruvllm_cli.engine.loader import quiet_transformers
+
+    quiet_transformers()
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 

@@ -29,7 +29,9 @@ def model_copy(make_tiny_model, tmp_path, monkeypatch):
 
 
 def _cache_files(path):
-    return sorted(p.name for p in (path / weight_cache.CACHE_DIR).glob("*"))
+    """The weight cache's files (the checked tokenizer's record beside them aside:
+    tests/engine/test_own_tokenizer.py)."""
+    return sorted(p.name for p in (path / weight_cache.CACHE_DIR).glob("*") if not p.name.startswith("vocab"))
 
 
 @pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_K_M])
@@ -173,9 +175,11 @@ def test_a_gguf_files_weights_and_tokenizer_are_kept_beside_it(make_tiny_model, 
     neither the file's blocks nor its vocabulary, and builds the same model and tokenizer."""
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
+    from ruvllm_cli.engine import tokenizer as own
     from ruvllm_cli.testing.tiny_gguf import write_gguf
 
     monkeypatch.setenv(weight_cache.ENV, "1")
+    monkeypatch.setenv(own.ENV, "0")   # transformers' tokenizer, as its copy loads it (ruvllm's: below)
     path = write_gguf(make_tiny_model(), tmp_path / "tiny.gguf")
     first = load_model(path, "cpu", Q.Q4_K_M)
     assert not first.from_weight_cache
@@ -196,6 +200,13 @@ def test_a_gguf_files_weights_and_tokenizer_are_kept_beside_it(make_tiny_model, 
     assert not third.from_weight_cache and parsed
     assert _cache_files(tmp_path) == sorted([weight_cache.cache_file(path, Q.Q4_K_M).name,
                                              weight_cache.tokenizer_dir(path).name])
+    # With ruvllm's tokenizer on, the next load writes it down and the one after reads it.
+    monkeypatch.setenv(own.ENV, "1")
+    assert not isinstance(load_model(path, "cpu", Q.Q4_K_M).tokenizer, own.Tokenizer)
+    assert own.record(path).is_file()
+    fourth = load_model(path, "cpu", Q.Q4_K_M)
+    assert isinstance(fourth.tokenizer, own.Tokenizer) and fourth.from_weight_cache
+    assert own.differs(first.tokenizer, fourth.tokenizer) is None
 
 
 def test_a_tokenizer_that_does_not_load_back_the_same_is_not_kept(make_tiny_model, tmp_path, monkeypatch):
