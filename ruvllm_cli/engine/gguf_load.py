@@ -20,6 +20,7 @@ load through transformers.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from math import prod
 from pathlib import Path
@@ -61,11 +62,25 @@ def stream_gguf(path: Path, layout: GGUFLayout, dtype: torch.dtype, quantization
                    f"{plan.describe()}")
 
 
-def cached_skeleton(path: Path, dtype: torch.dtype) -> Any:
+FIELDS_KEY = "gguf_fields"   # a GGUF file's weight cache keeps its config fields (cache_metadata)
+
+
+def cache_metadata(layout: GGUFLayout) -> dict[str, str]:
+    """What a GGUF file's weight cache keeps beside the weights: its config fields, so a
+    cached load builds the model without transformers' key table (its import is 0.6 s)."""
+    try:
+        return {FIELDS_KEY: json.dumps(gguf_fields(layout))}
+    except (TypeError, ValueError):   # a value JSON cannot hold: the cached load reads the table again
+        return {}
+
+
+def cached_skeleton(path: Path, dtype: torch.dtype, layout: GGUFLayout | None = None,
+                    fields: dict[str, Any] | None = None) -> Any:
     """The meta model a weight-cache file of this GGUF file fills (engine/weight_cache.py),
-    with the file's RoPE factors applied (they are not weights the cache holds)."""
-    layout = check_gguf(path)
-    model = _skeleton(layout, dtype)
+    with the file's RoPE factors applied (they are not weights the cache holds);
+    `layout` the header already read, `fields` the config fields the cache kept."""
+    layout = layout if layout is not None else check_gguf(path)
+    model = _skeleton(layout, dtype, fields)
     GGUFSource(path, layout, model).apply_rope_freqs(model)
     return model
 
@@ -103,13 +118,13 @@ def gguf_fields(layout: GGUFLayout) -> dict[str, Any]:
     return fields
 
 
-def _skeleton(layout: GGUFLayout, dtype: torch.dtype) -> Any:
+def _skeleton(layout: GGUFLayout, dtype: torch.dtype, fields: dict[str, Any] | None = None) -> Any:
     """The model with its parameters on the meta device (stream_load's `_skeleton`):
     our own classes for the Llama family (engine/native.py), transformers' for the rest."""
     from ruvllm_cli.engine import attention, native
 
     try:
-        fields = gguf_fields(layout)
+        fields = dict(fields) if fields is not None else gguf_fields(layout)
         if native.unsupported(fields) is None:   # no AutoConfig: it imports transformers' modeling stack
             return native.NativeForCausalLM(native.NativeConfig.from_dict(fields), dtype, device="meta").eval()
         from accelerate import init_empty_weights

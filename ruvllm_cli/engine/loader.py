@@ -103,15 +103,16 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {config_file}: {error}") from None
 
 
-def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """from_pretrained's arguments for a model directory or a GGUF file, and the
-    directory's config.json (None for a GGUF file)."""
+def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, GGUFLayout | None]:
+    """from_pretrained's arguments for a model directory or a GGUF file, the
+    directory's config.json (None for a GGUF file) and the GGUF file's checked header
+    (read once a load: 70 ms warm for a 150k vocabulary's metadata)."""
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"{path}: no such GGUF file")
-        check_gguf(path)  # before any reader trusts its counts and offsets
-        return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}, None
-    return {"pretrained_model_name_or_path": path}, _read_config(path)
+        layout = check_gguf(path)  # before any reader trusts its counts and offsets
+        return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}, None, layout
+    return {"pretrained_model_name_or_path": path}, _read_config(path), None
 
 
 # Bytes a weight takes once loaded on a CPU: (linear layers, embedding table).
@@ -123,12 +124,12 @@ ORDER = (Quantization.F32, Quantization.F16, Quantization.Q8_0, Quantization.Q4_
 
 
 def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.device,
-                  quantization: Quantization) -> int:
+                  quantization: Quantization, layout: GGUFLayout | None = None) -> int:
     """Bytes of memory the loaded weights take at the load's peak, from the files'
     sizes and config.json alone (nothing is read)."""
     dtype = dtype_for(quantization, device)
     if config is None:
-        return _gguf_memory(path, device, dtype, quantization)
+        return _gguf_memory(path, device, dtype, quantization, layout)
     on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     file_dtype = _config_dtype(config)
     weights = on_disk // file_dtype.itemsize
@@ -157,14 +158,15 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     return (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
 
 
-def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantization: Quantization) -> int:
+def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantization: Quantization,
+                 layout: GGUFLayout | None = None) -> int:
     """A GGUF file's weights once loaded: each tensor in its layout where it streams
     (gguf_plan), else transformers' path, which dequantizes the whole file first (a
     4-bit file grows about 4x in 16-bit)."""
     from ruvllm_cli.engine import gguf_plan
     from ruvllm_cli.engine.quantize import WeightPlan
 
-    layout = check_gguf(path)
+    layout = layout if layout is not None else check_gguf(path)
     if device.type != "cpu" or gguf_plan.unstreamable(layout) or os.environ.get(STREAM_ENV, "1") == "0":
         return path.stat().st_size * (8 if dtype == torch.float32 else 4)
     hidden = layout.metadata.get(f"{layout.metadata['general.architecture']}.embedding_length", 1)
@@ -183,21 +185,21 @@ def free_memory(device: torch.device) -> int:
 
 
 def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device,
-                  quantization: Quantization) -> None:
+                  quantization: Quantization, layout: GGUFLayout | None = None) -> None:
     """Refuse early, with a clear message, a model that cannot fit, naming the
     quantization that would."""
-    needed = memory_needed(path, config, device, quantization)
+    needed = memory_needed(path, config, device, quantization, layout)
     if not needed:
         return
     free = free_memory(device)
     if needed <= free:
         return
     smaller = ORDER[ORDER.index(quantization) + 1:] if quantization in ORDER else ()
-    fits = next(((q, n) for q in smaller if (n := memory_needed(path, config, device, q)) <= free), None)
+    fits = next(((q, n) for q in smaller if (n := memory_needed(path, config, device, q, layout)) <= free), None)
     if fits is not None:
         hint = f"--quantization {fits[0].value} needs about {fits[1] / 2**30:.1f} GiB: try it"
     elif smaller:
-        least = memory_needed(path, config, device, smaller[-1])
+        least = memory_needed(path, config, device, smaller[-1], layout)
         hint = f"even --quantization {smaller[-1].value} needs about {least / 2**30:.1f} GiB: try a smaller model"
     else:
         hint = "try a smaller model"
@@ -244,18 +246,18 @@ def load_model(path: str | Path, device: str = "auto",
     """Load model + tokenizer from a local directory, with the paged attention; q8/q4k
     read and write the quantized-weight cache unless `use_cache` is False."""
     path = Path(path).expanduser()
-    source, config = _pretrained_args(path)
+    source, config, header = _pretrained_args(path)
     target = select_device(device)
     _check_gguf_device(path, target, quantization)
     dtype = dtype_for(quantization, target)
-    _check_memory(path, config, target, quantization)
+    _check_memory(path, config, target, quantization, header)
     if target.type == "cpu":
         hold_freed_memory()
     started = time.perf_counter()
     # The tokenizer first: transformers' GGUF reader parses the whole vocabulary (about
     # 250 MiB passing through for 150k tokens), over before the weights arrive.
     caching = use_cache and weight_cache.enabled(quantization, target)
-    layout = check_gguf(path) if caching and config is None else None   # read once for the two below
+    layout = header if caching else None   # the GGUF tokenizer's copy and weight cache
     tokenizer = _checked_tokenizer(path, use_cache) or (
         _gguf_tokenizer(path, source, layout) if layout is not None else _tokenizer(path, source, config))
     if own_tokenizer.enabled(use_cache) and not isinstance(tokenizer, own_tokenizer.Tokenizer):
@@ -263,8 +265,8 @@ def load_model(path: str | Path, device: str = "auto",
     extra = _bitsandbytes_options(quantization, target)
     cache = weight_cache.cache_file(path, quantization) if (
         caching and (config is not None or _gguf_streams(layout))) else None
-    cached = weight_cache.load(cache, path, dtype) if cache is not None else None
-    streamed, not_streamed = (cached, None) if cached else _stream(path, config, target, dtype, quantization)
+    cached = weight_cache.load(cache, path, dtype, header) if cache is not None else None
+    streamed, not_streamed = (cached, None) if cached else _stream(path, config, header, target, dtype, quantization)
     if streamed is not None:
         model, quant_path = streamed
     else:
@@ -274,7 +276,7 @@ def load_model(path: str | Path, device: str = "auto",
         quant_path = (f"GGUF {path.name} through transformers ({not_streamed}), which dequantizes the whole "
                       f"file, then {quant_path}")
     if cache is not None and cached is None:
-        weight_cache.save(model, cache, quant_path)
+        weight_cache.save(model, cache, quant_path, _cache_metadata(header))
     release_freed_memory()
     load_seconds = time.perf_counter() - started
     if cached is not None:
@@ -309,8 +311,17 @@ def _quantize_loaded(model: Any, quantization: Quantization, target: torch.devic
     return quant_path
 
 
-def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dtype: torch.dtype,
-            quantization: Quantization) -> tuple[tuple[Any, str] | None, str | None]:
+def _cache_metadata(header: GGUFLayout | None) -> dict[str, str] | None:
+    """What a GGUF file's weight cache keeps for its skeleton (gguf_load.cache_metadata)."""
+    if header is None:
+        return None
+    from ruvllm_cli.engine.gguf_load import cache_metadata
+
+    return cache_metadata(header)
+
+
+def _stream(path: Path, config: dict[str, Any] | None, header: GGUFLayout | None, device: torch.device,
+            dtype: torch.dtype, quantization: Quantization) -> tuple[tuple[Any, str] | None, str | None]:
     """The model loaded one module (or GGUF tensor) at a time (`stream_load`,
     `gguf_load`), or None and why it takes transformers' path: other devices,
     checkpoints whose names differ, GGUF architectures not mapped."""
@@ -323,7 +334,7 @@ def _stream(path: Path, config: dict[str, Any] | None, device: torch.device, dty
         return None, f"{STREAM_ENV}=0"
     try:
         if config is None:
-            return stream_gguf(path, check_gguf(path), dtype, quantization), None
+            return stream_gguf(path, header if header is not None else check_gguf(path), dtype, quantization), None
         return stream_load(path, dtype, quantization), None
     except NotStreamable as error:
         log.debug("streamed load of %s not used: %s", path, error)

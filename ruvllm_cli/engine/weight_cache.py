@@ -166,9 +166,10 @@ def _rebuild(kind: str, tensors: dict[str, torch.Tensor], settings: dict[str, An
     return module
 
 
-def save(model: nn.Module, path: Path, description: str) -> None:
+def save(model: nn.Module, path: Path, description: str, extra: dict[str, str] | None = None) -> None:
     """Write the loaded model's weights to `path` (atomically); a failure to write
-    (read-only model directory, full disk) only costs the next load its speed."""
+    (read-only model directory, full disk) only costs the next load its speed.
+    `extra`: metadata the load hands back to the skeleton (a GGUF file's config fields)."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -189,7 +190,8 @@ def save(model: nn.Module, path: Path, description: str) -> None:
     dtype = str(next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32))
     metadata = {"ruvllm_layout": str(LAYOUT), "modules": json.dumps(kinds), "description": description,
                 "dtype": dtype,
-                "tie_word_embeddings": json.dumps(bool(getattr(model.config, "tie_word_embeddings", False)))}
+                "tie_word_embeddings": json.dumps(bool(getattr(model.config, "tie_word_embeddings", False))),
+                **(extra or {})}
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(exist_ok=True)
@@ -206,9 +208,10 @@ def save(model: nn.Module, path: Path, description: str) -> None:
 
 
 @torch.no_grad()
-def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | None:
+def load(path: Path, model_path: Path, dtype: torch.dtype, layout: Any = None) -> tuple[Any, str] | None:
     """The model rebuilt from a cache file, or None when there is none (or it does
-    not fit this model: then it is ignored)."""
+    not fit this model: then it is ignored). `layout`: a GGUF file's header, as the
+    load already read it."""
     from safetensors import safe_open
 
     from ruvllm_cli.engine.stream_load import _set_module
@@ -222,7 +225,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | 
         if metadata.get("ruvllm_layout") != str(LAYOUT) or metadata.get("dtype") != str(dtype):
             return None  # another layout, or built for other activations (kernels differ per machine)
         kinds: dict[str, list[Any]] = json.loads(metadata["modules"])
-        model = _skeleton(model_path, dtype)
+        model = _skeleton(model_path, dtype, layout, metadata)
         if json.loads(metadata["tie_word_embeddings"]) is False:
             model.config.tie_word_embeddings = False
         modules = dict(model.named_modules())
@@ -285,12 +288,14 @@ def load(path: Path, model_path: Path, dtype: torch.dtype) -> tuple[Any, str] | 
     return model, metadata["description"]
 
 
-def _skeleton(model_path: Path, dtype: torch.dtype) -> Any:
-    """The model the cache file fills: a model directory's or a GGUF file's."""
+def _skeleton(model_path: Path, dtype: torch.dtype, layout: Any, metadata: dict[str, str]) -> Any:
+    """The model the cache file fills: a model directory's or a GGUF file's (from the
+    config fields the first load saved, without transformers' GGUF key table)."""
     if model_path.suffix == ".gguf":
-        from ruvllm_cli.engine.gguf_load import cached_skeleton
+        from ruvllm_cli.engine.gguf_load import FIELDS_KEY, cached_skeleton
 
-        return cached_skeleton(model_path, dtype)
+        fields = json.loads(metadata[FIELDS_KEY]) if FIELDS_KEY in metadata else None
+        return cached_skeleton(model_path, dtype, layout, fields)
     from ruvllm_cli.engine.stream_load import _skeleton as directory_skeleton
 
     return directory_skeleton(model_path, dtype)

@@ -196,19 +196,28 @@ def test_structured_output_runs_on_ruvllms_tokenizer(model_copy):
     assert compiler.layout.words > 0 and torch.equal(masks[0], masks[1]) and bool(masks[0].any())
 
 
-def test_a_fresh_process_loads_and_replies_without_importing_transformers(model_copy):
-    load_model(model_copy, "cpu", Q.F32)   # writes the record down
+@pytest.mark.parametrize("kind", ["directory", "gguf"])
+def test_a_fresh_process_loads_and_replies_without_importing_transformers(model_copy, tmp_path, kind):
+    """The second start of a model: a directory at none (no weight cache), a GGUF file
+    at q8 (its weight cache keeps the config fields transformers' key table gave)."""
+    path, quantization = model_copy, "F32"
+    if kind == "gguf":
+        from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+        path, quantization = write_gguf(model_copy, tmp_path / "tiny.gguf"), "Q8_0"
+    load_model(path, "cpu", Q[quantization])   # writes the caches down
     script = f"""
 import sys
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tokenizer import Tokenizer, warm_up
-engine = LLMEngine.from_path({str(model_copy)!r}, EngineConfig(quantization=__import__("ruvllm_cli.quantization",
-    fromlist=["Quantization"]).Quantization.F32, max_model_len=256))
+from ruvllm_cli.quantization import Quantization
+engine = LLMEngine.from_path({str(path)!r}, EngineConfig(quantization=Quantization.{quantization}, max_model_len=256))
 assert isinstance(engine.tokenizer, Tokenizer)
 out = engine.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0))
 assert len(out[0].token_ids) == 4
+print("cached weights", engine.loaded.from_weight_cache)
 print("before the template", "transformers" in sys.modules)
 warm_up(engine.tokenizer).join()
 from ruvllm_cli.engine.chat_template import render_chat
@@ -218,3 +227,4 @@ print("rendered", len(render_chat(engine.tokenizer, [{{"role": "user", "content"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "before the template False" in done.stdout and "rendered True" in done.stdout
+    assert f"cached weights {kind == 'gguf'}" in done.stdout
