@@ -26,11 +26,22 @@ from ruvllm_cli.engine.kernels import int4_unpack_kernel
 @dataclass(frozen=True)
 class PackedLayout:
     """Packed bytes as [N / block, K, block / 2]; byte j of a k holds row low[j] of the
-    block in its low nibble and row high[j] in its high nibble."""
+    block in its low nibble and row high[j] in its high nibble; the same read the other
+    way, row r of a block sits in byte byte_of[r] at bit shift_of[r] (0 or 4)."""
 
     block: int
     low: torch.Tensor    # [block / 2] int64
     high: torch.Tensor
+    byte_of: torch.Tensor   # [block] int64
+    shift_of: torch.Tensor
+
+    @classmethod
+    def of(cls, block: int, low: torch.Tensor, high: torch.Tensor) -> "PackedLayout":
+        byte_of, shift_of = torch.empty(block, dtype=torch.int64), torch.empty(block, dtype=torch.int64)
+        halves = torch.arange(block // 2)
+        byte_of[low], shift_of[low] = halves, 0
+        byte_of[high], shift_of[high] = halves, 4
+        return cls(block, low, high, byte_of, shift_of)
 
 
 def dense_weight(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, start: int, rows: int,
@@ -65,25 +76,15 @@ def packed_rows(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int
     k = half_k * 2
     kernel = int4_unpack_kernel()
     if kernel is not None:
-        byte_of, shift_of = _row_places(layout)
         out = torch.empty(len(ids), k, dtype=torch.bfloat16)
-        kernel.packed_rows(packed.data_ptr(), n_total, k, layout.block, byte_of.data_ptr(), shift_of.data_ptr(),
+        kernel.packed_rows(packed.data_ptr(), n_total, k, layout.block, layout.byte_of.data_ptr(),
+                           layout.shift_of.data_ptr(),
                            scales_and_zeros.data_ptr(), group, ids.data_ptr(), len(ids), out.data_ptr())
         return out
     room = torch.empty(layout.block, k)
     rows = [dense_weight(packed, scales_and_zeros, group, int(i) - int(i) % layout.block, layout.block, layout,
                          room)[int(i) % layout.block].clone() for i in ids]
     return torch.stack(rows).to(torch.bfloat16) if rows else torch.empty(0, k, dtype=torch.bfloat16)
-
-
-@functools.cache
-def _row_places(layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of a block: the byte of a k that holds it, and its nibble's shift."""
-    byte_of, shift_of = torch.empty(layout.block, dtype=torch.int64), torch.empty(layout.block, dtype=torch.int64)
-    for j, (low, high) in enumerate(zip(layout.low.tolist(), layout.high.tolist())):
-        byte_of[low], shift_of[low] = j, 0
-        byte_of[high], shift_of[high] = j, 4
-    return byte_of, shift_of
 
 
 def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
@@ -127,7 +128,7 @@ def _probe(inner_k_tiles: int) -> PackedLayout | None:
         if bool((low == low[0, 0]).all()) and bool((high == high[0, 0]).all()):
             order = torch.cat([low[0, 0], high[0, 0]]).sort().values
             if torch.equal(order, torch.arange(block)):
-                return PackedLayout(block, low[0, 0].clone(), high[0, 0].clone())
+                return PackedLayout.of(block, low[0, 0].clone(), high[0, 0].clone())
     return None
 
 

@@ -719,9 +719,8 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
         model.config.tie_word_embeddings = False
     _replace_linears(model, plan, skip=head if tied else None)
     if tied:   # built last, as the streamed loader builds it: the embedding may share it
-        replacement = plan.tied_head(head.weight.detach()) if head.bias is None else None
-        if replacement is None:
-            replacement = plan.linear(head.weight.detach(), None if head.bias is None else head.bias.detach())
+        weight = head.weight.detach()
+        replacement = plan.tied_head(weight) if head.bias is None else plan.linear(weight, head.bias.detach())
         if replacement is not None:
             model.set_output_embeddings(replacement)
     replacement = plan.embedding(embeddings.weight.detach(), embeddings.padding_idx)

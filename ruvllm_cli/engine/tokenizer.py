@@ -183,7 +183,11 @@ def warm_up(tokenizer: Any) -> threading.Thread | None:
 
 
 def enabled(use_cache: bool) -> bool:
-    return use_cache and os.environ.get(ENV, "1") != "0" and os.environ.get("RUVLLM_WEIGHT_CACHE", "1") != "0"
+    """Whether loads read and write the record: the switches of the caches beside a model
+    (`--no-weight-cache`, RUVLLM_WEIGHT_CACHE=0) and RUVLLM_OWN_TOKENIZER=0 turn it off."""
+    from ruvllm_cli.engine.weight_cache import ENV as CACHE_ENV
+
+    return use_cache and os.environ.get(ENV, "1") != "0" and os.environ.get(CACHE_ENV, "1") != "0"
 
 
 def record(model_path: Path) -> Path:
