@@ -225,6 +225,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, layout: Any = None) -
         if metadata.get("ruvllm_layout") != str(LAYOUT) or metadata.get("dtype") != str(dtype):
             return None  # another layout, or built for other activations (kernels differ per machine)
         kinds: dict[str, list[Any]] = json.loads(metadata["modules"])
+        reader = _Reader(path)
         model = _skeleton(model_path, dtype, layout, metadata)
         if json.loads(metadata["tie_word_embeddings"]) is False:
             model.config.tie_word_embeddings = False
@@ -253,8 +254,8 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, layout: Any = None) -
                     continue  # placed below, once its head is
                 prefix = f"{name}."
                 # fbgemm packs int8 codes into a copy of its own: they need no copy of ours.
-                tensors = _read(path, [n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]],
-                                copy=kind != DynamicInt8Linear.__name__)
+                tensors = reader.read([n for n in names if n.startswith(prefix) and "." not in n[len(prefix):]],
+                                      copy=kind != DynamicInt8Linear.__name__)
                 own = {n[len(prefix):]: t for n, t in tensors.items()}
                 if name in (embeddings_name, head_name):
                     place(name, _rebuild(kind, own, settings))
@@ -278,7 +279,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, layout: Any = None) -
             missing = [k for k in keys if k not in names]
             if missing:
                 raise KeyError(f"no tensor {missing[0]}")
-            tensors = _read(path, keys)
+            tensors = reader.read(keys)
             for key, full in zip(own, keys):
                 module._parameters[key] = nn.Parameter(tensors[full], requires_grad=False)
     except Exception as error:  # noqa: BLE001 - a damaged or foreign file: quantize again instead
@@ -305,12 +306,52 @@ def _name_of(module: nn.Module | None, modules: dict[str, nn.Module]) -> str | N
     return next((name for name, candidate in modules.items() if candidate is module), None)
 
 
-def _read(path: Path, names: list[str], copy: bool = True) -> dict[str, torch.Tensor]:
-    """The named tensors, read through a mapping that is released with them: copies
-    in process memory (not the file's pages, which are slower to compute on and
-    would tie the file to the model) unless `copy` is False."""
-    from safetensors import safe_open
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
+           "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 
-    with safe_open(path, framework="pt", device="cpu") as handle:
-        return {name: handle.get_tensor(name).clone() if copy else handle.get_tensor(name) for name in names}
+
+class _Reader:
+    """A cache file's tensors read with `pread` into fresh process memory: one copy, and
+    no mapped file pages beside it. Through a mapping, each module's file pages counted
+    in the process's resident memory beside its copy until the mapping went, which put
+    the last modules' twice into the load's peak."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            self.header: dict[str, Any] = json.loads(handle.read(size))
+        self.start = 8 + size
+
+    def read(self, names: list[str], copy: bool = True) -> dict[str, torch.Tensor]:
+        """The named tensors; `copy=False` gives views of the file's pages instead
+        (fbgemm packs int8 codes into a copy of its own: they need no copy of ours)."""
+        if not copy:
+            from safetensors import safe_open
+
+            with safe_open(self.path, framework="pt", device="cpu") as handle:
+                return {name: handle.get_tensor(name) for name in names}
+        tensors = {}
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for name in names:
+                tensors[name] = self._tensor(fd, name)
+        finally:
+            os.close(fd)
+        return tensors
+
+    def _tensor(self, fd: int, name: str) -> torch.Tensor:
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+        room = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        if len(room) != end - begin:
+            raise ValueError(f"{name}: {end - begin} bytes in the file for {len(room)}")
+        done = 0
+        while done < len(room):   # pread may return less than asked (a 2 GiB cap per call)
+            got = os.preadv(fd, [room[done:]], self.start + begin + done)
+            if got <= 0:
+                raise ValueError(f"{name}: the file ends {len(room) - done} bytes early")
+            done += got
+        return tensor
 
