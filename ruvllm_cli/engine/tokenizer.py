@@ -298,8 +298,9 @@ def _plain(token: Any) -> str | None:
     return None if token is None else str(token)
 
 
-def differs(theirs: Any, ours: Tokenizer) -> str | None:
-    """The first probe on which the two tokenizers answer differently, or None."""
+def differs(theirs: Any, ours: Any) -> str | None:
+    """The first probe on which two tokenizers answer differently, or None: transformers'
+    and ruvllm's here, transformers' and its saved copy for a GGUF file (weight_cache)."""
     checks: list[tuple[str, Any]] = [
         ("length", lambda t: len(t)), ("special tokens", lambda t: t.all_special_tokens),
         ("special ids", lambda t: t.all_special_ids), ("added vocabulary", lambda t: t.get_added_vocab()),

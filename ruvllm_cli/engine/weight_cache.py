@@ -101,16 +101,13 @@ def save_tokenizer(tokenizer: Any, where: Path, load: Any) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-PROBE = "Hello, world! <|im_start|>user\n def f(x):\n\treturn x  # héllo 😀 12345<|im_end|></s>"
-
-
 def _same_tokenizer(a: Any, b: Any) -> bool:
-    def facts(t: Any) -> tuple[Any, ...]:
-        return (type(t), t.backend_tokenizer.to_str(), t.chat_template, t.all_special_tokens, t.all_special_ids,
-                t.eos_token_id, t.bos_token_id, t.pad_token_id, len(t), t.encode(PROBE),
-                t.decode(t.encode(PROBE)), t.decode(t.encode(PROBE), skip_special_tokens=True))
+    """The same class, backend JSON and chat template, and the same answers to the probes
+    ruvllm's own tokenizer is checked with (engine/tokenizer.py, `differs`)."""
+    from ruvllm_cli.engine.tokenizer import differs
 
-    return facts(a) == facts(b)
+    return (type(a) is type(b) and a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+            and a.chat_template == b.chat_template and differs(a, b) is None)
 
 
 def _module_tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -212,20 +209,16 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, layout: Any = None) -
     """The model rebuilt from a cache file, or None when there is none (or it does
     not fit this model: then it is ignored). `layout`: a GGUF file's header, as the
     load already read it."""
-    from safetensors import safe_open
-
     from ruvllm_cli.engine.stream_load import _set_module
 
     if not path.is_file():
         return None
     try:
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {}
-            names = set(handle.keys())
+        reader = _Reader(path)
+        metadata, names = reader.metadata, reader.names
         if metadata.get("ruvllm_layout") != str(LAYOUT) or metadata.get("dtype") != str(dtype):
             return None  # another layout, or built for other activations (kernels differ per machine)
         kinds: dict[str, list[Any]] = json.loads(metadata["modules"])
-        reader = _Reader(path)
         model = _skeleton(model_path, dtype, layout, metadata)
         if json.loads(metadata["tie_word_embeddings"]) is False:
             model.config.tie_word_embeddings = False
@@ -318,10 +311,17 @@ class _Reader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        file_size = path.stat().st_size
         with open(path, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
+            if size > file_size - 8:
+                raise ValueError(f"a header of {size} bytes in a file of {file_size}")
             self.header: dict[str, Any] = json.loads(handle.read(size))
         self.start = 8 + size
+        self.metadata: dict[str, str] = self.header.pop("__metadata__", None) or {}
+        self.names = set(self.header)
+        if max((info["data_offsets"][1] for info in self.header.values()), default=0) > file_size - self.start:
+            raise ValueError("the file ends before its last tensor (a damaged or cut file)")
 
     def read(self, names: list[str], copy: bool = True) -> dict[str, torch.Tensor]:
         """The named tensors; `copy=False` gives views of the file's pages instead
