@@ -6,6 +6,8 @@ and the model-free commands never import torch.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import sys
 
@@ -109,6 +111,8 @@ def _handle_error(error: BaseException, app: AppContext) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `ruvllm` console script."""
+    atexit.unregister(_quick_exit)   # once, however often main runs in one process
+    atexit.register(_quick_exit)
     app = AppContext()
     try:
         cli.main(args=argv, prog_name="ruvllm", standalone_mode=False, obj=app)
@@ -119,3 +123,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.exit(_handle_error(error, app))
     sys.exit(0)
+
+
+def _quick_exit() -> None:
+    """The last exit handler: the objects alive now go to the collector's permanent
+    generation, so the interpreter's teardown does not trace them again and again.
+    After a model's load (torch, transformers' template renderer) that teardown took
+    0.45 s of every command; files are closed and streams flushed as before, and
+    nothing that outlives the process is left to a destructor."""
+    gc.freeze()

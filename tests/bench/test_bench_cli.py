@@ -108,6 +108,12 @@ def test_json_values_are_measured_and_exact(json_run, tiny_model_dir):
     assert config["quantization"] == "none" and config["format"] == "json"
     assert system["dtype"] == "float32" and system["quantization"] == "F32" and system["device"] == "cpu"
     assert system["cpu_cores_logical"] >= 1 and system["torch_threads"] >= 1
+    import torch
+    import transformers
+
+    # Read from the packages' metadata (importing transformers for it cost 0.4 s and 30 MiB).
+    assert (system["torch_version"], system["transformers_version"]) == (torch.__version__,
+                                                                         transformers.__version__)
     assert report["model"]["path"] == str(tiny_model_dir)
 
 
