@@ -218,8 +218,17 @@ def _version(package: str) -> str:
         return "-"
 
 
+def _found_different(path: Path) -> bool:
+    """Whether `path` records that these files' tokenizer answered a probe differently."""
+    try:
+        return path.stat().st_size < 4096 and "differs" in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
 def load(model_path: Path) -> Tokenizer | None:
-    """The tokenizer written down for this model, or None (none yet, stale, damaged)."""
+    """The tokenizer written down for this model, or None (none yet, stale, damaged,
+    or found to answer differently: transformers' is used)."""
     path = record(model_path)
     if not path.is_file():
         return None
@@ -227,7 +236,7 @@ def load(model_path: Path) -> Tokenizer | None:
         from tokenizers import Tokenizer as Backend
 
         facts = json.loads(path.read_text(encoding="utf-8"))
-        if facts.get("format") != FORMAT:
+        if facts.get("format") != FORMAT or "differs" in facts:
             return None
         return Tokenizer(Backend.from_str(facts.pop("backend")), facts)
     except Exception as error:  # noqa: BLE001 - a damaged file: transformers builds the tokenizer again
@@ -241,7 +250,7 @@ def save_checked(tokenizer: Any, model_path: Path) -> bool:
     temporary name and renamed into place; a failure only costs the next start time."""
     path = record(model_path)
     facts = _facts(tokenizer)
-    if facts is None:
+    if facts is None or _found_different(path):
         return False
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -251,13 +260,14 @@ def save_checked(tokenizer: Any, model_path: Path) -> bool:
         difference = differs(tokenizer, ours)
         if difference is not None:
             log.info("ruvllm's tokenizer is not used for %s: %s", model_path, difference)
-            return False
+            # Written down too, so that later loads (the same files and versions) skip the probes.
+            facts = {"format": FORMAT, "differs": difference}
         path.parent.mkdir(exist_ok=True)
         for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.json"):
             stale.unlink(missing_ok=True)
         temporary.write_text(json.dumps(facts), encoding="utf-8")
         os.replace(temporary, path)
-        return True
+        return difference is None
     except Exception as error:  # noqa: BLE001 - a read-only directory, a tokenizer we cannot read
         log.info("the tokenizer of %s was not written down: %s", model_path, error)
         return False

@@ -141,8 +141,18 @@ def test_a_tokenizer_that_answers_differently_is_not_written_down(model_copy, mo
                         real(self, ids, skip_special_tokens).upper())
     with caplog.at_level("INFO", logger="ruvllm_cli.engine.tokenizer"):
         load_model(model_copy, "cpu", Q.F32)
-    assert _records(model_copy) == [] and "they differ in decode" in caplog.text
+    assert "they differ in decode" in caplog.text
+    # What was found is written down instead of the tokenizer, so later loads skip the probes.
+    assert json.loads(own.record(model_copy).read_text()) == {"format": own.FORMAT,
+                                                             "differs": caplog.records[-1].args[1]}
+    probes = []
+    monkeypatch.setattr(own, "differs", lambda *args: probes.append(args))
     assert not isinstance(load_model(model_copy, "cpu", Q.F32).tokenizer, own.Tokenizer)
+    assert probes == [] and own.load(model_copy) is None
+    # Another version of the files (or of transformers) is checked again.
+    os.utime(model_copy / "tokenizer_config.json", ns=(time.time_ns(), time.time_ns() + 10**9))
+    load_model(model_copy, "cpu", Q.F32)
+    assert len(probes) == 1 and isinstance(load_model(model_copy, "cpu", Q.F32).tokenizer, own.Tokenizer)
 
 
 def test_word_piece_cleanup_is_left_to_transformers(tmp_path):
