@@ -260,8 +260,9 @@ def save_checked(tokenizer: Any, model_path: Path) -> bool:
         difference = differs(tokenizer, ours)
         if difference is not None:
             log.info("ruvllm's tokenizer is not used for %s: %s", model_path, difference)
-            # Written down too, so that later loads (the same files and versions) skip the probes.
-            facts = {"format": FORMAT, "differs": difference}
+            # Written down too, so that later loads (the same files and versions) skip the
+            # probes; short, as _found_different reads only a small file.
+            facts = {"format": FORMAT, "differs": difference[:1000]}
         path.parent.mkdir(exist_ok=True)
         for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.json"):
             stale.unlink(missing_ok=True)

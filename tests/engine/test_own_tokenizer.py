@@ -144,7 +144,7 @@ def test_a_tokenizer_that_answers_differently_is_not_written_down(model_copy, mo
     assert "they differ in decode" in caplog.text
     # What was found is written down instead of the tokenizer, so later loads skip the probes.
     assert json.loads(own.record(model_copy).read_text()) == {"format": own.FORMAT,
-                                                             "differs": caplog.records[-1].args[1]}
+                                                             "differs": caplog.records[-1].args[1][:1000]}
     probes = []
     monkeypatch.setattr(own, "differs", lambda *args: probes.append(args))
     assert not isinstance(load_model(model_copy, "cpu", Q.F32).tokenizer, own.Tokenizer)
