@@ -89,7 +89,7 @@ class FusedDecoder:
             self.kernel.rope_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos_at, sin_at, rows, self.q_heads,
                                     self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(), keys.shape[1],
                                     slots_at, tables_at, width, lengths_at, self.block_size, self.scaling,
-                                    attended_at, self.bf16, self.kv, threads)
+                                    attended_at, self.bf16, self.kv, self.kernel.wide, threads)
             self._add_norm(x, _out(attn["o_proj"], attended), after, h, threads)
             gate, up = self._gate_up(mlp, h)
             self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, threads)

@@ -48,12 +48,31 @@ def run(loaded, fused: bool, quantization: Quantization = Quantization.F32, **co
     return [r.token_ids for r in results], steps, engine.runner.fused_steps
 
 
+WIDE = [pytest.param(True, id="avx512", marks=pytest.mark.skipif(
+             not kernels.cpu_has(kernels.AVX512_CPU_FLAGS), reason="no AVX-512 here")),
+         pytest.param(False, id="avx2")]
+
+
+@pytest.fixture(params=WIDE)
+def wide(request, monkeypatch) -> bool:
+    """The attention's AVX-512 functions, or its AVX2 ones (decode_step.c)."""
+    kernel = kernels.decode_kernel()
+    assert kernel is not None, "the decode kernels did not build"
+    monkeypatch.setattr(kernel, "wide", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [
-    {},                                             # 4 query heads over 2 KV heads
+    {},                                             # 4 query heads over 2 KV heads, head_dim 16
     {"num_kv_heads": 4},                            # no grouping
     {"num_kv_heads": 1, "attention_bias": True},    # every head on one KV head; q/k/v with bias
+    # Qwen2.5-0.5B's grouping, head_dim 64: AVX-512 holds 7 heads x 4 vectors of sums
+    {"hidden_size": 448, "num_heads": 7, "num_kv_heads": 1, "intermediate_size": 64},
+    {"hidden_size": 96, "num_heads": 2, "num_kv_heads": 1},     # head_dim 48: slices of 3 vectors
+    {"hidden_size": 256, "num_heads": 16, "num_kv_heads": 1},   # 16 heads on one: blocks of 8
+    {"hidden_size": 32, "num_heads": 4, "num_kv_heads": 2},     # head_dim 8: AVX2 on every CPU
 ])
-def test_fused_decode_matches_the_stock_forward_in_float32(make_tiny_model, shape):
+def test_fused_decode_matches_the_stock_forward_in_float32(make_tiny_model, shape, wide):
     loaded = load_model(make_tiny_model(**shape), "cpu", Quantization.F32)
     fused_tokens, fused_steps, taken = run(loaded, fused=True)
     stock_tokens, stock_steps, _ = run(loaded, fused=False)
@@ -62,7 +81,7 @@ def test_fused_decode_matches_the_stock_forward_in_float32(make_tiny_model, shap
     assert max((a - b).abs().max().item() for a, b in zip(fused_steps, stock_steps)) < 1e-4
 
 
-def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_tiny_model):
+def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_tiny_model, wide):
     # q4k keeps bfloat16 activations on every CPU. Rounding differs (float32 scores
     # here, bfloat16 there), so greedy paths may part on a near tie: compare the first
     # decode step, where both read the same cache.
@@ -77,7 +96,7 @@ def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_ti
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_q8_keeps_its_kv_cache_in_float16_and_both_paths_read_it_alike(make_tiny_model, tied):
+def test_q8_keeps_its_kv_cache_in_float16_and_both_paths_read_it_alike(make_tiny_model, tied, wide):
     # float32 activations, float16 keys and values (model_runner.kv_cache_dtype): the
     # fused kernels and the stock attention read the same rounded cache. Untied, the int8
     # table once gave bfloat16 rows, which the fused step handed its float32 kernels as

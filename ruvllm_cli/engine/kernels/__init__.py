@@ -31,6 +31,8 @@ CPU_FLAGS = ("avx2", "fma", "f16c")
 # bf16_gemm.c: AVX-512 with its BF16 conversions (oneDNN's bfloat16 CPUs).
 BF16_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 BF16_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# decode_step.c's attention in AVX-512 (functions compiled for it by target attributes).
+AVX512_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -82,14 +84,16 @@ class Int4UnpackKernel:
 
 class DecodeKernel:
     """decode_step.c: the work between a Llama-family decode step's linear layers
-    (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument)."""
+    (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument).
+    `wide`: the attention takes its AVX-512 functions (where the CPU has them)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.wide = cpu_has(AVX512_CPU_FLAGS)
         self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float,
                                                                                  ctypes.c_int, ctypes.c_int])
         self.rope_attend = _bind(library.ruvllm_rope_attend, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
                                  + [_size, _pointer, _pointer, _size, _pointer, _size, ctypes.c_float, _pointer]
-                                 + [ctypes.c_int] * 3)
+                                 + [ctypes.c_int] * 4)
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size, ctypes.c_int, ctypes.c_int])
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
                                                                ctypes.c_int])

@@ -253,21 +253,169 @@ static inline __attribute__((always_inline)) void attend(const float *qf, i64 gr
                             out + g * dim + d0);
 }
 
+/* ---- The attention in AVX-512, for CPUs that have it (the caller's `wide`): sixteen
+ * lanes, each block of keys converted to float32 once for the G heads sharing it, and
+ * each value row read once for all of them, their sums held in registers. The rest of
+ * the file stays AVX2: these functions alone are compiled for AVX-512 (target
+ * attributes), so the one build runs on every AVX2 CPU. ---- */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline)) static inline
+#define AVX512_OUTER __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static
+
+/* Sixteen values of an array of `kind` as float32. */
+AVX512 __m512 load16(const void *base, i64 at, int kind) {
+    if (kind == F32) return _mm512_loadu_ps((const float *)base + at);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+    if (kind == F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* r[k] = the sum of a[k]'s sixteen lanes, k < 16: a transposing tree of adds. */
+AVX512 __m512 reduce16(__m512 a[16]) {
+    __m512 c[8], e[4], f[2];
+    for (int i = 0; i < 8; ++i)
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(c[2 * i]), y = _mm512_castps_pd(c[2 * i + 1]);
+        e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88), _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xdd));
+}
+
+/* scores[g][j] = q_g . k_j * scale for j < padded (a multiple of 16), each block of
+ * sixteen keys converted to float32 once (into kb) for the G heads. */
+AVX512 void scores16(const float *qf, i64 groups, i64 dim, const void *k_cache, const i64 *rows, i64 padded,
+                     float scale, int kv, float *scores, i64 stride, float *kb) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (i64 j0 = 0; j0 < padded; j0 += 16) {
+        const float *key[16];
+        for (int k = 0; k < 16; ++k) {
+            if (kv == F32) {
+                key[k] = (const float *)k_cache + rows[j0 + k];
+            } else {
+                for (i64 d = 0; d < dim; d += 16) _mm512_storeu_ps(kb + k * dim + d, load16(k_cache, rows[j0 + k] + d, kv));
+                key[k] = kb + k * dim;
+            }
+        }
+        for (i64 g = 0; g < groups; ++g) {
+            __m512 acc[16];
+            for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+            for (i64 d = 0; d < dim; d += 16) {
+                const __m512 q = _mm512_loadu_ps(qf + g * dim + d);
+                for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(q, _mm512_loadu_ps(key[k] + d), acc[k]);
+            }
+            _mm512_storeu_ps(scores + g * stride + j0, _mm512_mul_ps(reduce16(acc), scaled));
+        }
+    }
+}
+
+/* out[g][d0, d0 + 16W) = sum over j of p[g][j] * (value row j), every head's sums held
+ * in registers while each value row is read once. G * W <= 28. */
+AVX512 void values_block(const float *p, i64 stride, i64 length, const void *v_cache, const i64 *rows,
+                         i64 d0, int kv, float *out, i64 dim, const int G, const int W) {
+    __m512 acc[8][4];
+    for (int g = 0; g < G; ++g)
+        for (int w = 0; w < W; ++w) acc[g][w] = _mm512_setzero_ps();
+    for (i64 j = 0; j < length; ++j) {
+        __m512 v[4];
+        for (int w = 0; w < W; ++w) v[w] = load16(v_cache, rows[j] + d0 + 16 * w, kv);
+        for (int g = 0; g < G; ++g) {
+            const __m512 weight = _mm512_set1_ps(p[g * stride + j]);
+            for (int w = 0; w < W; ++w) acc[g][w] = _mm512_fmadd_ps(weight, v[w], acc[g][w]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int w = 0; w < W; ++w) _mm512_storeu_ps(out + g * dim + d0 + 16 * w, acc[g][w]);
+}
+
+/* values_block over every head and slice: one (G, W) instance per case, so that the trip
+ * counts are constants and the sums stay in registers. */
+AVX512 void values16(const float *p, i64 stride, i64 groups, i64 length, const void *v_cache, const i64 *rows,
+                     i64 dim, int kv, float *out) {
+    const i64 vectors = dim / 16;
+    for (i64 g0 = 0; g0 < groups; g0 += 8) {   /* more than eight heads to a KV head: blocks of eight */
+        const int G = (int)(groups - g0 < 8 ? groups - g0 : 8);
+        int W = 4;   /* the widest slice of 16W values (W divides dim / 16) whose G x W sums fit */
+        while (W > 1 && (vectors % W != 0 || G * W > 28)) --W;
+        const float *pg = p + g0 * stride;
+        float *og = out + g0 * dim;
+        for (i64 d0 = 0; d0 < dim; d0 += 16 * W) {
+#define CASE(g, w) case (g) * 8 + (w): values_block(pg, stride, length, v_cache, rows, d0, kv, og, dim, g, w); break;
+            switch (G * 8 + W) {
+                CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
+                CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+                CASE(5, 1) CASE(5, 2) CASE(5, 3) CASE(5, 4) CASE(6, 1) CASE(6, 2) CASE(6, 3) CASE(6, 4)
+                CASE(7, 1) CASE(7, 2) CASE(7, 3) CASE(7, 4) CASE(8, 1) CASE(8, 2) CASE(8, 3)
+            }
+#undef CASE
+        }
+    }
+}
+
+/* exp(x) for sixteen floats, exp8's steps in sixteen lanes (the same rounding). */
+AVX512 __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-6f)));
+    const float coef[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(coef[0]);
+    for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef[i]));
+    const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+/* softmax() over n scores, n % 16 == 0 (the tail padded with -inf). */
+AVX512 void softmax16(float *p, i64 n) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (i64 j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(p + j));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (i64 j = 0; j < n; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), shift));
+        _mm512_storeu_ps(p + j, e);
+        total = _mm512_add_ps(total, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (i64 j = 0; j < n; j += 16) _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
+}
+
+/* attend() in sixteen lanes, dim % 16 == 0: the same sums, the scores' and the softmax's
+ * added in another order. */
+AVX512_OUTER void attend16(const float *qf, i64 groups, i64 dim, const void *k_cache, const void *v_cache,
+                           const i64 *rows, i64 length, float scale, int kv, float *scores, float *out, float *kb) {
+    const i64 padded = (length + 15) / 16 * 16;
+    if (kv == F32) scores16(qf, groups, dim, k_cache, rows, padded, scale, F32, scores, padded, kb);
+    else if (kv == BF16) scores16(qf, groups, dim, k_cache, rows, padded, scale, BF16, scores, padded, kb);
+    else scores16(qf, groups, dim, k_cache, rows, padded, scale, F16, scores, padded, kb);
+    for (i64 g = 0; g < groups; ++g) {
+        float *p = scores + g * padded;
+        for (i64 j = length; j < padded; ++j) p[j] = -INFINITY;
+        softmax16(p, padded);
+    }
+    if (kv == F32) values16(scores, padded, groups, length, v_cache, rows, dim, F32, out);
+    else if (kv == BF16) values16(scores, padded, groups, length, v_cache, rows, dim, BF16, out);
+    else values16(scores, padded, groups, length, v_cache, rows, dim, F16, out);
+}
+
 /* One query row per request over its cached tokens. q, out: [B, Hq, D]; caches
  * [Hkv, cache_slots, D] of `kv` kind; tables [B, width] block ids; lengths [B] tokens
  * cached (the new one included). One task per (request, KV head). */
 void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_cache, i64 cache_slots,
                              const int32_t *tables, i64 width, const int32_t *lengths, i64 batch,
                              i64 block_size, i64 q_heads, i64 kv_heads, i64 dim, float scale,
-                             void *out, int bf16, int kv, int threads) {
+                             void *out, int bf16, int kv, int wide, int threads) {
     const i64 groups = q_heads / kv_heads, tasks = batch * kv_heads;
     i64 longest = 0;
     for (i64 b = 0; b < batch; ++b) longest = lengths[b] > longest ? lengths[b] : longest;
     if (threads > tasks) threads = (int)tasks;
-    const i64 padded = (longest + 7) / 8 * 8;
+    wide = wide && dim % 16 == 0;
+    const i64 padded = wide ? (longest + 15) / 16 * 16 : (longest + 7) / 8 * 8;
     #pragma omp parallel num_threads(threads)
     {
-        float *work = malloc((size_t)(groups * (padded + 2 * dim)) * sizeof(float));
+        float *work = malloc((size_t)(groups * (padded + 2 * dim) + (wide ? 16 * dim : 0)) * sizeof(float));
         float *qf = work + groups * padded, *acc = qf + groups * dim;
         i64 *rows = malloc((size_t)padded * sizeof(i64));
         #pragma omp for schedule(static)
@@ -281,7 +429,9 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
             }
             for (i64 j = length; j < padded; ++j) rows[j] = rows[0];
             load_row(q, at, groups * dim, bf16, qf);
-            if (kv == F32)   /* a constant kind inside: no dtype test per load */
+            if (wide)
+                attend16(qf, groups, dim, k_cache, v_cache, rows, length, scale, kv, work, acc, acc + groups * dim);
+            else if (kv == F32)   /* a constant kind inside: no dtype test per load */
                 attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, F32, work, acc);
             else if (kv == BF16)
                 attend(qf, groups, dim, k_cache, v_cache, rows, length, scale, BF16, work, acc);
@@ -368,8 +518,8 @@ void ruvllm_argmax_rows(const void *x, i64 rows, i64 n, int bf16, i64 *out, int 
 void ruvllm_rope_attend(void *q, const void *k, const void *v, const void *cos, const void *sin, i64 rows,
                         i64 q_heads, i64 kv_heads, i64 dim, void *k_cache, void *v_cache, i64 cache_slots,
                         const i64 *slots, const int32_t *tables, i64 width, const int32_t *lengths, i64 block_size,
-                        float scale, void *out, int bf16, int kv, int threads) {
+                        float scale, void *out, int bf16, int kv, int wide, int threads) {
     ruvllm_rope_store(q, k, v, cos, sin, rows, q_heads, kv_heads, dim, k_cache, v_cache, cache_slots, slots, bf16, kv);
     ruvllm_decode_attention(q, k_cache, v_cache, cache_slots, tables, width, lengths, rows, block_size, q_heads,
-                            kv_heads, dim, scale, out, bf16, kv, threads);
+                            kv_heads, dim, scale, out, bf16, kv, wide, threads);
 }
