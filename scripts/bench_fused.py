@@ -10,6 +10,7 @@ Prints medians in ms per step and the ratio stock / fused.
 
     .venv/bin/python scripts/bench_fused.py --model models/bench --quantization q8
     .venv/bin/python scripts/bench_fused.py --quantization q4k --streams 1,16 --context 128,3000
+    .venv/bin/python scripts/bench_fused.py --attention --streams 1,16 --context 128,3000
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
+from ruvllm_cli.engine import kernels  # noqa: E402
 from ruvllm_cli.engine.config import EngineConfig  # noqa: E402
 from ruvllm_cli.engine.engine import LLMEngine  # noqa: E402
 from ruvllm_cli.engine.sampling import SamplingParams  # noqa: E402
@@ -106,12 +108,34 @@ def measure(engine: LLMEngine, streams: int, context: int, args: Any, rng: rando
             "speedup": round(ms["stock"] / ms["fused"], 3)}
 
 
+def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, rng: random.Random) -> dict[str, Any]:
+    """The fused step with the attention's AVX-512 functions and with its AVX2 ones
+    (`DecodeKernel.wide`), alternated in one process: whole steps and 'other'."""
+    kernel = engine.runner.fused.kernel
+    times: dict[str, list[float]] = {}
+    for zero in (True, False):
+        with ZeroLinears(engine.loaded.model) if zero else nullcontext():
+            for wide in (True, False):   # warm-up
+                kernel.wide = wide
+                decode_steps(engine, streams, context, 4, rng)
+            for round_ in range(args.rounds):
+                for wide in ((True, False) if round_ % 2 == 0 else (False, True)):
+                    kernel.wide = wide
+                    key = f"{'avx512' if wide else 'avx2'}_{'other' if zero else 'step'}"
+                    times.setdefault(key, []).extend(decode_steps(engine, streams, context, args.steps, rng))
+    kernel.wide = kernels.cpu_has(kernels.AVX512_CPU_FLAGS)
+    return {"streams": streams, "context": context,
+            **{f"{key}_ms": round(statistics.median(values) * 1e3, 2) for key, values in times.items()}}
+
+
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("--streams", default="1,16", help="decode batch sizes (default: %(default)s)")
     parser.add_argument("--context", default="128", help="prompt lengths (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps a round (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: %(default)s)")
+    parser.add_argument("--attention", action="store_true",
+                        help="compare the fused step's AVX-512 attention with its AVX2 one instead")
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args()
     model_dir = script_model(args)
@@ -120,6 +144,21 @@ def main() -> None:
     if engine.runner.fused is None:
         raise SystemExit("this model or machine has no fused decode step (another family, or no C compiler)")
     rng = random.Random(0)
+    if args.attention:
+        if not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
+            raise SystemExit("this CPU has no AVX-512: the fused step's attention is AVX2 only")
+        rows = [measure_attention(engine, int(s), int(c), args, rng)
+                for s in args.streams.split(",") for c in args.context.split(",")]
+        if args.format == "json":
+            print(json.dumps({"quantization": args.quantization, "threads": args.threads, "rows": rows}, indent=2))
+            return
+        print(f"{args.quantization}, {args.threads} threads: the fused step's attention, AVX-512 / AVX2 (ms)")
+        print("streams  context  other AVX-512  other AVX2  step AVX-512  step AVX2")
+        for r in rows:
+            print(f"{r['streams']:7d}  {r['context']:7d}  {r['avx512_other_ms']:12.2f}  {r['avx2_other_ms']:10.2f}  "
+                  f"{r['avx512_step_ms']:12.2f}  {r['avx2_step_ms']:9.2f}")
+        print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps)")
+        return
     rows = [measure(engine, int(s), int(c), args, rng)
             for s in args.streams.split(",") for c in args.context.split(",")]
     if args.format == "json":

@@ -12,7 +12,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 ENGINE_SCRIPTS = ["bench_engine", "bench_prefix_cache", "bench_packed_linear", "bench_decode_attention",
-                  "bench_serve"]
+                  "bench_serve", "bench_fused"]
 
 
 @pytest.mark.parametrize("name", ENGINE_SCRIPTS)
@@ -67,3 +67,23 @@ def test_load_benchmark_gguf_rows_load_each_file_both_ways(engine_model_dir, tmp
     assert (row["gguf"], row["quantization"], row["llamacpp"]) == ("Q8_0.gguf", "q8", None)
     assert row["streamed"]["streamed"] and not row["transformers"]["streamed"]
     assert row["streamed"]["peak_mib"] >= row["streamed"]["import_mib"] > 0
+
+
+@pytest.mark.parametrize("attention", [False, True], ids=["fused-vs-stock", "attention"])
+def test_fused_script_runs_on_a_small_model_and_prints_json(engine_model_dir, attention):
+    import json
+
+    from ruvllm_cli.engine import kernels
+
+    if attention and not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
+        pytest.skip("no AVX-512 here: the fused step's attention has one path")
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_fused.py"), "--model", str(engine_model_dir),
+                             "--quantization", "none", "--streams", "2", "--context", "20", "--steps", "2",
+                             "--rounds", "2", "--format", "json", *(["--attention"] if attention else [])],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)["rows"]
+    assert (row["streams"], row["context"]) == (2, 20)
+    keys = (["avx512_other_ms", "avx2_other_ms", "avx512_step_ms", "avx2_step_ms"] if attention
+            else ["fused_ms", "stock_ms", "fused_other_ms", "stock_other_ms"])
+    assert all(row[key] > 0 for key in keys)
