@@ -50,6 +50,8 @@ def status():
             if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
 
 started = time.perf_counter()
+import atexit, gc
+atexit.register(gc.freeze)   # the exit `ruvllm` has (cli/main.py: the teardown's collections skipped)
 import torch  # noqa: F401
 imported = status()
 import_s = time.perf_counter() - started
