@@ -49,9 +49,9 @@ def status():
             (line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
             if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile")}
 
-started = time.perf_counter()
 import atexit, gc
 atexit.register(gc.freeze)   # the exit `ruvllm` has (cli/main.py: the teardown's collections skipped)
+started = time.perf_counter()
 import torch  # noqa: F401
 imported = status()
 import_s = time.perf_counter() - started
