@@ -18,15 +18,15 @@ ahead, in a thread, so a chat's first reply does not wait for it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import threading
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
+
+from ruvllm_cli import installed_version
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,8 @@ def record(model_path: Path) -> Path:
     tokenizers that resolved it."""
     from ruvllm_cli.engine.weight_cache import CACHE_DIR
 
-    digest = hashlib.sha256(f"{FORMAT}\0{_version('transformers')}\0{_version('tokenizers')}\0".encode())
+    versions = "\0".join(installed_version(package) or "-" for package in ("transformers", "tokenizers"))
+    digest = hashlib.sha256(f"{FORMAT}\0{versions}\0".encode())
     if model_path.suffix == ".gguf":
         files, folder = [model_path], model_path.parent
         prefix = "vocab.gguf" + hashlib.sha256(model_path.name.encode()).hexdigest()[:8]
@@ -209,13 +210,6 @@ def record(model_path: Path) -> Path:
         stat = file.stat()
         digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return folder / CACHE_DIR / f"{prefix}-{digest.hexdigest()[:16]}.json"
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "-"
 
 
 def _found_different(path: Path) -> bool:
@@ -246,13 +240,14 @@ def load(model_path: Path) -> Tokenizer | None:
 
 def save_checked(tokenizer: Any, model_path: Path) -> bool:
     """Write down transformers' `tokenizer` for `model_path` if a `Tokenizer` built from
-    the record answers every probe as it does; True when written. Written under a
-    temporary name and renamed into place; a failure only costs the next start time."""
+    the record answers every probe as it does; True when written (fsutil's atomic
+    write); a failure only costs the next start time."""
+    from ruvllm_cli.fsutil import write_text_atomic
+
     path = record(model_path)
     facts = _facts(tokenizer)
     if facts is None or _found_different(path):
         return False
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         from tokenizers import Tokenizer as Backend
 
@@ -263,18 +258,13 @@ def save_checked(tokenizer: Any, model_path: Path) -> bool:
             # Written down too, so that later loads (the same files and versions) skip the
             # probes; short, as _found_different reads only a small file.
             facts = {"format": FORMAT, "differs": difference[:1000]}
-        path.parent.mkdir(exist_ok=True)
         for stale in path.parent.glob(f"{path.name.split('-')[0]}-*.json"):
             stale.unlink(missing_ok=True)
-        temporary.write_text(json.dumps(facts), encoding="utf-8")
-        os.replace(temporary, path)
+        write_text_atomic(path, json.dumps(facts))
         return difference is None
-    except Exception as error:  # noqa: BLE001 - a read-only directory, a tokenizer we cannot read
+    except Exception as error:  # noqa: BLE001 - a read-only directory, a file where it goes, an unreadable tokenizer
         log.info("the tokenizer of %s was not written down: %s", model_path, error)
         return False
-    finally:
-        with contextlib.suppress(OSError):   # a path that cannot hold it (a file where the directory goes)
-            temporary.unlink(missing_ok=True)
 
 
 def _facts(tokenizer: Any) -> dict[str, Any] | None:
