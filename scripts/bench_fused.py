@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -85,23 +85,29 @@ class ZeroLinears:
         return forward
 
 
+def alternated(rounds: int, paths: tuple[str, str], run: Callable[[str], list[float]]) -> dict[str, list[float]]:
+    """Each path's step times over `rounds` rounds, the order swapped every round (the
+    machine's speed drifts between runs, not within a round)."""
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for round_ in range(rounds):
+        for path in paths if round_ % 2 == 0 else paths[::-1]:
+            times[path] += run(path)
+    return times
+
+
 def measure(engine: LLMEngine, streams: int, context: int, args: Any, rng: random.Random) -> dict[str, Any]:
     fused = engine.runner.fused
-    times: dict[str, list[float]] = {"fused": [], "stock": [], "fused_other": [], "stock_other": []}
 
-    def run(path: str, zero: bool) -> list[float]:
+    def run(path: str, zero: bool = False) -> list[float]:
         engine.runner.fused = fused if path == "fused" else None
         with ZeroLinears(engine.loaded.model) if zero else nullcontext():
             return decode_steps(engine, streams, context, args.steps, rng)
 
     for path in ("fused", "stock"):   # warm-up: oneDNN primitives, the kernels' first calls
-        run(path, False)
-    for round_ in range(args.rounds):
-        order = ("fused", "stock") if round_ % 2 == 0 else ("stock", "fused")
-        for path in order:
-            times[path] += run(path, False)
+        run(path)
+    times = alternated(args.rounds, ("fused", "stock"), run)
     for path in ("fused", "stock"):
-        times[f"{path}_other"] += run(path, True)
+        times[f"{path}_other"] = run(path, zero=True)
     engine.runner.fused = fused
     ms = {key: statistics.median(values) * 1e3 for key, values in times.items()}
     return {"streams": streams, "context": context, **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
@@ -112,17 +118,19 @@ def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, 
     """The fused step with the attention's AVX-512 functions and with its AVX2 ones
     (`DecodeKernel.wide`), alternated in one process: whole steps and 'other'."""
     kernel = engine.runner.fused.kernel
+
+    def run(path: str, steps: int = args.steps) -> list[float]:
+        kernel.wide = path == "avx512"
+        return decode_steps(engine, streams, context, steps, rng)
+
     times: dict[str, list[float]] = {}
     for zero in (True, False):
         with ZeroLinears(engine.loaded.model) if zero else nullcontext():
-            for wide in (True, False):   # warm-up
-                kernel.wide = wide
-                decode_steps(engine, streams, context, 4, rng)
-            for round_ in range(args.rounds):
-                for wide in ((True, False) if round_ % 2 == 0 else (False, True)):
-                    kernel.wide = wide
-                    key = f"{'avx512' if wide else 'avx2'}_{'other' if zero else 'step'}"
-                    times.setdefault(key, []).extend(decode_steps(engine, streams, context, args.steps, rng))
+            for path in ("avx512", "avx2"):   # warm-up
+                run(path, 4)
+            suffix = "other" if zero else "step"
+            times.update({f"{path}_{suffix}": values
+                          for path, values in alternated(args.rounds, ("avx512", "avx2"), run).items()})
     kernel.wide = kernels.cpu_has(kernels.AVX512_CPU_FLAGS)
     return {"streams": streams, "context": context,
             **{f"{key}_ms": round(statistics.median(values) * 1e3, 2) for key, values in times.items()}}
