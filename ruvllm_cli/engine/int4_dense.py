@@ -1,10 +1,16 @@
-"""Prompt chunks of q4k layers through float32 GEMM on weights unpacked a block at a time.
+"""q4k layers beside torch's CPU int4 kernel: several rows through a kernel of our own,
+or through float32 GEMM on weights unpacked a block at a time.
 
-torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for a few rows: a
+torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: a
 512-token prompt prefilled 1.5x slower under q4k than under f16 (docs/design.md,
-section 22). For 64 rows and more, `Int4Linear` instead unpacks its codes a block of
-output rows at a time into float32 (w = (q - 8) * scale + zero, the kernel's own
-formula) for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens bfloat16 weights.
+section 22), and a decode step of 16 requests cost 7 times one request's (section 23).
+From FEW_ROWS rows on, on AVX-512 CPUs, `kernels/int4_gemm.c` dequantizes each block of
+64 weight rows once, a chunk of k at a time, into a float32 tile in L1 that every row
+passes over: the bits torch's kernel gives, 1.5-2x faster at 16 rows and 1.1-2x faster
+than the dense path below at 64-512. Elsewhere, for 64 rows and more, `Int4Linear`
+unpacks its codes a block of output rows at a time into float32 (w = (q - 8) * scale +
+zero, the kernel's own formula) for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens
+bfloat16 weights.
 
 The packed layout is torch's and depends on the CPU capability it dispatched to, so it
 is read off torch itself once per process: probe matrices whose codes spell out their
@@ -20,7 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from ruvllm_cli.engine.dense_gemm import blockwise_gemm
-from ruvllm_cli.engine.kernels import int4_unpack_kernel
+from ruvllm_cli.engine.half import scratch_buffer
+from ruvllm_cli.engine.kernels import int4_kernel, int4_unpack_kernel
+
+# Rows from which a call takes int4_gemm.c: at 3 rows torch's kernel was still
+# 0.75-1.0x its time, at 4 rows 1.05-1.15x, at 16 1.7-1.9x (section 23).
+FEW_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,35 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.
     """x [M, K] (M >= GEMM_ROWS) times the int4 weight, float32 sums; float32 [M, N]."""
     return blockwise_gemm(x, packed.shape[0], functools.partial(_unpacked, packed, scales_and_zeros, group, layout),
                           layout.block)
+
+
+def tiled_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+                 bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] bfloat16 (M >= FEW_ROWS, contiguous) times the int4 weight (+ the
+    bfloat16 bias), bfloat16 [M, N] as torch's kernel gives it, through int4_gemm.c; None
+    where that kernel cannot take it (none here, another packed layout, other shapes)."""
+    kernel = int4_kernel()
+    n, half_k = packed.shape
+    if (kernel is None or x.shape[0] < FEW_ROWS or n % 64 or group % 32 or (2 * half_k) % group
+            or not _natural_layout()):
+        return None
+    rows, k = x.shape
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    room = scratch_buffer(rows * k)
+    kernel.linear(x.data_ptr(), rows, k, packed.data_ptr(), n, scales_and_zeros.data_ptr(), group,
+                  None if bias is None else bias.data_ptr(), out.data_ptr(), room.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _natural_layout() -> bool:
+    """Whether torch packs blocks of 64 rows with row j in the low nibble of byte j and
+    row 32 + j in its high one: the layout int4_gemm.c reads."""
+    from ruvllm_cli.engine.quantize import INT4_INNER_K_TILES
+
+    layout = packed_layout(INT4_INNER_K_TILES)
+    return (layout is not None and layout.block == 64 and torch.equal(layout.low, torch.arange(32))
+            and torch.equal(layout.high, torch.arange(32, 64)))
 
 
 def _unpacked(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, layout: PackedLayout,

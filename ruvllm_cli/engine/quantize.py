@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
+from ruvllm_cli.engine.int4_dense import FEW_ROWS, tiled_linear
 from ruvllm_cli.engine.kernels import int4_unpack_kernel
 from ruvllm_cli.quantization import Quantization, int4_fits
 
@@ -218,7 +219,12 @@ class Int4Linear(nn.Module):
         if rows.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
         buffers = self._buffers
-        if rows.shape[0] >= GEMM_ROWS and (dense := self._dense(rows)) is not None:
+        count = rows.shape[0]
+        if count >= FEW_ROWS and (tiled := tiled_linear(rows.contiguous(), buffers["qweight"],
+                                                        buffers["scales_and_zeros"], self.group_size,
+                                                        None if self.bias is None else self.bias.data)) is not None:
+            return tiled.view(*x.shape[:-1], self.out_features)   # its bias added in C, as torch adds it below
+        if count >= GEMM_ROWS and (dense := self._dense(rows)) is not None:
             out = dense
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu.default(rows, buffers["qweight"], self.group_size,
@@ -229,7 +235,8 @@ class Int4Linear(nn.Module):
 
     def _dense(self, rows: torch.Tensor) -> torch.Tensor | None:
         """A prompt chunk through float32 GEMM on weights unpacked a block at a time
-        (engine/int4_dense.py), where torch's packed layout is one it reads. Inside the
+        (engine/int4_dense.py), where torch's packed layout is one it reads and our
+        int4 kernel does not run (CPUs without AVX-512). Inside the
         engine's steps (inference mode) only: elsewhere torch's kernel, the reference
         tests compare this path with."""
         from ruvllm_cli.engine.int4_dense import dense_linear, packed_layout

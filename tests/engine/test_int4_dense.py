@@ -1,6 +1,6 @@
-"""q4k prompt chunks through float32 GEMM on weights unpacked from torch's packed int4
-layout (engine/int4_dense.py): the layout read off torch, the unpacking in C and in
-torch, and Int4Linear's two paths against each other."""
+"""q4k layers beside torch's int4 kernel (engine/int4_dense.py): the layout read off
+torch; prompt chunks through float32 GEMM on weights unpacked in C and in torch; several
+rows through our own kernel (kernels/int4_gemm.c), bit for bit torch's."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def test_unpacked_rows_are_the_weights_the_codes_stand_for(with_c, monkeypatch):
 
 @pytest.mark.parametrize("rows", [GEMM_ROWS, 130])
 def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
+    """Where our int4 kernel does not run (CPUs without AVX-512), the dense path."""
+    monkeypatch.setattr(int4_dense, "int4_kernel", lambda: None)
     torch.manual_seed(rows)
     linear = torch.nn.Linear(512, 320, bias=True)
     layer = Int4Linear(linear, group_size=128)
@@ -56,3 +58,55 @@ def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
         layer(x[:GEMM_ROWS - 1])              # fewer rows: torch's kernel
     assert len(calls) == 1
     assert (dense - kernel).abs().max().item() <= 0.02 * kernel.abs().max().item()
+
+
+tiled = pytest.mark.skipif(int4_dense.tiled_linear(torch.zeros(4, 64, dtype=torch.bfloat16),
+                                                         *packed_matrix(64, 64, 32)[:2], 32, None) is None,
+                              reason="no int4 kernel of ours here (an AVX-512 CPU and a C compiler)")
+
+
+@tiled
+@pytest.mark.parametrize(("n", "k", "group", "bias"), [(320, 512, 128, True), (64, 896, 32, False),
+                                                         (128, 256, 64, True), (192, 4864 // 2, 32, False)])
+def test_several_rows_give_torchs_int4_kernels_bits(n, k, group, bias):
+    """int4_gemm.c (decode steps of several requests, prompt chunks) against torch's
+    kernel: the same bits for each row count, strips of 64 rows and a cut one, with and
+    without a bias, over whole and cut chunks of k (2,432 = 38 chunks of 64) and several
+    groups a chunk."""
+    torch.manual_seed(n + k)
+    layer = Int4Linear(torch.nn.Linear(k, n, bias=bias), group_size=group)
+    if bias:
+        layer.bias.data.normal_()
+    x = torch.randn(150, k).bfloat16() * 3
+    x[1, :7] = 0
+    for rows in (int4_dense.FEW_ROWS, 5, 7, 16, 33, 63, 64, 150):
+        ours = layer(x[:rows])
+        reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:rows], layer.qweight, group,
+                                                               layer.scales_and_zeros)
+        if bias:
+            reference = reference + layer.bias
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours.view(torch.int16), reference.view(torch.int16)), rows
+
+
+@tiled
+def test_several_rows_take_our_kernel_and_one_row_torchs(monkeypatch):
+    layer = Int4Linear(torch.nn.Linear(128, 64, bias=False), group_size=32)
+    calls = []
+    tiled = int4_dense.tiled_linear
+    monkeypatch.setattr("ruvllm_cli.engine.quantize.tiled_linear", lambda *a: calls.append(len(a[0])) or tiled(*a))
+    x = torch.randn(2, 8, 128).bfloat16()
+    assert layer(x).shape == (2, 8, 64)          # 16 rows, batch dimensions kept
+    layer(x[0, :1])
+    layer(x[0, :int4_dense.FEW_ROWS - 1])
+    assert calls == [16]
+
+
+@tiled
+def test_shapes_our_kernel_does_not_take_stay_with_torchs():
+    """Output widths that are not whole blocks of 64 rows fall back to torch's kernel."""
+    torch.manual_seed(3)
+    layer = Int4Linear(torch.nn.Linear(128, 96, bias=True), group_size=32)   # 96 % 64 != 0
+    x = torch.randn(8, 128).bfloat16()
+    assert int4_dense.tiled_linear(x, layer.qweight, layer.scales_and_zeros, 32, None) is None
+    reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_and_zeros) + layer.bias
+    assert torch.equal(layer(x), reference)

@@ -31,8 +31,10 @@ CPU_FLAGS = ("avx2", "fma", "f16c")
 # bf16_gemm.c: AVX-512 with its BF16 conversions (oneDNN's bfloat16 CPUs).
 BF16_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 BF16_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-# decode_step.c's attention in AVX-512 (functions compiled for it by target attributes).
+# decode_step.c's attention in AVX-512 (functions compiled for it by target attributes),
+# and int4_gemm.c (built for it whole).
 AVX512_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+AVX512_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -80,6 +82,15 @@ class Int4UnpackKernel:
         self.embedding = _bind(library.ruvllm_int4_embedding, [_pointer] * 4 + [_size] * 3 + [_pointer])
         self.packed_rows = _bind(library.ruvllm_int4_packed_rows, [_pointer] + [_size] * 3 + [_pointer] * 3
                                  + [_size, _pointer, _size, _pointer])
+
+
+class Int4Kernel:
+    """`ruvllm_int4_linear` from int4_gemm.c: bfloat16 activations times torch's packed
+    int4 weights, several rows at a time, the bits torch's kernel gives."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.linear = _bind(library.ruvllm_int4_linear, [_pointer, _size, _size, _pointer, _size, _pointer, _size,
+                                                         _pointer, _pointer, _pointer, ctypes.c_int])
 
 
 class DecodeKernel:
@@ -143,6 +154,13 @@ def int4_unpack_kernel() -> Int4UnpackKernel | None:
 
 
 @functools.cache
+def int4_kernel() -> Int4Kernel | None:
+    """The int4-weight linear kernel for a few rows (AVX-512 CPUs), built on first use."""
+    return _loaded(Int4Kernel, "int4_gemm", "int4", "q4k layers take torch's int4 kernel for several rows",
+                   AVX512_FLAGS, AVX512_CPU_FLAGS)
+
+
+@functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The fused decode step's kernels, built on first use; None where they cannot run."""
     return _loaded(DecodeKernel, "decode_step", "decode step", "decode steps take transformers' layer code")
@@ -159,7 +177,7 @@ def turn_off() -> None:
     """No kernels of our own from here on, in this process and the ones it starts
     (`--no-compile`): as RUVLLM_COMPILE=0, including for kernels already loaded."""
     os.environ[COMPILE_ENV] = "0"
-    for loader in (half_kernel, int8_kernel, bf16_kernel, int4_unpack_kernel, decode_kernel):
+    for loader in (half_kernel, int8_kernel, bf16_kernel, int4_unpack_kernel, int4_kernel, decode_kernel):
         loader.cache_clear()
 
 
