@@ -123,6 +123,11 @@ def tiled_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.
     return out
 
 
+def tiled_runs() -> bool:
+    """Whether several rows take int4_gemm.c here (for the load line)."""
+    return int4_kernel() is not None and _natural_layout()
+
+
 @functools.cache
 def _natural_layout() -> bool:
     """Whether torch packs blocks of 64 rows with row j in the low nibble of byte j and

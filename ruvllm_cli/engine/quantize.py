@@ -657,8 +657,12 @@ class WeightPlan:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")
         if self.quantization is Quantization.Q4_K_M:
+            from ruvllm_cli.engine.int4_dense import tiled_runs
+
             shared = f" read from the tied LM head's table (group {TIED_INT4_GROUP})" if self.shared_table else ""
-            return (f"int4 weight-only, group {self.group} (torch int4pack kernel), {self.linears} linear "
+            kernel = ("torch's int4pack kernel for one row, ruvllm's AVX-512 kernel for several" if tiled_runs()
+                      else "torch int4pack kernel")
+            return (f"int4 weight-only, group {self.group} ({kernel}), {self.linears} linear "
                     f"layers incl. LM head; int4 embeddings{shared}")
         path = f"{str(self.dtype).replace('torch.', '')} weights, no quantization"
         if self.own_bf16:
