@@ -1,16 +1,16 @@
-"""q4k layers beside torch's CPU int4 kernel: several rows through a kernel of our own,
-or through float32 GEMM on weights unpacked a block at a time.
+"""q4k layers beside torch's CPU int4 kernel: a kernel of our own, or for prompt chunks
+where it does not run, float32 GEMM on weights unpacked a block at a time.
 
-torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) is built for one row: a
-512-token prompt prefilled 1.5x slower under q4k than under f16 (docs/design.md,
-section 22), and a decode step of 16 requests cost 7 times one request's (section 23).
-From FEW_ROWS rows on, on AVX-512 CPUs, `kernels/int4_gemm.c` dequantizes each block of
-64 weight rows once, a chunk of k at a time, into a float32 tile in L1 that every row
-passes over: the bits torch's kernel gives, 1.5-2x faster at 16 rows and 1.1-2x faster
-than the dense path below at 64-512. Elsewhere, for 64 rows and more, `Int4Linear`
-unpacks its codes a block of output rows at a time into float32 (w = (q - 8) * scale +
-zero, the kernel's own formula) for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens
-bfloat16 weights.
+torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) dequantizes every weight once
+per activation row: one row read the weights at about 15 GB/s here, 16 rows cost 7
+times one, and a 512-token prompt prefilled 1.5x slower under q4k than under f16
+(docs/design.md, sections 22 and 23). On AVX-512 CPUs, `kernels/int4_gemm.c` takes every
+call: each group's sum keeps the scale and zero out of the inner loop, one to three rows
+hold their sums in registers, more pass four at a time over a float32 tile of one
+group's codes in L1; a row's result is the same bits alone, in any batch, or in a prompt
+chunk. Elsewhere, for 64 rows and more, `Int4Linear` unpacks its codes a block of output
+rows at a time into float32 (w = (q - 8) * scale + zero, torch's kernel's own formula)
+for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens bfloat16 weights.
 
 The packed layout is torch's and depends on the CPU capability it dispatched to, so it
 is read off torch itself once per process: probe matrices whose codes spell out their
@@ -28,10 +28,6 @@ import torch
 from ruvllm_cli.engine.dense_gemm import blockwise_gemm
 from ruvllm_cli.engine.half import scratch_buffer
 from ruvllm_cli.engine.kernels import int4_kernel, int4_unpack_kernel
-
-# Rows from which a call takes int4_gemm.c: at 3 rows torch's kernel was still
-# 0.75-1.0x its time, at 4 rows 1.05-1.15x, at 16 1.7-1.9x (section 23).
-FEW_ROWS = 4
 
 
 @dataclass(frozen=True)
@@ -105,26 +101,25 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.
                           layout.block)
 
 
-def tiled_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
-                 bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [M, K] bfloat16 (M >= FEW_ROWS, contiguous) times the int4 weight (+ the
-    bfloat16 bias), bfloat16 [M, N] as torch's kernel gives it, through int4_gemm.c; None
-    where that kernel cannot take it (none here, another packed layout, other shapes)."""
+def own_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
+               bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] bfloat16 (contiguous) times the int4 weight (+ the bfloat16 bias, added
+    as torch adds it), bfloat16 [M, N], through int4_gemm.c; None where that kernel
+    cannot take it (none here, another packed layout, other shapes)."""
     kernel = int4_kernel()
     n, half_k = packed.shape
-    if (kernel is None or x.shape[0] < FEW_ROWS or n % 64 or group % 32 or (2 * half_k) % group
-            or not _natural_layout()):
+    if kernel is None or n % 64 or group not in (32, 64, 128) or (2 * half_k) % group or not _natural_layout():
         return None
     rows, k = x.shape
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    room = scratch_buffer(rows * k)
+    room = scratch_buffer(rows * (k + k // group))
     kernel.linear(x.data_ptr(), rows, k, packed.data_ptr(), n, scales_and_zeros.data_ptr(), group,
                   None if bias is None else bias.data_ptr(), out.data_ptr(), room.data_ptr(), torch.get_num_threads())
     return out
 
 
-def tiled_runs() -> bool:
-    """Whether several rows take int4_gemm.c here (for the load line)."""
+def own_runs() -> bool:
+    """Whether q4k layers take int4_gemm.c here (for the load line)."""
     return int4_kernel() is not None and _natural_layout()
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
-from ruvllm_cli.engine.int4_dense import FEW_ROWS, tiled_linear
+from ruvllm_cli.engine.int4_dense import own_linear
 from ruvllm_cli.engine.kernels import int4_unpack_kernel
 from ruvllm_cli.quantization import Quantization, int4_fits
 
@@ -219,12 +219,11 @@ class Int4Linear(nn.Module):
         if rows.dtype != torch.bfloat16:
             rows = rows.to(torch.bfloat16)
         buffers = self._buffers
-        count = rows.shape[0]
-        if count >= FEW_ROWS and (tiled := tiled_linear(rows.contiguous(), buffers["qweight"],
-                                                        buffers["scales_and_zeros"], self.group_size,
-                                                        None if self.bias is None else self.bias.data)) is not None:
-            return tiled.view(*x.shape[:-1], self.out_features)   # its bias added in C, as torch adds it below
-        if count >= GEMM_ROWS and (dense := self._dense(rows)) is not None:
+        own = own_linear(rows.contiguous(), buffers["qweight"], buffers["scales_and_zeros"], self.group_size,
+                         None if self.bias is None else self.bias.data)
+        if own is not None:
+            return own.view(*x.shape[:-1], self.out_features)   # its bias added in C, as torch adds it below
+        if rows.shape[0] >= GEMM_ROWS and (dense := self._dense(rows)) is not None:
             out = dense
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu.default(rows, buffers["qweight"], self.group_size,
@@ -657,11 +656,10 @@ class WeightPlan:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")
         if self.quantization is Quantization.Q4_K_M:
-            from ruvllm_cli.engine.int4_dense import tiled_runs
+            from ruvllm_cli.engine.int4_dense import own_runs
 
             shared = f" read from the tied LM head's table (group {TIED_INT4_GROUP})" if self.shared_table else ""
-            kernel = ("torch's int4pack kernel for one row, ruvllm's AVX-512 kernel for several" if tiled_runs()
-                      else "torch int4pack kernel")
+            kernel = "torch's int4pack layout in ruvllm's AVX-512 kernel" if own_runs() else "torch int4pack kernel"
             return (f"int4 weight-only, group {self.group} ({kernel}), {self.linears} linear "
                     f"layers incl. LM head; int4 embeddings{shared}")
         path = f"{str(self.dtype).replace('torch.', '')} weights, no quantization"

@@ -1,6 +1,6 @@
 """q4k layers beside torch's int4 kernel (engine/int4_dense.py): the layout read off
-torch; prompt chunks through float32 GEMM on weights unpacked in C and in torch; several
-rows through our own kernel (kernels/int4_gemm.c), bit for bit torch's."""
+torch; prompt chunks through float32 GEMM on weights unpacked in C and in torch (CPUs
+without AVX-512); every call through our own kernel (kernels/int4_gemm.c) where it runs."""
 
 from __future__ import annotations
 
@@ -60,53 +60,60 @@ def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
     assert (dense - kernel).abs().max().item() <= 0.02 * kernel.abs().max().item()
 
 
-tiled = pytest.mark.skipif(int4_dense.tiled_linear(torch.zeros(4, 64, dtype=torch.bfloat16),
-                                                         *packed_matrix(64, 64, 32)[:2], 32, None) is None,
-                              reason="no int4 kernel of ours here (an AVX-512 CPU and a C compiler)")
+
+own = pytest.mark.skipif(int4_dense.own_linear(torch.zeros(1, 64, dtype=torch.bfloat16), *packed_matrix(64, 64, 32)[:2],
+                                               32, None) is None,
+                         reason="no int4 kernel of ours here (an AVX-512 CPU and a C compiler)")
 
 
-@tiled
+@own
 @pytest.mark.parametrize(("n", "k", "group", "bias"), [(320, 512, 128, True), (64, 896, 32, False),
                                                          (128, 256, 64, True), (192, 4864 // 2, 32, False)])
-def test_several_rows_give_torchs_int4_kernels_bits(n, k, group, bias):
-    """int4_gemm.c (decode steps of several requests, prompt chunks) against torch's
-    kernel: the same bits for each row count, strips of 64 rows and a cut one, with and
-    without a bias, over whole and cut chunks of k (2,432 = 38 chunks of 64) and several
-    groups a chunk."""
+def test_our_int4_kernel_gives_torchs_sums_and_each_row_the_same_bits_in_any_batch(n, k, group, bias):
+    """int4_gemm.c against the float64 sum of the weights the codes stand for (within a
+    bfloat16 step of torch's kernel), and each row's result the same bits alone as in a
+    batch of any size: one to three rows in registers, four and more through the tile,
+    strips of 64 rows and a cut one, groups of 32, 64 and 128."""
     torch.manual_seed(n + k)
-    layer = Int4Linear(torch.nn.Linear(k, n, bias=bias), group_size=group)
-    if bias:
-        layer.bias.data.normal_()
+    packed, sz, weight = packed_matrix(n, k, group, seed=n)
+    b = torch.randn(n).bfloat16() if bias else None
     x = torch.randn(150, k).bfloat16() * 3
     x[1, :7] = 0
-    for rows in (int4_dense.FEW_ROWS, 5, 7, 16, 33, 63, 64, 150):
-        ours = layer(x[:rows])
-        reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:rows], layer.qweight, group,
-                                                               layer.scales_and_zeros)
+    alone = [int4_dense.own_linear(x[i:i + 1], packed, sz, group, b) for i in range(len(x))]
+    exact = x.double() @ weight.double().t()
+    if bias:
+        exact = exact.bfloat16().double() + b.double()
+    for rows in (1, 2, 3, 4, 5, 7, 16, 33, 63, 64, 150):
+        ours = int4_dense.own_linear(x[:rows], packed, sz, group, b)
+        assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
+        for i in range(rows):
+            assert torch.equal(ours[i].view(torch.int16), alone[i][0].view(torch.int16)), (rows, i)
+        reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:rows], packed, group, sz)
         if bias:
-            reference = reference + layer.bias
-        assert ours.dtype == torch.bfloat16 and torch.equal(ours.view(torch.int16), reference.view(torch.int16)), rows
+            reference = reference + b
+        scale = exact[:rows].abs().max().item()
+        assert (ours.double() - exact[:rows]).abs().max().item() <= 2.0 ** -8 * scale
+        assert (ours.float() - reference.float()).abs().max().item() <= 2.0 ** -7 * scale
 
 
-@tiled
-def test_several_rows_take_our_kernel_and_one_row_torchs(monkeypatch):
-    layer = Int4Linear(torch.nn.Linear(128, 64, bias=False), group_size=32)
+@own
+def test_int4_linear_takes_our_kernel_for_every_row_count(monkeypatch):
+    layer = Int4Linear(torch.nn.Linear(128, 64, bias=True), group_size=32)
     calls = []
-    tiled = int4_dense.tiled_linear
-    monkeypatch.setattr("ruvllm_cli.engine.quantize.tiled_linear", lambda *a: calls.append(len(a[0])) or tiled(*a))
+    ours = int4_dense.own_linear
+    monkeypatch.setattr("ruvllm_cli.engine.quantize.own_linear", lambda *a: calls.append(len(a[0])) or ours(*a))
     x = torch.randn(2, 8, 128).bfloat16()
     assert layer(x).shape == (2, 8, 64)          # 16 rows, batch dimensions kept
-    layer(x[0, :1])
-    layer(x[0, :int4_dense.FEW_ROWS - 1])
-    assert calls == [16]
+    assert torch.equal(layer(x[0, :1]), ours(x[0, :1], layer.qweight, layer.scales_and_zeros, 32, layer.bias.data))
+    assert calls == [16, 1]
 
 
-@tiled
+@own
 def test_shapes_our_kernel_does_not_take_stay_with_torchs():
     """Output widths that are not whole blocks of 64 rows fall back to torch's kernel."""
     torch.manual_seed(3)
     layer = Int4Linear(torch.nn.Linear(128, 96, bias=True), group_size=32)   # 96 % 64 != 0
     x = torch.randn(8, 128).bfloat16()
-    assert int4_dense.tiled_linear(x, layer.qweight, layer.scales_and_zeros, 32, None) is None
+    assert int4_dense.own_linear(x, layer.qweight, layer.scales_and_zeros, 32, None) is None
     reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_and_zeros) + layer.bias
     assert torch.equal(layer(x), reference)

@@ -1,19 +1,26 @@
-/* q4k linear layers for a few activation rows (decode steps), on x86-64 CPUs with
- * AVX-512: torch's packed int4 weights (`_convert_weight_to_int4pack_for_cpu`) times
- * bfloat16 activations, float32 sums, bfloat16 out.
+/* q4k linear layers on x86-64 CPUs with AVX-512: torch's packed int4 weights
+ * (`_convert_weight_to_int4pack_for_cpu`) times bfloat16 activations, float32 sums,
+ * bfloat16 out, for any number of rows.
  *
- * torch's CPU int4 kernel reads the weights once per activation row: at 16 rows a call
- * cost about 7 times one row's (docs/design.md, section 23). Here each block of 64
- * weight rows is dequantized, a chunk of k at a time, into a float32 tile in L1 (w =
- * (q - 8) * scale + zero, the kernel's own formula, one FMA a value), and every
- * activation row passes over the tile four at a time: the weights leave memory once
- * per call, their dequantization is paid once, and the FMAs are the rest.
+ * torch's CPU int4 kernel dequantizes every weight (w = (q - 8) * scale + zero) once per
+ * activation row: one row read the weights at 15 GB/s here, and 16 rows cost about 7
+ * times one (docs/design.md, section 23). Here each group's sum leaves the scale and
+ * zero out of the inner loop:
+ *
+ *     out[n] = sum over groups g of  scale[n,g] * (sum over k in g of x[k] * (q[n,k] - 8))
+ *                                  + zero[n,g]  * (sum over k in g of x[k])
+ *
+ * so a weight costs its conversion to float32 and one FMA a row. One to three rows keep
+ * their sums in registers while the weights stream by (`direct`); four and more go
+ * through a float32 tile of one group's codes in L1 that every row passes over, four at
+ * a time (`tiled`), so the codes are converted once for all of them. Both compute each
+ * row with the same operations in the same order, so a row's result is the same bits
+ * alone, in a decode step of any size, or in a prompt chunk.
  *
  * The packed bytes are [N / 64, K, 32]: byte j of a k holds row j of the block in its
  * low nibble and row 32 + j in its high nibble (the layout engine/int4_dense.py reads
  * off torch; callers check it is this one). scales_and_zeros: [K / group, N, 2]
- * bfloat16. Every output is summed in one order whatever the number of rows, so a
- * row's result is the same bits alone or in any batch. */
+ * bfloat16; group 32, 64 or 128. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -22,23 +29,27 @@
 
 #include "common.h"
 
-#define BLOCK 64   /* weight rows a block (torch's layout) */
-#define CHUNK 64   /* k values dequantized into the tile at a time: 16 KiB of float32 */
-#define AHEAD 2048 /* software prefetch distance along a block's bytes */
-#define MAX_ROWS 64 /* activation rows a pass over a block takes: more go through it in strips */
+#define BLOCK 64       /* weight rows a block (torch's layout) */
+#define MAX_GROUP 128  /* the tile holds one group: 32 KiB of float32 at most */
+#define STRIP 64       /* activation rows a pass over a block's tile takes at most */
+#define AHEAD_GROUPS 2 /* groups ahead whose scales one to three rows fetch: a group's sit N * 4 bytes
+                          after the last's (a tied head's 1.5x faster than without, one row) */
 
-/* Rows of x [M, K] bfloat16 as float32 in xf. */
-static void widen_rows(const uint16_t *x, int64_t count, float *xf) {
-    int64_t i = 0;
-    for (; i + 16 <= count; i += 16) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(x + i));
-        _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
-    }
-    for (; i < count; ++i) xf[i] = bf16_load(x[i]);
+/* The codes of one k for the block's 64 rows, minus 8, as float32 in four vectors (rows
+ * 0-15, 16-31, 32-47, 48-63): each byte widened to a lane, whose low four bits pick the
+ * value out of a 16-entry table (vpermps reads only those bits); the high nibble the same
+ * after a shift. */
+static inline __attribute__((always_inline)) void codes(const uint8_t *bytes, __m512 table, __m512 *q) {
+    const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    const __m512i second = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16)));
+    q[0] = _mm512_permutexvar_ps(first, table);
+    q[1] = _mm512_permutexvar_ps(second, table);
+    q[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(first, 4), table);
+    q[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(second, 4), table);
 }
 
 /* The group's 64 scales and zeros (bfloat16 pairs) as four float32 vectors each. */
-static inline void group_params(const uint16_t *sz, __m512 *scale, __m512 *zero) {
+static inline __attribute__((always_inline)) void group_params(const uint16_t *sz, __m512 *scale, __m512 *zero) {
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int i = 0; i < 4; ++i) {
         const __m512i v = _mm512_loadu_si512((const void *)(sz + 32 * i));
@@ -47,48 +58,14 @@ static inline void group_params(const uint16_t *sz, __m512 *scale, __m512 *zero)
     }
 }
 
-/* k values [k0, k0 + count) of one block into tile [count, 64] float32. */
-static void dequantize(const uint8_t *bytes, const uint16_t *sz, int64_t N, int64_t group, int64_t k0, int64_t count,
-                       float *tile) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
-    __m512 scale[4], zero[4];
-    group_params(sz + (k0 / group) * N * 2, scale, zero);
-    for (int64_t i = 0; i < count; ++i) {
-        const int64_t k = k0 + i;
-        if (k % group == 0 && i > 0) group_params(sz + (k / group) * N * 2, scale, zero);
-        _mm_prefetch((const char *)(bytes + k * 32) + AHEAD, _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(bytes + k * 32));
-        const __m256i lo = _mm256_sub_epi8(_mm256_and_si256(v, nibble), eight);
-        const __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), eight);
-        const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                 _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-        for (int j = 0; j < 4; ++j) {
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part[j]));
-            _mm512_storeu_ps(tile + i * BLOCK + 16 * j, _mm512_fmadd_ps(q, scale[j], zero[j]));
-        }
+/* acc = scale * sums + zero * total, the group's part of a row's 64 outputs. */
+static inline __attribute__((always_inline)) void add_group(__m512 *acc, const __m512 *sums, const __m512 *scale,
+                                                            const __m512 *zero, float total) {
+    const __m512 t = _mm512_set1_ps(total);
+    for (int j = 0; j < 4; ++j) {
+        acc[j] = _mm512_fmadd_ps(scale[j], sums[j], acc[j]);
+        acc[j] = _mm512_fmadd_ps(zero[j], t, acc[j]);
     }
-}
-
-/* R activation rows (1..4, a constant where inlined) over the tile's `count` k values,
- * their 64 sums each added into acc [R][64]. */
-static inline __attribute__((always_inline)) void pass(const float *const *x, const int R, const float *tile,
-                                                       int64_t count, float *acc) {
-    __m512 a[4][4];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc + r * BLOCK + 16 * j);
-    for (int64_t i = 0; i < count; ++i) {
-        const __m512 w0 = _mm512_loadu_ps(tile + i * BLOCK), w1 = _mm512_loadu_ps(tile + i * BLOCK + 16),
-                     w2 = _mm512_loadu_ps(tile + i * BLOCK + 32), w3 = _mm512_loadu_ps(tile + i * BLOCK + 48);
-        for (int r = 0; r < R; ++r) {
-            const __m512 b = _mm512_set1_ps(x[r][i]);
-            a[r][0] = _mm512_fmadd_ps(b, w0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(b, w1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(b, w2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(b, w3, a[r][3]);
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * BLOCK + 16 * j, a[r][j]);
 }
 
 /* 16 float32 sums to bfloat16, rounded to nearest even (torch's rounding; NaN stays NaN). */
@@ -101,58 +78,154 @@ static inline __m256i round16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* A block's sums for `rows` rows (acc [rows][64]) to bfloat16 in out [rows, N]. */
-static void store(const float *acc, int64_t rows, int64_t N, int64_t b, const uint16_t *bias, uint16_t *out) {
-    for (int64_t m = 0; m < rows; ++m)
-        for (int j = 0; j < 4; ++j) {
-            __m512 sum = _mm512_loadu_ps(acc + m * BLOCK + 16 * j);
-            if (bias != NULL) {
-                const __m256i rounded = round16(sum);
-                const __m256i add = _mm256_loadu_si256((const __m256i *)(bias + b * BLOCK + 16 * j));
-                sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)),
-                                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(add), 16)));
-            }
-            _mm256_storeu_si256((__m256i *)(out + m * N + b * BLOCK + 16 * j), round16(sum));
+/* One row's 64 sums of block b to bfloat16 in out (the row's), the bias added as torch
+ * adds a bfloat16 bias: to the rounded sum, rounded again. */
+static inline void store(const __m512 *acc, int64_t b, const uint16_t *bias, uint16_t *out) {
+    for (int j = 0; j < 4; ++j) {
+        __m512 sum = acc[j];
+        if (bias != NULL) {
+            const __m256i add = _mm256_loadu_si256((const __m256i *)(bias + b * BLOCK + 16 * j));
+            sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(sum)), 16)),
+                                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(add), 16)));
         }
+        _mm256_storeu_si256((__m256i *)(out + b * BLOCK + 16 * j), round16(sum));
+    }
 }
 
-/* x [M, K] bfloat16; packed [N / 64, K, 32]; scales_and_zeros [K / group,
- * N, 2] bfloat16; bias [N] bfloat16 or NULL (added as torch adds a bfloat16 bias: to the
- * rounded sum, rounded again); out [M, N] bfloat16. N % 64 == 0, K % group == 0,
- * group % 32 == 0. scratch: M * K floats (the rows widened once). */
+/* R rows (1..3, a constant where inlined) against block b, every sum in registers. */
+static inline __attribute__((always_inline)) void direct(const float *xf, const float *totals, const int R, int64_t K,
+                                                         const uint8_t *bytes, const uint16_t *sz, int64_t N,
+                                                         int64_t group, int64_t b, const uint16_t *bias,
+                                                         uint16_t *out, __m512 table) {
+    __m512 acc[3][4];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < K / group; ++g) {
+        __m512 sums[3][4];
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_setzero_ps();
+        if (g + AHEAD_GROUPS < K / group)
+            for (int i = 0; i < 4; ++i)
+                _mm_prefetch((const char *)(sz + (g + AHEAD_GROUPS) * N * 2 + 32 * i), _MM_HINT_T0);
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+            __m512 q[4];
+            codes(bytes + k * 32, table, q);
+            for (int r = 0; r < R; ++r) {
+                const __m512 x = _mm512_set1_ps(xf[r * K + k]);
+                for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_fmadd_ps(x, q[j], sums[r][j]);
+            }
+        }
+        __m512 scale[4], zero[4];
+        group_params(sz + g * N * 2, scale, zero);
+        for (int r = 0; r < R; ++r) add_group(acc[r], sums[r], scale, zero, totals[r * (K / group) + g]);
+    }
+    for (int r = 0; r < R; ++r) store(acc[r], b, bias, out + r * N);
+}
+
+/* R rows (1..4) over the tile of one group's codes ([count][64] float32): their sums
+ * (in registers), then the group's part added into acc [R][64]. */
+static inline __attribute__((always_inline)) void pass(const float *const *x, const float *const *totals, const int R,
+                                                       const float *tile, int64_t count, const __m512 *scale,
+                                                       const __m512 *zero, float *acc) {
+    __m512 s[4][4];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < count; ++i) {
+        const __m512 w0 = _mm512_load_ps(tile + i * BLOCK), w1 = _mm512_load_ps(tile + i * BLOCK + 16),
+                     w2 = _mm512_load_ps(tile + i * BLOCK + 32), w3 = _mm512_load_ps(tile + i * BLOCK + 48);
+        for (int r = 0; r < R; ++r) {
+            const __m512 b = _mm512_set1_ps(x[r][i]);
+            s[r][0] = _mm512_fmadd_ps(b, w0, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(b, w1, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(b, w2, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(b, w3, s[r][3]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        __m512 a[4];
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + r * BLOCK + 16 * j);
+        add_group(a, s[r], scale, zero, *totals[r]);
+        for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + r * BLOCK + 16 * j, a[j]);
+    }
+}
+
+/* Rows [first, first + rows) (rows <= STRIP) against block b through the tile. */
+static void tiled(const float *xf, const float *totals, int64_t first, int64_t rows, int64_t K, const uint8_t *bytes,
+                  const uint16_t *sz, int64_t N, int64_t group, int64_t b, const uint16_t *bias, uint16_t *out,
+                  __m512 table, float *tile, float *acc) {
+    const int64_t groups = K / group;
+    memset(acc, 0, sizeof(float) * rows * BLOCK);
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t i = 0; i < group; ++i) {
+            __m512 q[4];
+            codes(bytes + (g * group + i) * 32, table, q);
+            for (int j = 0; j < 4; ++j) _mm512_store_ps(tile + i * BLOCK + 16 * j, q[j]);
+        }
+        __m512 scale[4], zero[4];
+        group_params(sz + g * N * 2, scale, zero);
+        for (int64_t m = 0; m < rows; m += 4) {
+            const int R = rows - m < 4 ? (int)(rows - m) : 4;
+            const float *xs[4], *ts[4];
+            for (int r = 0; r < 4; ++r) {
+                const int64_t row = first + m + (r < R ? r : 0);
+                xs[r] = xf + row * K + g * group;
+                ts[r] = totals + row * groups + g;
+            }
+            switch (R) {
+                case 4: pass(xs, ts, 4, tile, group, scale, zero, acc + m * BLOCK); break;
+                case 3: pass(xs, ts, 3, tile, group, scale, zero, acc + m * BLOCK); break;
+                case 2: pass(xs, ts, 2, tile, group, scale, zero, acc + m * BLOCK); break;
+                default: pass(xs, ts, 1, tile, group, scale, zero, acc + m * BLOCK); break;
+            }
+        }
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+        __m512 a[4];
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + m * BLOCK + 16 * j);
+        store(a, b, bias, out + (first + m) * N);
+    }
+}
+
+/* x [M, K] bfloat16; packed [N / 64, K, 32]; scales_and_zeros [K / group, N, 2] bfloat16;
+ * bias [N] bfloat16 or NULL; out [M, N] bfloat16. N % 64 == 0, K % group == 0, group
+ * 32, 64 or 128. scratch: M * K + M * (K / group) floats (the rows widened once, and
+ * each row's sum over each group, added in order). */
 void ruvllm_int4_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
                         const uint16_t *scales_and_zeros, int64_t group, const uint16_t *bias, uint16_t *out,
                         float *scratch, int threads) {
-    float *xf = scratch;
-    widen_rows(x, M * K, xf);
+    const int64_t groups = K / group;
+    float *xf = scratch, *totals = scratch + M * K;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            float total = 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+                xf[m * K + k] = bf16_load(x[m * K + k]);
+                total += xf[m * K + k];
+            }
+            totals[m * groups + g] = total;
+        }
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    if (M < 4) {
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < N / BLOCK; ++b) {
+            const uint8_t *bytes = packed + b * BLOCK * K / 2;
+            const uint16_t *sz = scales_and_zeros + b * BLOCK * 2;
+            if (M == 3) direct(xf, totals, 3, K, bytes, sz, N, group, b, bias, out, table);
+            else if (M == 2) direct(xf, totals, 2, K, bytes, sz, N, group, b, bias, out, table);
+            else direct(xf, totals, 1, K, bytes, sz, N, group, b, bias, out, table);
+        }
+        return;
+    }
     #pragma omp parallel num_threads(threads)
     {
-        float tile[CHUNK * BLOCK] __attribute__((aligned(64)));   /* in L1: 16 KiB */
-        float acc[MAX_ROWS * BLOCK] __attribute__((aligned(64)));
+        float tile[MAX_GROUP * BLOCK] __attribute__((aligned(64)));   /* one group's codes: in L1 */
+        float acc[STRIP * BLOCK] __attribute__((aligned(64)));
         #pragma omp for schedule(static) collapse(2)
-        for (int64_t b = 0; b < N / BLOCK; ++b) {
-            for (int64_t s = 0; s < (M + MAX_ROWS - 1) / MAX_ROWS; ++s) {
-                const uint8_t *bytes = packed + b * BLOCK * K / 2;
-                const uint16_t *sz = scales_and_zeros + b * BLOCK * 2;
-                const int64_t first = s * MAX_ROWS, rows = M - first < MAX_ROWS ? M - first : MAX_ROWS;
-                memset(acc, 0, sizeof(float) * rows * BLOCK);
-                for (int64_t k0 = 0; k0 < K; k0 += CHUNK) {
-                    const int64_t count = K - k0 < CHUNK ? K - k0 : CHUNK;
-                    dequantize(bytes, sz, N, group, k0, count, tile);
-                    for (int64_t m = 0; m < rows; m += 4) {
-                        const int R = rows - m < 4 ? (int)(rows - m) : 4;
-                        const float *xs[4];
-                        for (int r = 0; r < 4; ++r) xs[r] = xf + (first + m + (r < R ? r : 0)) * K + k0;
-                        switch (R) {
-                            case 4: pass(xs, 4, tile, count, acc + m * BLOCK); break;
-                            case 3: pass(xs, 3, tile, count, acc + m * BLOCK); break;
-                            case 2: pass(xs, 2, tile, count, acc + m * BLOCK); break;
-                            default: pass(xs, 1, tile, count, acc + m * BLOCK); break;
-                        }
-                    }
-                }
-                store(acc, rows, N, b, bias, out + first * N);
+        for (int64_t b = 0; b < N / BLOCK; ++b)
+            for (int64_t s = 0; s < (M + STRIP - 1) / STRIP; ++s) {
+                const int64_t first = s * STRIP, rows = M - first < STRIP ? M - first : STRIP;
+                tiled(xf, totals, first, rows, K, packed + b * BLOCK * K / 2, scales_and_zeros + b * BLOCK * 2, N,
+                      group, b, bias, out, table, tile, acc);
             }
-        }
     }
 }
