@@ -32,6 +32,8 @@
 #define BLOCK 64       /* weight rows a block (torch's layout) */
 #define MAX_GROUP 128  /* the tile holds one group: 32 KiB of float32 at most */
 #define STRIP 64       /* activation rows a pass over a block's tile takes at most */
+#define AHEAD 4096     /* software prefetch distance along a block's codes: one row of a whole model's
+                          layers 1.4x faster with it than without (1,024: 1.2x; 8,192 as 4,096) */
 #define AHEAD_GROUPS 2 /* groups ahead whose scales one to three rows fetch: a group's sit N * 4 bytes
                           after the last's (a tied head's 1.5x faster than without, one row) */
 
@@ -109,6 +111,8 @@ static inline __attribute__((always_inline)) void direct(const float *xf, const 
                 _mm_prefetch((const char *)(sz + (g + AHEAD_GROUPS) * N * 2 + 32 * i), _MM_HINT_T0);
         for (int64_t k = g * group; k < (g + 1) * group; ++k) {
             __m512 q[4];
+            if ((k & 1) == 0)   /* a line holds two k */
+                _mm_prefetch((const char *)(bytes + k * 32) + AHEAD, _MM_HINT_T0);
             codes(bytes + k * 32, table, q);
             for (int r = 0; r < R; ++r) {
                 const __m512 x = _mm512_set1_ps(xf[r * K + k]);
@@ -158,6 +162,7 @@ static void tiled(const float *xf, const float *totals, int64_t first, int64_t r
     for (int64_t g = 0; g < groups; ++g) {
         for (int64_t i = 0; i < group; ++i) {
             __m512 q[4];
+            if ((i & 1) == 0) _mm_prefetch((const char *)(bytes + (g * group + i) * 32) + AHEAD, _MM_HINT_T0);
             codes(bytes + (g * group + i) * 32, table, q);
             for (int j = 0; j < 4; ++j) _mm512_store_ps(tile + i * BLOCK + 16 * j, q[j]);
         }
@@ -189,20 +194,23 @@ static void tiled(const float *xf, const float *totals, int64_t first, int64_t r
 /* x [M, K] bfloat16; packed [N / 64, K, 32]; scales_and_zeros [K / group, N, 2] bfloat16;
  * bias [N] bfloat16 or NULL; out [M, N] bfloat16. N % 64 == 0, K % group == 0, group
  * 32, 64 or 128. scratch: M * K + M * (K / group) floats (the rows widened once, and
- * each row's sum over each group, added in order). */
+ * each row's sum over each group). */
 void ruvllm_int4_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
                         const uint16_t *scales_and_zeros, int64_t group, const uint16_t *bias, uint16_t *out,
                         float *scratch, int threads) {
     const int64_t groups = K / group;
     float *xf = scratch, *totals = scratch + M * K;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 32768)
     for (int64_t m = 0; m < M; ++m)
         for (int64_t g = 0; g < groups; ++g) {
-            float total = 0.0f;
-            for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-                xf[m * K + k] = bf16_load(x[m * K + k]);
-                total += xf[m * K + k];
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(x + m * K + k));
+                const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+                _mm512_storeu_ps(xf + m * K + k, f);
+                total = _mm512_add_ps(total, f);
             }
-            totals[m * groups + g] = total;
+            totals[m * groups + g] = _mm512_reduce_add_ps(total);   /* one fixed order for every row */
         }
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     if (M < 4) {
