@@ -2,15 +2,16 @@
 where it does not run, float32 GEMM on weights unpacked a block at a time.
 
 torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) dequantizes every weight once
-per activation row: one row read the weights at about 15 GB/s here, 16 rows cost 7
-times one, and a 512-token prompt prefilled 1.5x slower under q4k than under f16
-(docs/design.md, sections 22 and 23). On AVX-512 CPUs, `kernels/int4_gemm.c` takes every
-call: each group's sum keeps the scale and zero out of the inner loop, one to three rows
-hold their sums in registers, more pass four at a time over a float32 tile of one
-group's codes in L1; a row's result is the same bits alone, in any batch, or in a prompt
-chunk. Elsewhere, for 64 rows and more, `Int4Linear` unpacks its codes a block of output
-rows at a time into float32 (w = (q - 8) * scale + zero, torch's kernel's own formula)
-for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens bfloat16 weights.
+per activation row: one row of a whole model read its weights at about 12 GB/s here, 16
+rows cost 7 times one, and a 512-token prompt prefilled 1.5x slower under q4k than
+under f16 (docs/design.md, sections 22 and 23). On AVX-512 CPUs, `kernels/int4_gemm.c`
+takes every call: each group's sum keeps the scale and zero out of the inner loop, up
+to six rows take the codes straight from memory, more pass four at a time over a
+float32 tile of one group's codes in L1; a row's result is the same bits alone, in any
+batch, or in a prompt chunk. Elsewhere, for 64 rows and more, `Int4Linear` unpacks its
+codes a block of output rows at a time into float32 (w = (q - 8) * scale + zero,
+torch's kernel's own formula) for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens
+bfloat16 weights.
 
 The packed layout is torch's and depends on the CPU capability it dispatched to, so it
 is read off torch itself once per process: probe matrices whose codes spell out their

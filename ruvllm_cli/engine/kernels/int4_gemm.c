@@ -3,19 +3,19 @@
  * bfloat16 out, for any number of rows.
  *
  * torch's CPU int4 kernel dequantizes every weight (w = (q - 8) * scale + zero) once per
- * activation row: one row read the weights at 15 GB/s here, and 16 rows cost about 7
- * times one (docs/design.md, section 23). Here each group's sum leaves the scale and
- * zero out of the inner loop:
+ * activation row: one row of a whole model read its weights at about 12 GB/s here, and
+ * 16 rows cost 7 times one (docs/design.md, section 23). Here each group's sum leaves
+ * the scale and zero out of the inner loop:
  *
  *     out[n] = sum over groups g of  scale[n,g] * (sum over k in g of x[k] * (q[n,k] - 8))
  *                                  + zero[n,g]  * (sum over k in g of x[k])
  *
- * so a weight costs its conversion to float32 and one FMA a row. One to three rows keep
- * their sums in registers while the weights stream by (`direct`); four and more go
- * through a float32 tile of one group's codes in L1 that every row passes over, four at
- * a time (`tiled`), so the codes are converted once for all of them. Both compute each
- * row with the same operations in the same order, so a row's result is the same bits
- * alone, in a decode step of any size, or in a prompt chunk.
+ * so a weight costs its conversion to float32 (a table lookup) and one FMA a row. Up to
+ * six rows take the codes straight from memory, prefetched ahead, into their sums in
+ * registers (`direct`); more pass four at a time over a float32 tile of one group's
+ * codes in L1 (`tiled`), so the codes are converted once for all of them. Both compute
+ * each row with the same operations in the same order, so a row's result is the same
+ * bits alone, in a decode step of any size, or in a prompt chunk.
  *
  * The packed bytes are [N / 64, K, 32]: byte j of a k holds row j of the block in its
  * low nibble and row 32 + j in its high nibble (the layout engine/int4_dense.py reads
@@ -32,6 +32,7 @@
 #define BLOCK 64       /* weight rows a block (torch's layout) */
 #define MAX_GROUP 128  /* the tile holds one group: 32 KiB of float32 at most */
 #define STRIP 64       /* activation rows a pass over a block's tile takes at most */
+#define DIRECT 6       /* rows up to which the codes go straight from memory to the FMAs (24 sums) */
 #define AHEAD 4096     /* software prefetch distance along a block's codes: one row of a whole model's
                           layers 1.4x faster with it than without (1,024: 1.2x; 8,192 as 4,096) */
 #define AHEAD_GROUPS 2 /* groups ahead whose scales one to three rows fetch: a group's sit N * 4 bytes
@@ -94,16 +95,16 @@ static inline void store(const __m512 *acc, int64_t b, const uint16_t *bias, uin
     }
 }
 
-/* R rows (1..3, a constant where inlined) against block b, every sum in registers. */
+/* R rows (1..DIRECT, a constant where inlined) against block b: each group's sums in
+ * registers while the codes stream by, the block's outputs in acc [R][64] (L1). */
 static inline __attribute__((always_inline)) void direct(const float *xf, const float *totals, const int R, int64_t K,
                                                          const uint8_t *bytes, const uint16_t *sz, int64_t N,
                                                          int64_t group, int64_t b, const uint16_t *bias,
                                                          uint16_t *out, __m512 table) {
-    __m512 acc[3][4];
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    float acc[DIRECT * BLOCK] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * R * BLOCK);
     for (int64_t g = 0; g < K / group; ++g) {
-        __m512 sums[3][4];
+        __m512 sums[DIRECT][4];
         for (int r = 0; r < R; ++r)
             for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_setzero_ps();
         if (g + AHEAD_GROUPS < K / group)
@@ -121,9 +122,18 @@ static inline __attribute__((always_inline)) void direct(const float *xf, const 
         }
         __m512 scale[4], zero[4];
         group_params(sz + g * N * 2, scale, zero);
-        for (int r = 0; r < R; ++r) add_group(acc[r], sums[r], scale, zero, totals[r * (K / group) + g]);
+        for (int r = 0; r < R; ++r) {
+            __m512 a[4];
+            for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + r * BLOCK + 16 * j);
+            add_group(a, sums[r], scale, zero, totals[r * (K / group) + g]);
+            for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + r * BLOCK + 16 * j, a[j]);
+        }
     }
-    for (int r = 0; r < R; ++r) store(acc[r], b, bias, out + r * N);
+    for (int r = 0; r < R; ++r) {
+        __m512 a[4];
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + r * BLOCK + 16 * j);
+        store(a, b, bias, out + r * N);
+    }
 }
 
 /* R rows (1..4) over the tile of one group's codes ([count][64] float32): their sums
@@ -213,14 +223,19 @@ void ruvllm_int4_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
             totals[m * groups + g] = _mm512_reduce_add_ps(total);   /* one fixed order for every row */
         }
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    if (M < 4) {
+    if (M <= DIRECT) {
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < N / BLOCK; ++b) {
             const uint8_t *bytes = packed + b * BLOCK * K / 2;
             const uint16_t *sz = scales_and_zeros + b * BLOCK * 2;
-            if (M == 3) direct(xf, totals, 3, K, bytes, sz, N, group, b, bias, out, table);
-            else if (M == 2) direct(xf, totals, 2, K, bytes, sz, N, group, b, bias, out, table);
-            else direct(xf, totals, 1, K, bytes, sz, N, group, b, bias, out, table);
+            switch (M) {
+                case 6: direct(xf, totals, 6, K, bytes, sz, N, group, b, bias, out, table); break;
+                case 5: direct(xf, totals, 5, K, bytes, sz, N, group, b, bias, out, table); break;
+                case 4: direct(xf, totals, 4, K, bytes, sz, N, group, b, bias, out, table); break;
+                case 3: direct(xf, totals, 3, K, bytes, sz, N, group, b, bias, out, table); break;
+                case 2: direct(xf, totals, 2, K, bytes, sz, N, group, b, bias, out, table); break;
+                default: direct(xf, totals, 1, K, bytes, sz, N, group, b, bias, out, table); break;
+            }
         }
         return;
     }
