@@ -478,6 +478,17 @@ class Int4TiedEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
 
+def int4_kernel_note(model: nn.Module) -> str:
+    """Which kernel a model's int4 layers run on this machine, for the load line: a
+    property of the machine, not of the weights, so not part of the description a
+    weight cache keeps (the same packed bytes serve both)."""
+    if not any(isinstance(module, Int4Linear) for module in model.modules()):
+        return ""
+    from ruvllm_cli.engine.int4_dense import own_runs
+
+    return "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
+
+
 def int4_group_size(hidden_size: int) -> int:
     """The largest of 128/64/32 that divides the model's hidden size."""
     return next((g for g in (INT4_GROUP, 64, 32) if hidden_size % g == 0), 32)
@@ -656,11 +667,8 @@ class WeightPlan:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "
                     "incl. LM head; int8 embeddings")
         if self.quantization is Quantization.Q4_K_M:
-            from ruvllm_cli.engine.int4_dense import own_runs
-
             shared = f" read from the tied LM head's table (group {TIED_INT4_GROUP})" if self.shared_table else ""
-            kernel = "torch's int4pack layout in ruvllm's AVX-512 kernel" if own_runs() else "torch int4pack kernel"
-            return (f"int4 weight-only, group {self.group} ({kernel}), {self.linears} linear "
+            return (f"int4 weight-only, group {self.group} (torch's int4pack layout), {self.linears} linear "
                     f"layers incl. LM head; int4 embeddings{shared}")
         path = f"{str(self.dtype).replace('torch.', '')} weights, no quantization"
         if self.own_bf16:

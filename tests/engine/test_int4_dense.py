@@ -4,6 +4,8 @@ without AVX-512); every call through our own kernel (kernels/int4_gemm.c) where 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -117,3 +119,32 @@ def test_shapes_our_kernel_does_not_take_stay_with_torchs():
     assert int4_dense.own_linear(x, layer.qweight, layer.scales_and_zeros, 32, None) is None
     reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_and_zeros) + layer.bias
     assert torch.equal(layer(x), reference)
+
+
+def test_the_load_line_names_the_int4_kernel_this_machine_runs_not_the_cached_one(make_tiny_model, tmp_path,
+                                                                                monkeypatch):
+    """Which kernel q4k's layers take is this machine's choice, said at each load; the
+    weight cache keeps the layout alone (a description cached before said torch's kernel)."""
+    from ruvllm_cli.engine import weight_cache
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.quantization import Quantization
+    from tests.engine.test_stream_load import VARIANTS
+
+    monkeypatch.setenv(weight_cache.ENV, "1")
+    path = tmp_path / "model"
+    shutil.copytree(make_tiny_model(**VARIANTS["untied-bias-bf16"]), path)
+    ours = int4_dense.own_runs()
+    first = load_model(path, "cpu", Quantization.Q4_K_M)
+    kernel = "ruvllm's AVX-512 kernel" if ours else "torch's int4pack kernel"
+    assert first.quantization_path.endswith(f"; int4 layers in {kernel}")
+    assert "(torch's int4pack layout)" in first.quantization_path
+    cached = weight_cache.cache_file(path, Quantization.Q4_K_M)
+    assert b"int4 layers in" not in cached.read_bytes()[:100_000]
+    monkeypatch.setattr(int4_dense, "int4_kernel", lambda: None)     # a machine without ours
+    read = weight_cache.load
+    monkeypatch.setattr(weight_cache, "load", lambda *args: (lambda model, description: (
+        model, description.replace("(torch's int4pack layout)", "(torch int4pack kernel)")))(*read(*args)))
+    second = load_model(path, "cpu", Quantization.Q4_K_M)   # and its cache written before the note
+    assert second.from_weight_cache
+    assert second.quantization_path == (first.quantization_path.replace(kernel, "torch's int4pack kernel")
+                                        + "; read from the quantized-weight cache")
