@@ -1,6 +1,7 @@
 """The int8-weight kernel (engine/kernels/int8_gemm.c) and its layer: exactly the
 arithmetic it documents (activations in int8 blocks of 32, integer sums per block),
-every tile and remainder path, and the fallback where it does not run."""
+every tile and remainder path, on both GEMVs (AVX-512 VNNI and AVX2), and the fallback
+where it does not run."""
 
 from __future__ import annotations
 
@@ -25,6 +26,18 @@ def kernel_dir(tmp_path_factory):
     kernels.int8_kernel.cache_clear()
 
 
+@pytest.fixture(autouse=True, params=["vnni", "avx2"])
+def gemv(request, monkeypatch):
+    """Every test on each GEMV: AVX-512 VNNI (where the CPU has it) and AVX2."""
+    kernel = kernels.int8_kernel()
+    if request.param == "vnni" and not kernels.cpu_has(kernels.VNNI_CPU_FLAGS):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    if kernel is not None:
+        monkeypatch.setattr(kernel, "linear_few",
+                            kernel.linear_few_wide if request.param == "vnni" else kernel.linear_few_avx2)
+    return request.param
+
+
 def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The layer's arithmetic: each activation row quantized symmetrically in float32
     (x * (127 / absmax), rounded half to even), exact integer sums, then
@@ -38,7 +51,7 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: 
     return out if bias is None else out + bias
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 64, 70])
-@pytest.mark.parametrize("out_features, in_features", [(64, 96), (37, 32), (130, 1024)])
+@pytest.mark.parametrize("out_features, in_features", [(64, 96), (37, 32), (130, 1024), (9, 160)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_its_documented_arithmetic(rows, out_features, in_features, bias):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)

@@ -35,6 +35,8 @@ BF16_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # and int4_gemm.c (built for it whole).
 AVX512_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX512_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# int8_gemm.c's GEMV in AVX-512 VNNI (target attributes, as the attention).
+VNNI_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -48,7 +50,8 @@ class HalfKernel:
 
 class Int8Kernel:
     """int8_gemm.c: `linear_few` (up to `rows` float32 rows times int8 weights with a
-    float32 scale per row, each weight read once), and for more rows `quantize`
+    float32 scale per row, each weight read once: in AVX-512 VNNI where the CPU has it,
+    else in AVX2, `linear_few_avx2`; the same bits), and for more rows `quantize`
     (float32 rows to int8 codes and a scale per row) and `scale` (oneDNN's exact int32
     sums to float32 outputs, rounded as `linear_few` rounds)."""
 
@@ -56,8 +59,10 @@ class Int8Kernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.quantize = _bind(library.ruvllm_q8_quantize, [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int])
-        self.linear_few = _bind(library.ruvllm_q8_linear_few, [_pointer, _size, _size, _pointer, _pointer, _size,
-                                                               _pointer, _pointer, _pointer, ctypes.c_int])
+        arguments = [_pointer, _size, _size, _pointer, _pointer, _size, _pointer, _pointer, _pointer, ctypes.c_int]
+        self.linear_few_avx2 = _bind(library.ruvllm_q8_linear_few, arguments)
+        self.linear_few_wide = _bind(library.ruvllm_q8_linear_few_wide, list(arguments))
+        self.linear_few = self.linear_few_wide if cpu_has(VNNI_CPU_FLAGS) else self.linear_few_avx2
         self.scale = _bind(library.ruvllm_q8_scale, [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer,
                                                      ctypes.c_int])
 

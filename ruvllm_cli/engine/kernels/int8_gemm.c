@@ -1,12 +1,13 @@
 /* Linear layers with int8 weights (one float32 scale per output row), for x86-64 CPUs
- * with AVX2 (every such CPU since 2013).
+ * with AVX2 (every such CPU since 2013), and AVX-512 VNNI where the CPU has it.
  *
  * Activations are quantized per row, symmetrically to int8 (xs = absmax / 127), and
  * every product is summed exactly in int32; out[m, n] = float(acc) * (xs[m] * ws[n])
  * (+ bias[n]). This file has the quantizer, the product of up to four rows (decode
- * batches: a GEMV reading each weight once, bandwidth-bound) and the scaling; more rows
- * go to torch's `_int_mm` (oneDNN's int8 GEMM) on the same codes, whose int32 sums are
- * the very same integers, so a row gives the same bits alone or in any batch
+ * batches: a GEMV reading each weight once, bandwidth-bound; in AVX2, and in AVX-512
+ * VNNI compiled by target attributes) and the scaling; more rows go to torch's `_int_mm`
+ * (oneDNN's int8 GEMM) on the same codes. Every path's int32 sums are the very same
+ * integers, so a row gives the same bits alone, in any batch, on either GEMV
  * (engine/int8.py; docs/design.md, section 20). */
 
 #include <immintrin.h>
@@ -126,6 +127,64 @@ static void q8_gemv(const int8_t *xq, const float *xs, int8_t *xa, int64_t M, in
     scale_rows(sums, M, N, xs, ws, bias, out);
 }
 
+/* ---- The GEMV in AVX-512 VNNI (the caller picks it where the CPU has it): `vpdpbusd`
+ * multiplies unsigned by signed bytes and sums four products into each int32 lane, one
+ * instruction for 64 codes where AVX2 takes four for 32. The activations go in offset
+ * to unsigned (x + 128), and 128 times each weight row's sum, taken by the same
+ * instruction against ones, comes off after: the same exact integers. ---- */
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+WIDE static inline __attribute__((always_inline)) void dot_pair_wide(const uint8_t *xu, int M, int64_t K,
+                                                                   const int8_t *w0, const int8_t *w1,
+                                                                   int32_t d[2][ROWS]) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i a0[ROWS], a1[ROWS], s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+        const __mmask64 valid = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;   /* K % 32 == 0 */
+        _mm_prefetch((const char *)(w0 + k + AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + k + AHEAD), _MM_HINT_T0);
+        const __m512i v0 = _mm512_maskz_loadu_epi8(valid, w0 + k), v1 = _mm512_maskz_loadu_epi8(valid, w1 + k);
+        s0 = _mm512_dpbusd_epi32(s0, ones, v0);
+        s1 = _mm512_dpbusd_epi32(s1, ones, v1);
+        for (int m = 0; m < M; ++m) {
+            const __m512i x = _mm512_maskz_loadu_epi8(valid, xu + m * K + k);
+            a0[m] = _mm512_dpbusd_epi32(a0[m], x, v0);
+            a1[m] = _mm512_dpbusd_epi32(a1[m], x, v1);
+        }
+    }
+    const int32_t c0 = 128 * _mm512_reduce_add_epi32(s0), c1 = 128 * _mm512_reduce_add_epi32(s1);
+    for (int m = 0; m < M; ++m) {
+        d[0][m] = _mm512_reduce_add_epi32(a0[m]) - c0;
+        d[1][m] = _mm512_reduce_add_epi32(a1[m]) - c1;
+    }
+}
+
+/* q8_gemv with dot_pair_wide; xu: room for M * K bytes (the codes offset to unsigned). */
+WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, int64_t M, int64_t K,
+                              const int8_t *w, const float *ws, int64_t N, const float *bias, float *out,
+                              int32_t *sums, int threads) {
+    const __m256i offset = _mm256_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < M * K; k += QK) _mm256_storeu_si256((__m256i *)(xu + k), _mm256_xor_si256(load32(xq + k), offset));
+    const int64_t pairs = (N + 1) / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t n = 2 * p, n1 = n + 1 < N ? n + 1 : n;
+        int32_t d[2][ROWS];
+        switch (M) {
+            case 1: dot_pair_wide(xu, 1, K, w + n * K, w + n1 * K, d); break;
+            case 2: dot_pair_wide(xu, 2, K, w + n * K, w + n1 * K, d); break;
+            case 3: dot_pair_wide(xu, 3, K, w + n * K, w + n1 * K, d); break;
+            default: dot_pair_wide(xu, 4, K, w + n * K, w + n1 * K, d); break;
+        }
+        for (int64_t m = 0; m < M; ++m) {
+            sums[m * N + n] = d[0][m];
+            sums[m * N + n1] = d[1][m];
+        }
+    }
+    scale_rows(sums, M, N, xs, ws, bias, out);
+}
+
 static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
                        const float *bias, float *out) {
     for (int64_t m = 0; m < M; ++m)
@@ -154,4 +213,14 @@ void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w,
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
     ruvllm_q8_quantize(x, M, K, xq, xs, threads);
     q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
+}
+
+/* ruvllm_q8_linear_few through the AVX-512 VNNI GEMV: the same bits, for CPUs with it. */
+void ruvllm_q8_linear_few_wide(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
+                               const float *bias, float *out, int8_t *scratch, int threads) {
+    int8_t *xq = scratch, *xa = scratch + M * K;
+    float *xs = (float *)(scratch + 2 * M * K);
+    int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
+    ruvllm_q8_quantize(x, M, K, xq, xs, threads);
+    q8_gemv_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
 }
