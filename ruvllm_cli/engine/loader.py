@@ -279,11 +279,14 @@ def load_model(path: str | Path, device: str = "auto",
         weight_cache.save(model, cache, quant_path, _cache_metadata(header))
     release_freed_memory()
     load_seconds = time.perf_counter() - started
-    from ruvllm_cli.engine.quantize import int4_kernel_note
+    from ruvllm_cli.engine.quantize import kernel_note
 
-    # The kernel is the machine's choice, not the cached weights': said after the save.
-    # Descriptions cached before this note named torch's kernel in them.
-    quant_path = quant_path.replace(" (torch int4pack kernel)", " (torch's int4pack layout)") + int4_kernel_note(model)
+    # The kernels are the machine's choice, not the cached weights': said after the save.
+    # Descriptions cached before this note named a kernel in them.
+    for before, now in ((" (torch int4pack kernel)", " (torch's int4pack layout)"),
+                        (" in ruvllm's AVX2 kernel, ", " in ruvllm's kernel, ")):
+        quant_path = quant_path.replace(before, now)
+    quant_path += kernel_note(model)
     if cached is not None:
         quant_path += "; read from the quantized-weight cache"
     return LoadedModel(model=model, tokenizer=tokenizer, device=target, dtype=dtype,

@@ -478,15 +478,21 @@ class Int4TiedEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
 
-def int4_kernel_note(model: nn.Module) -> str:
-    """Which kernel a model's int4 layers run on this machine, for the load line: a
-    property of the machine, not of the weights, so not part of the description a
-    weight cache keeps (the same packed bytes serve both)."""
-    if not any(isinstance(module, Int4Linear) for module in model.modules()):
-        return ""
+def kernel_note(model: nn.Module) -> str:
+    """Which kernels a model's int4 and int8 layers run on this machine, for the load
+    line: a property of the machine, not of the weights, so not part of the description
+    a weight cache keeps (the same bytes serve every kernel)."""
     from ruvllm_cli.engine.int4_dense import own_runs
+    from ruvllm_cli.engine.int8 import Int8Linear
+    from ruvllm_cli.engine.kernels import VNNI_CPU_FLAGS, cpu_has
 
-    return "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
+    kinds = {type(module) for module in model.modules()}
+    note = ""
+    if Int4Linear in kinds:
+        note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
+    if Int8Linear in kinds:
+        note += f"; one to four rows in its {'AVX-512 VNNI' if cpu_has(VNNI_CPU_FLAGS) else 'AVX2'} GEMV"
+    return note
 
 
 def int4_group_size(hidden_size: int) -> int:
@@ -661,7 +667,7 @@ class WeightPlan:
                     "layers incl. LM head; float16 embeddings")
         if self.own_int8:
             shared = " sharing the tied LM head's table" if self.shared_table else ""
-            return (f"int8 per-channel weights in ruvllm's AVX2 kernel, {self.linears} linear layers "
+            return (f"int8 per-channel weights in ruvllm's kernel, {self.linears} linear layers "
                     f"incl. LM head; int8 embeddings{shared}")
         if self.quantization is Quantization.Q8_0:
             return (f"int8 per-channel weights, fbgemm dynamic int8 GEMM, {self.linears} linear layers "

@@ -121,10 +121,11 @@ def test_shapes_our_kernel_does_not_take_stay_with_torchs():
     assert torch.equal(layer(x), reference)
 
 
-def test_the_load_line_names_the_int4_kernel_this_machine_runs_not_the_cached_one(make_tiny_model, tmp_path,
-                                                                                monkeypatch):
-    """Which kernel q4k's layers take is this machine's choice, said at each load; the
-    weight cache keeps the layout alone (a description cached before said torch's kernel)."""
+def test_the_load_line_names_the_kernels_this_machine_runs_not_the_cached_ones(make_tiny_model, tmp_path,
+                                                                              monkeypatch):
+    """Which kernel q4k's (and q8's) layers take is this machine's choice, said at each
+    load; the weight cache keeps the layout alone (a description cached before named a
+    kernel)."""
     from ruvllm_cli.engine import weight_cache
     from ruvllm_cli.engine.loader import load_model
     from ruvllm_cli.quantization import Quantization
@@ -142,9 +143,24 @@ def test_the_load_line_names_the_int4_kernel_this_machine_runs_not_the_cached_on
     assert b"int4 layers in" not in cached.read_bytes()[:100_000]
     monkeypatch.setattr(int4_dense, "int4_kernel", lambda: None)     # a machine without ours
     read = weight_cache.load
-    monkeypatch.setattr(weight_cache, "load", lambda *args: (lambda model, description: (
-        model, description.replace("(torch's int4pack layout)", "(torch int4pack kernel)")))(*read(*args)))
-    second = load_model(path, "cpu", Quantization.Q4_K_M)   # and its cache written before the note
+
+    def written_before(new: str, old: str) -> None:   # its cache written before the note
+        monkeypatch.setattr(weight_cache, "load", lambda *args: (
+            None if (found := read(*args)) is None else (found[0], found[1].replace(new, old))))
+
+    written_before("(torch's int4pack layout)", "(torch int4pack kernel)")
+    second = load_model(path, "cpu", Quantization.Q4_K_M)
     assert second.from_weight_cache
     assert second.quantization_path == (first.quantization_path.replace(kernel, "torch's int4pack kernel")
                                         + "; read from the quantized-weight cache")
+    # q8's GEMV the same way (AVX-512 VNNI or AVX2: the same codes and bits).
+    from ruvllm_cli.engine.kernels import VNNI_CPU_FLAGS, cpu_has, int8_kernel
+
+    if int8_kernel() is not None:
+        q8 = load_model(path, "cpu", Quantization.Q8_0)
+        gemv = "AVX-512 VNNI" if cpu_has(VNNI_CPU_FLAGS) else "AVX2"
+        assert q8.quantization_path.startswith("int8 per-channel weights in ruvllm's kernel, ")
+        assert q8.quantization_path.endswith(f"; one to four rows in its {gemv} GEMV")
+        written_before("in ruvllm's kernel, ", "in ruvllm's AVX2 kernel, ")
+        again = load_model(path, "cpu", Quantization.Q8_0)
+        assert again.quantization_path == q8.quantization_path + "; read from the quantized-weight cache"
