@@ -164,3 +164,10 @@ def test_the_load_line_names_the_kernels_this_machine_runs_not_the_cached_ones(m
         written_before("in ruvllm's kernel, ", "in ruvllm's AVX2 kernel, ")
         again = load_model(path, "cpu", Quantization.Q8_0)
         assert again.quantization_path == q8.quantization_path + "; read from the quantized-weight cache"
+
+
+@own
+def test_no_rows_give_no_rows():
+    packed, sz, _ = packed_matrix(64, 128, 32)
+    out = int4_dense.own_linear(torch.zeros(0, 128, dtype=torch.bfloat16), packed, sz, 32, None)
+    assert out.shape == (0, 64)

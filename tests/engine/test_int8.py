@@ -125,3 +125,8 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     for index in (0, 3, 4, 63, 64, 69):
         assert torch.equal(layer(x[index:index + 1])[0], together[index])
     assert torch.equal(layer(x[5:14]), together[5:14])
+
+
+def test_no_rows_give_no_rows():
+    codes, scales = int8_rows(torch.randn(64, 96))
+    assert int8_linear(codes, scales, torch.randn(64))(torch.zeros(0, 96)).shape == (0, 64)

@@ -91,7 +91,7 @@ class Int4UnpackKernel:
 
 class Int4Kernel:
     """`ruvllm_int4_linear` from int4_gemm.c: bfloat16 activations times torch's packed
-    int4 weights, several rows at a time, the bits torch's kernel gives."""
+    int4 weights, any number of rows, each row's result the same bits in any batch."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.linear = _bind(library.ruvllm_int4_linear, [_pointer, _size, _size, _pointer, _size, _pointer, _size,
@@ -160,8 +160,8 @@ def int4_unpack_kernel() -> Int4UnpackKernel | None:
 
 @functools.cache
 def int4_kernel() -> Int4Kernel | None:
-    """The int4-weight linear kernel for a few rows (AVX-512 CPUs), built on first use."""
-    return _loaded(Int4Kernel, "int4_gemm", "int4", "q4k layers take torch's int4 kernel for several rows",
+    """The int4-weight linear kernel (AVX-512 CPUs), built on first use."""
+    return _loaded(Int4Kernel, "int4_gemm", "int4", "q4k layers take torch's int4 kernel",
                    AVX512_FLAGS, AVX512_CPU_FLAGS)
 
 

@@ -208,6 +208,7 @@ static void tiled(const float *xf, const float *totals, int64_t first, int64_t r
 void ruvllm_int4_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N,
                         const uint16_t *scales_and_zeros, int64_t group, const uint16_t *bias, uint16_t *out,
                         float *scratch, int threads) {
+    if (M == 0) return;
     const int64_t groups = K / group;
     float *xf = scratch, *totals = scratch + M * K;
     #pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 32768)

@@ -208,6 +208,7 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
  * per-call cost that a decode step pays 169 times. */
 void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                           const float *bias, float *out, int8_t *scratch, int threads) {
+    if (M == 0) return;   /* the GEMV's switch would take four rows */
     int8_t *xq = scratch, *xa = scratch + M * K;
     float *xs = (float *)(scratch + 2 * M * K);
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
@@ -218,6 +219,7 @@ void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w,
 /* ruvllm_q8_linear_few through the AVX-512 VNNI GEMV: the same bits, for CPUs with it. */
 void ruvllm_q8_linear_few_wide(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                                const float *bias, float *out, int8_t *scratch, int threads) {
+    if (M == 0) return;   /* the GEMV's switch would take four rows */
     int8_t *xq = scratch, *xa = scratch + M * K;
     float *xs = (float *)(scratch + 2 * M * K);
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
