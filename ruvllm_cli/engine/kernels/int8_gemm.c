@@ -204,25 +204,28 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
 
 /* Up to four rows end to end in one call (a decode step's layer): x [M, K] float32 ->
  * out [M, N], through `scratch` (2 * M * K + 4 * M + 4 * M * N bytes, 32-byte aligned
- * pieces): quantize, then q8_gemv. One call instead of three saves the
- * per-call cost that a decode step pays 169 times. */
-void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
-                          const float *bias, float *out, int8_t *scratch, int threads) {
+ * pieces): quantize, then the GEMV (`wide`: the VNNI one). One call instead of three
+ * saves the per-call cost that a decode step pays 169 times. */
+static void linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
+                       const float *bias, float *out, int8_t *scratch, int threads, int wide) {
     if (M == 0) return;   /* the GEMV's switch would take four rows */
     int8_t *xq = scratch, *xa = scratch + M * K;
     float *xs = (float *)(scratch + 2 * M * K);
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
     ruvllm_q8_quantize(x, M, K, xq, xs, threads);
-    q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
+    if (wide)
+        q8_gemv_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
+    else
+        q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
 }
 
-/* ruvllm_q8_linear_few through the AVX-512 VNNI GEMV: the same bits, for CPUs with it. */
+void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
+                          const float *bias, float *out, int8_t *scratch, int threads) {
+    linear_few(x, M, K, w, ws, N, bias, out, scratch, threads, 0);
+}
+
+/* The same through the AVX-512 VNNI GEMV: the same bits, for CPUs with it. */
 void ruvllm_q8_linear_few_wide(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                                const float *bias, float *out, int8_t *scratch, int threads) {
-    if (M == 0) return;   /* the GEMV's switch would take four rows */
-    int8_t *xq = scratch, *xa = scratch + M * K;
-    float *xs = (float *)(scratch + 2 * M * K);
-    int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
-    ruvllm_q8_quantize(x, M, K, xq, xs, threads);
-    q8_gemv_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
+    linear_few(x, M, K, w, ws, N, bias, out, scratch, threads, 1);
 }
