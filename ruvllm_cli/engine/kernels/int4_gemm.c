@@ -35,8 +35,8 @@
 #define DIRECT 6       /* rows up to which the codes go straight from memory to the FMAs (24 sums) */
 #define AHEAD 4096     /* software prefetch distance along a block's codes: one row of a whole model's
                           layers 1.4x faster with it than without (1,024: 1.2x; 8,192 as 4,096) */
-#define AHEAD_GROUPS 2 /* groups ahead whose scales one to three rows fetch: a group's sit N * 4 bytes
-                          after the last's (a tied head's 1.5x faster than without, one row) */
+#define AHEAD_GROUPS 2 /* groups ahead whose scales `direct` fetches: a group's sit N * 4 bytes after
+                          the last's (a tied head's 1.5x faster than without, one row) */
 
 /* The codes of one k for the block's 64 rows, minus 8, as float32 in four vectors (rows
  * 0-15, 16-31, 32-47, 48-63): each byte widened to a lane, whose low four bits pick the
@@ -61,13 +61,15 @@ static inline __attribute__((always_inline)) void group_params(const uint16_t *s
     }
 }
 
-/* acc = scale * sums + zero * total, the group's part of a row's 64 outputs. */
-static inline __attribute__((always_inline)) void add_group(__m512 *acc, const __m512 *sums, const __m512 *scale,
+/* acc += scale * sums + zero * total (two FMAs, in that order): the group's part of a
+ * row's 64 outputs, acc [64] float32 (64-byte aligned). */
+static inline __attribute__((always_inline)) void add_group(float *acc, const __m512 *sums, const __m512 *scale,
                                                             const __m512 *zero, float total) {
     const __m512 t = _mm512_set1_ps(total);
     for (int j = 0; j < 4; ++j) {
-        acc[j] = _mm512_fmadd_ps(scale[j], sums[j], acc[j]);
-        acc[j] = _mm512_fmadd_ps(zero[j], t, acc[j]);
+        __m512 a = _mm512_load_ps(acc + 16 * j);
+        a = _mm512_fmadd_ps(scale[j], sums[j], a);
+        _mm512_store_ps(acc + 16 * j, _mm512_fmadd_ps(zero[j], t, a));
     }
 }
 
@@ -81,11 +83,11 @@ static inline __m256i round16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* One row's 64 sums of block b to bfloat16 in out (the row's), the bias added as torch
- * adds a bfloat16 bias: to the rounded sum, rounded again. */
-static inline void store(const __m512 *acc, int64_t b, const uint16_t *bias, uint16_t *out) {
+/* One row's 64 sums of block b (acc [64], 64-byte aligned) to bfloat16 in out (the
+ * row's), the bias added as torch adds a bfloat16 bias: to the rounded sum, rounded again. */
+static inline void store(const float *acc, int64_t b, const uint16_t *bias, uint16_t *out) {
     for (int j = 0; j < 4; ++j) {
-        __m512 sum = acc[j];
+        __m512 sum = _mm512_load_ps(acc + 16 * j);
         if (bias != NULL) {
             const __m256i add = _mm256_loadu_si256((const __m256i *)(bias + b * BLOCK + 16 * j));
             sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(sum)), 16)),
@@ -122,18 +124,9 @@ static inline __attribute__((always_inline)) void direct(const float *xf, const 
         }
         __m512 scale[4], zero[4];
         group_params(sz + g * N * 2, scale, zero);
-        for (int r = 0; r < R; ++r) {
-            __m512 a[4];
-            for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + r * BLOCK + 16 * j);
-            add_group(a, sums[r], scale, zero, totals[r * (K / group) + g]);
-            for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + r * BLOCK + 16 * j, a[j]);
-        }
+        for (int r = 0; r < R; ++r) add_group(acc + r * BLOCK, sums[r], scale, zero, totals[r * (K / group) + g]);
     }
-    for (int r = 0; r < R; ++r) {
-        __m512 a[4];
-        for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + r * BLOCK + 16 * j);
-        store(a, b, bias, out + r * N);
-    }
+    for (int r = 0; r < R; ++r) store(acc + r * BLOCK, b, bias, out + r * N);
 }
 
 /* R rows (1..4) over the tile of one group's codes ([count][64] float32): their sums
@@ -155,12 +148,7 @@ static inline __attribute__((always_inline)) void pass(const float *const *x, co
             s[r][3] = _mm512_fmadd_ps(b, w3, s[r][3]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        __m512 a[4];
-        for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + r * BLOCK + 16 * j);
-        add_group(a, s[r], scale, zero, *totals[r]);
-        for (int j = 0; j < 4; ++j) _mm512_store_ps(acc + r * BLOCK + 16 * j, a[j]);
-    }
+    for (int r = 0; r < R; ++r) add_group(acc + r * BLOCK, s[r], scale, zero, *totals[r]);
 }
 
 /* Rows [first, first + rows) (rows <= STRIP) against block b through the tile. */
@@ -172,7 +160,8 @@ static void tiled(const float *xf, const float *totals, int64_t first, int64_t r
     for (int64_t g = 0; g < groups; ++g) {
         for (int64_t i = 0; i < group; ++i) {
             __m512 q[4];
-            if ((i & 1) == 0) _mm_prefetch((const char *)(bytes + (g * group + i) * 32) + AHEAD, _MM_HINT_T0);
+            if ((i & 1) == 0)   /* a line holds two k */
+                _mm_prefetch((const char *)(bytes + (g * group + i) * 32) + AHEAD, _MM_HINT_T0);
             codes(bytes + (g * group + i) * 32, table, q);
             for (int j = 0; j < 4; ++j) _mm512_store_ps(tile + i * BLOCK + 16 * j, q[j]);
         }
@@ -194,11 +183,7 @@ static void tiled(const float *xf, const float *totals, int64_t first, int64_t r
             }
         }
     }
-    for (int64_t m = 0; m < rows; ++m) {
-        __m512 a[4];
-        for (int j = 0; j < 4; ++j) a[j] = _mm512_load_ps(acc + m * BLOCK + 16 * j);
-        store(a, b, bias, out + (first + m) * N);
-    }
+    for (int64_t m = 0; m < rows; ++m) store(acc + m * BLOCK, b, bias, out + (first + m) * N);
 }
 
 /* x [M, K] bfloat16; packed [N / 64, K, 32]; scales_and_zeros [K / group, N, 2] bfloat16;
