@@ -107,10 +107,10 @@ def own_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Te
     """x [M, K] bfloat16 (contiguous) times the int4 weight (+ the bfloat16 bias, added
     as torch adds it), bfloat16 [M, N], through int4_gemm.c; None where that kernel
     cannot take it (none here, another packed layout, other shapes)."""
-    kernel = int4_kernel()
     n, half_k = packed.shape
-    if kernel is None or n % 64 or group not in (32, 64, 128) or (2 * half_k) % group or not _natural_layout():
+    if not own_runs() or n % 64 or group not in (32, 64, 128) or (2 * half_k) % group:
         return None
+    kernel = int4_kernel()
     rows, k = x.shape
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     room = scratch_buffer(rows * (k + k // group))

@@ -220,7 +220,7 @@ class Int4Linear(nn.Module):
             rows = rows.to(torch.bfloat16)
         buffers = self._buffers
         own = own_linear(rows.contiguous(), buffers["qweight"], buffers["scales_and_zeros"], self.group_size,
-                         None if self.bias is None else self.bias.data)
+                         self.bias)
         if own is not None:
             return own.view(*x.shape[:-1], self.out_features)   # its bias added in C, as torch adds it below
         if rows.shape[0] >= GEMM_ROWS and (dense := self._dense(rows)) is not None:
@@ -484,14 +484,14 @@ def kernel_note(model: nn.Module) -> str:
     a weight cache keeps (the same bytes serve every kernel)."""
     from ruvllm_cli.engine.int4_dense import own_runs
     from ruvllm_cli.engine.int8 import Int8Linear
-    from ruvllm_cli.engine.kernels import VNNI_CPU_FLAGS, cpu_has
+    from ruvllm_cli.engine.kernels import int8_kernel
 
     kinds = {type(module) for module in model.modules()}
     note = ""
     if Int4Linear in kinds:
         note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
-    if Int8Linear in kinds:
-        note += f"; one to four rows in its {'AVX-512 VNNI' if cpu_has(VNNI_CPU_FLAGS) else 'AVX2'} GEMV"
+    if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
+        note += f"; one to four rows in its {'AVX-512 VNNI' if kernel.wide else 'AVX2'} GEMV"
     return note
 
 

@@ -51,7 +51,7 @@ class HalfKernel:
 class Int8Kernel:
     """int8_gemm.c: `linear_few` (up to `rows` float32 rows times int8 weights with a
     float32 scale per row, each weight read once: in AVX-512 VNNI where the CPU has it,
-    else in AVX2, `linear_few_avx2`; the same bits), and for more rows `quantize`
+    `wide`, else in AVX2, `linear_few_avx2`; the same bits), and for more rows `quantize`
     (float32 rows to int8 codes and a scale per row) and `scale` (oneDNN's exact int32
     sums to float32 outputs, rounded as `linear_few` rounds)."""
 
@@ -62,7 +62,8 @@ class Int8Kernel:
         arguments = [_pointer, _size, _size, _pointer, _pointer, _size, _pointer, _pointer, _pointer, ctypes.c_int]
         self.linear_few_avx2 = _bind(library.ruvllm_q8_linear_few, arguments)
         self.linear_few_wide = _bind(library.ruvllm_q8_linear_few_wide, list(arguments))
-        self.linear_few = self.linear_few_wide if cpu_has(VNNI_CPU_FLAGS) else self.linear_few_avx2
+        self.wide = cpu_has(VNNI_CPU_FLAGS)
+        self.linear_few = self.linear_few_wide if self.wide else self.linear_few_avx2
         self.scale = _bind(library.ruvllm_q8_scale, [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer,
                                                      ctypes.c_int])
 
