@@ -118,6 +118,7 @@ def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, 
     """The fused step with the attention's AVX-512 functions and with its AVX2 ones
     (`DecodeKernel.wide`), alternated in one process: whole steps and 'other'."""
     kernel = engine.runner.fused.kernel
+    chosen = kernel.wide
 
     def run(path: str, steps: int = args.steps) -> list[float]:
         kernel.wide = path == "avx512"
@@ -131,7 +132,7 @@ def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, 
             suffix = "other" if zero else "step"
             times.update({f"{path}_{suffix}": values
                           for path, values in alternated(args.rounds, ("avx512", "avx2"), run).items()})
-    kernel.wide = kernels.cpu_has(kernels.AVX512_CPU_FLAGS)
+    kernel.wide = chosen
     return {"streams": streams, "context": context,
             **{f"{key}_ms": round(statistics.median(values) * 1e3, 2) for key, values in times.items()}}
 
