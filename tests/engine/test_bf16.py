@@ -23,8 +23,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return F.linear(x.float(), weight.float(), bias).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, GEMM_ROWS - 1, GEMM_ROWS, 130])
-@pytest.mark.parametrize("out_features, in_features", [(64, 64), (37, 96), (129, 1024)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 32, 33, GEMM_ROWS - 1, GEMM_ROWS, 130])
+@pytest.mark.parametrize("out_features, in_features", [(64, 64), (37, 96), (37, 160), (129, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float32_sums_rounded_once(rows, out_features, in_features, bias):
     torch.manual_seed(rows * 7 + out_features)
@@ -40,14 +40,16 @@ def test_matches_float32_sums_rounded_once(rows, out_features, in_features, bias
     assert bool(((out.float() - expected.float()).abs() <= step).all())
 
 
-@pytest.mark.parametrize("in_features", [96, 1024])
+@pytest.mark.parametrize("in_features", [96, 160, 1024])
 def test_a_row_gets_the_same_bits_alone_or_in_any_batch_the_kernel_takes(in_features):
+    """Alone, in fours, in blocks along K (5 to 32 rows: K of 96, 160 and 1,024 values
+    is less than, not a multiple of, and eight blocks of 128) and beyond."""
     torch.manual_seed(in_features)
     weight = (torch.randn(37, in_features) * 0.05).bfloat16()
     layer = bf16_linear(weight, torch.randn(37))
     x = torch.randn(GEMM_ROWS - 1, in_features).bfloat16()
     alone = torch.cat([layer(row[None]) for row in x])
-    for rows in (2, 3, 16, GEMM_ROWS - 1):
+    for rows in (2, 3, 5, 9, 16, 32, 33, GEMM_ROWS - 1):
         assert torch.equal(layer(x[:rows]), alone[:rows])
 
 
