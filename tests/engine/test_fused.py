@@ -111,7 +111,13 @@ def test_q8_keeps_its_kv_cache_in_float16_and_both_paths_read_it_alike(make_tiny
     stock_tokens, stock_steps, _ = run(loaded, fused=False, quantization=Quantization.Q8_0)
     assert fused_tokens == stock_tokens
     assert taken == len(fused_steps) == GREEDY.max_tokens - 1
-    assert max((a - b).abs().max().item() for a, b in zip(fused_steps, stock_steps)) < 1e-4
+    # The two attentions sum in other orders (a few ulps apart), and the int8 layers
+    # quantize each activation row to codes: now and then an ulp moves one code by one
+    # step, and that step's logits by about 1% of the largest (measured 4.9e-3 of 2.8, once
+    # in 19 steps; the others 2e-7 to 7e-7).
+    diffs = sorted((a - b).abs().max().item() for a, b in zip(fused_steps, stock_steps))
+    assert diffs[len(diffs) // 2] < 1e-5
+    assert diffs[-1] < 0.02 * max(b.abs().max().item() for b in stock_steps)
 
 
 def test_a_prefix_hit_of_all_but_one_token_decodes_on_the_fused_path(make_tiny_model):

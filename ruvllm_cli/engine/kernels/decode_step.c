@@ -147,34 +147,39 @@ static void rope_row(float *x, i64 heads, i64 dim, const float *cos, const float
     }
 }
 
-/* RoPE of q (in place) and k, then k and v written to each row's cache slot. q: [T, Hq*D],
- * k and v: [T, Hkv*D], cos/sin: [T, D]; caches [Hkv, cache_slots, D] of `kv` kind. */
+/* RoPE of q (in place) and k, then k and v written to each row's cache slot, the rows
+ * split over the threads from four on. q: [T, Hq*D], k and v: [T, Hkv*D], cos/sin:
+ * [T, D]; caches [Hkv, cache_slots, D] of `kv` kind. */
 void ruvllm_rope_store(void *q, const void *k, const void *v, const void *cos, const void *sin,
                        i64 rows, i64 q_heads, i64 kv_heads, i64 dim, void *k_cache, void *v_cache,
-                       i64 cache_slots, const i64 *slots, int bf16, int kv) {
+                       i64 cache_slots, const i64 *slots, int bf16, int kv, int threads) {
     const i64 qw = q_heads * dim, kw = kv_heads * dim;
-    float *buf = malloc((size_t)(qw + 2 * kw + 2 * dim) * sizeof(float));
-    float *kb = buf + qw, *vb = kb + kw, *c = vb + kw, *s = c + dim;
     const size_t item = bf16 ? 2 : 4;
-    for (i64 t = 0; t < rows; ++t) {
-        load_row(cos, t * dim, dim, bf16, c);
-        load_row(sin, t * dim, dim, bf16, s);
-        load_row(q, t * qw, qw, bf16, buf);
-        rope_row(buf, q_heads, dim, c, s, bf16);
-        store_row(buf, qw, bf16, q, t * qw);
-        load_row(k, t * kw, kw, bf16, kb);
-        rope_row(kb, kv_heads, dim, c, s, bf16);
-        if (kv != bf16) load_row(v, t * kw, kw, bf16, vb);
-        for (i64 h = 0; h < kv_heads; ++h) {
-            const i64 at = (h * cache_slots + slots[t]) * dim;
-            store_row(kb + h * dim, dim, kv, k_cache, at);
-            if (kv == bf16)   /* the activations' own dtype: copied as they are */
-                memcpy((char *)v_cache + at * item, (const char *)v + (t * kw + h * dim) * item, (size_t)dim * item);
-            else
-                store_row(vb + h * dim, dim, kv, v_cache, at);
+    #pragma omp parallel num_threads(threads) if (rows >= 4)
+    {
+        float *buf = malloc((size_t)(qw + 2 * kw + 2 * dim) * sizeof(float));
+        float *kb = buf + qw, *vb = kb + kw, *c = vb + kw, *s = c + dim;
+        #pragma omp for schedule(static)
+        for (i64 t = 0; t < rows; ++t) {
+            load_row(cos, t * dim, dim, bf16, c);
+            load_row(sin, t * dim, dim, bf16, s);
+            load_row(q, t * qw, qw, bf16, buf);
+            rope_row(buf, q_heads, dim, c, s, bf16);
+            store_row(buf, qw, bf16, q, t * qw);
+            load_row(k, t * kw, kw, bf16, kb);
+            rope_row(kb, kv_heads, dim, c, s, bf16);
+            if (kv != bf16) load_row(v, t * kw, kw, bf16, vb);
+            for (i64 h = 0; h < kv_heads; ++h) {
+                const i64 at = (h * cache_slots + slots[t]) * dim;
+                store_row(kb + h * dim, dim, kv, k_cache, at);
+                if (kv == bf16)   /* the activations' own dtype: copied as they are */
+                    memcpy((char *)v_cache + at * item, (const char *)v + (t * kw + h * dim) * item, (size_t)dim * item);
+                else
+                    store_row(vb + h * dim, dim, kv, v_cache, at);
+            }
         }
+        free(buf);
     }
-    free(buf);
 }
 
 /* Eight accumulators' sums as one vector, in order. */
@@ -258,8 +263,10 @@ static inline __attribute__((always_inline)) void attend(const float *qf, i64 gr
 }
 
 /* ---- The attention in AVX-512, for CPUs that have it (the caller's `wide`): sixteen
- * lanes, each block of keys converted to float32 once for the G heads sharing it, and
- * each value row read once for all of them, their sums held in registers. The rest of
+ * lanes, each block of sixteen keys converted to float32 and transposed once for the G
+ * heads sharing it (a head's sixteen scores come out of one vector, no sum across
+ * lanes), the G heads' softmaxes side by side, and each value row read once for all of
+ * them, their sums held in registers. The rest of
  * the file stays AVX2: these functions alone are compiled for AVX-512 (target
  * attributes), so the one build runs on every AVX2 CPU. ---- */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), always_inline)) static inline
@@ -273,43 +280,69 @@ AVX512 __m512 load16(const void *base, i64 at, int kind) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* r[k] = the sum of a[k]'s sixteen lanes, k < 16: a transposing tree of adds. */
-AVX512 __m512 reduce16(__m512 a[16]) {
-    __m512 c[8], e[4], f[2];
-    for (int i = 0; i < 8; ++i)
-        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-        const __m512d x = _mm512_castps_pd(c[2 * i]), y = _mm512_castps_pd(c[2 * i + 1]);
-        e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+/* The 16x16 block of floats a[0..15] transposed in place. */
+AVX512 void transpose16(__m512 a[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
     }
+    for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h) {
+            const __m512d x = _mm512_castps_pd(t[4 * i + h]), y = _mm512_castps_pd(t[4 * i + 2 + h]);
+            a[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            a[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
     for (int i = 0; i < 2; ++i)
-        f[i] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0x88), _mm512_shuffle_f32x4(e[2 * i], e[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xdd));
+        for (int h = 0; h < 4; ++h) {
+            t[8 * i + h] = _mm512_shuffle_f32x4(a[8 * i + h], a[8 * i + 4 + h], 0x88);
+            t[8 * i + 4 + h] = _mm512_shuffle_f32x4(a[8 * i + h], a[8 * i + 4 + h], 0xdd);
+        }
+    for (int h = 0; h < 8; ++h) {
+        a[h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0x88);
+        a[8 + h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0xdd);
+    }
 }
 
-/* scores[g][j] = q_g . k_j * scale for j < padded (a multiple of 16), each block of
- * sixteen keys converted to float32 once (into kb) for the G heads. */
+/* G heads (a constant) against one block of sixteen keys held by dimension (kt[d]: the
+ * sixteen keys' values at d): two sums a head, over even and odd d. */
+AVX512 void block_scores(const float *qf, i64 dim, const float *kt, const int G, __m512 scaled, float *scores,
+                         i64 stride) {
+    __m512 a[8][2];
+    for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm512_setzero_ps();
+    for (i64 d = 0; d < dim; d += 2)
+        for (int h = 0; h < 2; ++h) {
+            const __m512 k = _mm512_loadu_ps(kt + (d + h) * 16);
+            for (int g = 0; g < G; ++g) a[g][h] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * dim + d + h]), k, a[g][h]);
+        }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * stride, _mm512_mul_ps(_mm512_add_ps(a[g][0], a[g][1]), scaled));
+}
+
+/* scores[g][j] = q_g . k_j * scale for j < padded (a multiple of 16): each block of
+ * sixteen keys converted to float32 and transposed once (into kt) for the G heads. */
 AVX512 void scores16(const float *qf, i64 groups, i64 dim, const void *k_cache, const i64 *rows, i64 padded,
-                     float scale, int kv, float *scores, i64 stride, float *kb) {
+                     float scale, int kv, float *scores, i64 stride, float *kt) {
     const __m512 scaled = _mm512_set1_ps(scale);
     for (i64 j0 = 0; j0 < padded; j0 += 16) {
-        const float *key[16];
-        for (int k = 0; k < 16; ++k) {
-            if (kv == F32) {
-                key[k] = (const float *)k_cache + rows[j0 + k];
-            } else {
-                for (i64 d = 0; d < dim; d += 16) _mm512_storeu_ps(kb + k * dim + d, load16(k_cache, rows[j0 + k] + d, kv));
-                key[k] = kb + k * dim;
-            }
+        for (i64 d = 0; d < dim; d += 16) {
+            __m512 a[16];
+            for (int k = 0; k < 16; ++k) a[k] = load16(k_cache, rows[j0 + k] + d, kv);
+            transpose16(a);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d + i) * 16, a[i]);
         }
-        for (i64 g = 0; g < groups; ++g) {
-            __m512 acc[16];
-            for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-            for (i64 d = 0; d < dim; d += 16) {
-                const __m512 q = _mm512_loadu_ps(qf + g * dim + d);
-                for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(q, _mm512_loadu_ps(key[k] + d), acc[k]);
+        for (i64 g0 = 0; g0 < groups; g0 += 8) {
+            const float *q = qf + g0 * dim;
+            float *s = scores + g0 * stride + j0;
+            switch (groups - g0 < 8 ? groups - g0 : 8) {
+                case 1: block_scores(q, dim, kt, 1, scaled, s, stride); break;
+                case 2: block_scores(q, dim, kt, 2, scaled, s, stride); break;
+                case 3: block_scores(q, dim, kt, 3, scaled, s, stride); break;
+                case 4: block_scores(q, dim, kt, 4, scaled, s, stride); break;
+                case 5: block_scores(q, dim, kt, 5, scaled, s, stride); break;
+                case 6: block_scores(q, dim, kt, 6, scaled, s, stride); break;
+                case 7: block_scores(q, dim, kt, 7, scaled, s, stride); break;
+                default: block_scores(q, dim, kt, 8, scaled, s, stride); break;
             }
-            _mm512_storeu_ps(scores + g * stride + j0, _mm512_mul_ps(reduce16(acc), scaled));
         }
     }
 }
@@ -370,34 +403,54 @@ AVX512 __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
 }
 
-/* softmax() over n scores, n % 16 == 0 (the tail padded with -inf). */
-AVX512 void softmax16(float *p, i64 n) {
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (i64 j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(p + j));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (i64 j = 0; j < n; j += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), shift));
-        _mm512_storeu_ps(p + j, e);
-        total = _mm512_add_ps(total, e);
+/* softmax() over each of G rows of n scores (row g at p + g * n), n % 16 == 0 (the tail
+ * padded with -inf), the rows side by side: G independent chains at each pass, and each
+ * row's values taken in the same order as alone. */
+AVX512 void softmax_rows(float *p, i64 n, const int G) {
+    __m512 top[8], total[8], shift[8], inv[8];
+    for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY), total[g] = _mm512_setzero_ps();
+    for (i64 j = 0; j < n; j += 16)
+        for (int g = 0; g < G; ++g) top[g] = _mm512_max_ps(top[g], _mm512_loadu_ps(p + g * n + j));
+    for (int g = 0; g < G; ++g) shift[g] = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+    for (i64 j = 0; j < n; j += 16)
+        for (int g = 0; g < G; ++g) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p + g * n + j), shift[g]));
+            _mm512_storeu_ps(p + g * n + j, e);
+            total[g] = _mm512_add_ps(total[g], e);
+        }
+    for (int g = 0; g < G; ++g) inv[g] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total[g]));
+    for (i64 j = 0; j < n; j += 16)
+        for (int g = 0; g < G; ++g) _mm512_storeu_ps(p + g * n + j, _mm512_mul_ps(_mm512_loadu_ps(p + g * n + j), inv[g]));
+}
+
+/* softmax_rows over `groups` rows, eight at a time, G a constant in each instance. */
+AVX512_OUTER void softmax16(float *p, i64 n, i64 groups) {
+    for (i64 g0 = 0; g0 < groups; g0 += 8) {
+        float *pg = p + g0 * n;
+        switch (groups - g0 < 8 ? groups - g0 : 8) {
+            case 1: softmax_rows(pg, n, 1); break;
+            case 2: softmax_rows(pg, n, 2); break;
+            case 3: softmax_rows(pg, n, 3); break;
+            case 4: softmax_rows(pg, n, 4); break;
+            case 5: softmax_rows(pg, n, 5); break;
+            case 6: softmax_rows(pg, n, 6); break;
+            case 7: softmax_rows(pg, n, 7); break;
+            default: softmax_rows(pg, n, 8); break;
+        }
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (i64 j = 0; j < n; j += 16) _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), inv));
 }
 
 /* attend() in sixteen lanes, dim % 16 == 0: the same sums, the scores' and the softmax's
  * added in another order. */
 AVX512_OUTER void attend16(const float *qf, i64 groups, i64 dim, const void *k_cache, const void *v_cache,
-                           const i64 *rows, i64 length, float scale, int kv, float *scores, float *out, float *kb) {
+                           const i64 *rows, i64 length, float scale, int kv, float *scores, float *out, float *kt) {
     const i64 padded = (length + 15) / 16 * 16;
-    if (kv == F32) scores16(qf, groups, dim, k_cache, rows, padded, scale, F32, scores, padded, kb);
-    else if (kv == BF16) scores16(qf, groups, dim, k_cache, rows, padded, scale, BF16, scores, padded, kb);
-    else scores16(qf, groups, dim, k_cache, rows, padded, scale, F16, scores, padded, kb);
-    for (i64 g = 0; g < groups; ++g) {
-        float *p = scores + g * padded;
-        for (i64 j = length; j < padded; ++j) p[j] = -INFINITY;
-        softmax16(p, padded);
-    }
+    if (kv == F32) scores16(qf, groups, dim, k_cache, rows, padded, scale, F32, scores, padded, kt);
+    else if (kv == BF16) scores16(qf, groups, dim, k_cache, rows, padded, scale, BF16, scores, padded, kt);
+    else scores16(qf, groups, dim, k_cache, rows, padded, scale, F16, scores, padded, kt);
+    for (i64 g = 0; g < groups; ++g)
+        for (i64 j = length; j < padded; ++j) scores[g * padded + j] = -INFINITY;
+    softmax16(scores, padded, groups);
     if (kv == F32) values16(scores, padded, groups, length, v_cache, rows, dim, F32, out);
     else if (kv == BF16) values16(scores, padded, groups, length, v_cache, rows, dim, BF16, out);
     else values16(scores, padded, groups, length, v_cache, rows, dim, F16, out);
@@ -522,7 +575,8 @@ void ruvllm_rope_attend(void *q, const void *k, const void *v, const void *cos, 
                         i64 q_heads, i64 kv_heads, i64 dim, void *k_cache, void *v_cache, i64 cache_slots,
                         const i64 *slots, const int32_t *tables, i64 width, const int32_t *lengths, i64 block_size,
                         float scale, void *out, int bf16, int kv, int wide, int threads) {
-    ruvllm_rope_store(q, k, v, cos, sin, rows, q_heads, kv_heads, dim, k_cache, v_cache, cache_slots, slots, bf16, kv);
+    ruvllm_rope_store(q, k, v, cos, sin, rows, q_heads, kv_heads, dim, k_cache, v_cache, cache_slots, slots, bf16, kv,
+                      threads);
     ruvllm_decode_attention(q, k_cache, v_cache, cache_slots, tables, width, lengths, rows, block_size, q_heads,
                             kv_heads, dim, scale, out, bf16, kv, wide, threads);
 }
