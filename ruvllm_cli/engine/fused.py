@@ -92,7 +92,7 @@ class FusedDecoder:
                                     attended_at, self.bf16, self.kv, self.kernel.wide, threads)
             self._add_norm(x, _out(attn["o_proj"], attended), after, h, threads)
             gate, up = self._gate_up(mlp, h)
-            self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, threads)
+            self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, self.kernel.wide, threads)
             delta = _out(mlp["down_proj"], gate)
         self._add_norm(x, delta, self.final_norm, h, threads)
         return self.lm_head(h)

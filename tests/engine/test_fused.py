@@ -55,11 +55,34 @@ WIDE = [pytest.param(True, id="avx512", marks=pytest.mark.skipif(
 
 @pytest.fixture(params=WIDE)
 def wide(request, monkeypatch) -> bool:
-    """The attention's AVX-512 functions, or its AVX2 ones (decode_step.c)."""
+    """The attention's and SiLU * up's AVX-512 functions, or their AVX2 ones (decode_step.c)."""
     kernel = kernels.decode_kernel()
     assert kernel is not None, "the decode kernels did not build"
     monkeypatch.setattr(kernel, "wide", request.param)
     return request.param
+
+
+@pytest.mark.skipif(not kernels.cpu_has(kernels.AVX512_CPU_FLAGS), reason="no AVX-512 here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [8, 16, 1032, 16 * 4864])
+def test_silu_mul_gives_the_same_bits_in_sixteen_lanes_as_in_eight(dtype, count):
+    """Both forms take each value through the same operations (exp16 rounds as exp8), so
+    the AVX-512 one changes no result; counts that are not a multiple of 16 end in eight
+    lanes. Both are torch's silu(g) * up within float32 rounding."""
+    kernel = kernels.decode_kernel()
+    torch.manual_seed(count)
+    gate = (torch.randn(count) * 6).to(dtype)
+    gate[:4] = torch.tensor([90.0, -90.0, 0.0, float("nan")])
+    up = torch.randn(count).to(dtype)
+    out = {}
+    for wide in (0, 1):
+        g = gate.clone()
+        kernel.silu_mul(g.data_ptr(), up.data_ptr(), count, int(dtype == torch.bfloat16), wide, 2)
+        out[wide] = g
+    assert torch.equal(out[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       out[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    expected = torch.nn.functional.silu(gate.float()) * up.float()
+    assert torch.allclose(out[1].float()[4:], expected[4:], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [
