@@ -132,19 +132,21 @@ static void quad_all_rows(const float *xf, int64_t M, int64_t K, const uint16_t 
     for (int64_t m = 0; m < M; m += 4) {
         const float *xs[4];
         float sums[16];
-        switch (group(xf, M, K, m, xs)) {
+        const int R = group(xf, M, K, m, xs);
+        switch (R) {
             case 4: tile(xs, 4, rows, K, m == 0, next, sums); break;
             case 3: tile(xs, 3, rows, K, m == 0, next, sums); break;
             case 2: tile(xs, 2, rows, K, m == 0, next, sums); break;
             default: tile(xs, 1, rows, K, m == 0, next, sums); break;
         }
-        store(sums, m, group(xf, M, K, m, xs), n, valid, N, bias, out);
+        store(sums, m, R, n, valid, N, bias, out);
     }
 }
 
 /* The same for 5 to BLOCKED_ROWS rows, along K in blocks of KBLOCK values: every group
  * of four rows passes a block in turn, so the block's weights and the rows' values stay
- * in L1 (at 16 rows of K = 896, 57 KiB of values passed four times from L2 before). */
+ * in L1 (16 rows of K = 896 are 57 KiB of values: whole rows came from L2 again for
+ * every four weight rows). */
 static void quad_blocked(const float *xf, int64_t M, int64_t K, const uint16_t *w, int64_t N, int64_t n,
                          const float *bias, uint16_t *out) {
     const uint16_t *rows[4];
@@ -166,10 +168,9 @@ static void quad_blocked(const float *xf, int64_t M, int64_t K, const uint16_t *
         }
     }
     for (int64_t g = 0; g < groups; ++g) {
-        const float *xs[4];
         float sums[16];
         reduce16(acc[g], sums);
-        store(sums, 4 * g, group(xf, M, K, 4 * g, xs), n, valid, N, bias, out);
+        store(sums, 4 * g, M - 4 * g < 4 ? (int)(M - 4 * g) : 4, n, valid, N, bias, out);
     }
 }
 
