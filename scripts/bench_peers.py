@@ -109,11 +109,13 @@ def measure(quantization: str, args: argparse.Namespace) -> dict[str, Any]:
     if "streams" in args.figures:
         log(f"{quantization}: {args.streams} streams")
         ours = ruvllm(args.model, quantization, args.threads, args, prompt=128, gen=128, concurrency=args.streams)
+        row["path"] = ours["system"]["quantization_path"]
         row["streams"] = (ours["metrics"]["decode_tokens_per_s"] * args.streams,
                           batched_bench(tools, gguf, args.threads, args.streams, 128, 128))
     if "deep" in args.figures:
         log(f"{quantization}: decode after {args.depth} tokens")
         ours = ruvllm(args.model, quantization, args.threads, args, prompt=args.depth, gen=64)
+        row["path"] = ours["system"]["quantization_path"]
         rates, _ = llama_bench(tools, gguf, args.threads, "-p", "0", "-n", "64", "-d", str(args.depth),
                                "-r", str(args.iterations))
         row["deep"] = (ours["metrics"]["decode_tokens_per_s"], rates[f"tg64@d{args.depth}"])
