@@ -24,6 +24,24 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* bf16_round for sixteen lanes, for AVX-512 code (files built for it, or functions with
+ * its target attribute): bf16_held16 leaves the rounded values as float32 (what
+ * transformers holds after a bfloat16 op), bf16_pack16 takes such values to their 16
+ * bits. */
+#define RUVLLM_AVX512_INLINE __attribute__((target("avx512f,avx512bw"), always_inline)) static inline
+
+RUVLLM_AVX512_INLINE __m512 bf16_held16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), high);
+    const __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet));
+}
+
+RUVLLM_AVX512_INLINE __m256i bf16_pack16(__m512 held) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(held), 16));
+}
+
 /* The sum of eight float32 lanes. */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -440,15 +440,6 @@ AVX512_OUTER void softmax16(float *p, i64 n, i64 groups) {
     }
 }
 
-/* Sixteen values as the activation dtype holds them: held8 in sixteen lanes, bfloat16. */
-AVX512 __m512 held16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), high = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), high);
-    const __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), high);
-    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet));
-}
-
 /* ruvllm_silu_mul in sixteen lanes, in place on the arrays (no copies of each chunk):
  * the same operations on each value (exp16 rounds as exp8 does), so the same bits. The
  * last eight values of a count that is not a multiple of sixteen take exp8. */
@@ -462,9 +453,8 @@ AVX512_OUTER void silu_mul16(void *gate, const void *up, i64 count, int bf16, in
             const __m512 x = load16(gate, i, bf16), one = _mm512_set1_ps(1.0f);
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
             if (bf16) {
-                const __m512 product = held16(_mm512_mul_ps(held16(silu), load16(up, i, BF16)));
-                _mm256_storeu_si256((__m256i *)((uint16_t *)gate + i),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(product), 16)));
+                const __m512 product = bf16_held16(_mm512_mul_ps(bf16_held16(silu), load16(up, i, BF16)));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)gate + i), bf16_pack16(product));
             } else {
                 _mm512_storeu_ps((float *)gate + i, _mm512_mul_ps(silu, _mm512_loadu_ps((const float *)up + i)));
             }

@@ -73,27 +73,17 @@ static inline __attribute__((always_inline)) void add_group(float *acc, const __
     }
 }
 
-/* 16 float32 sums to bfloat16, rounded to nearest even (torch's rounding; NaN stays NaN). */
-static inline __m256i round16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 /* One row's 64 sums of block b (acc [64], 64-byte aligned) to bfloat16 in out (the
  * row's), the bias added as torch adds a bfloat16 bias: to the rounded sum, rounded again. */
 static inline void store(const float *acc, int64_t b, const uint16_t *bias, uint16_t *out) {
     for (int j = 0; j < 4; ++j) {
-        __m512 sum = _mm512_load_ps(acc + 16 * j);
+        __m512 sum = bf16_held16(_mm512_load_ps(acc + 16 * j));
         if (bias != NULL) {
             const __m256i add = _mm256_loadu_si256((const __m256i *)(bias + b * BLOCK + 16 * j));
-            sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(sum)), 16)),
-                                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(add), 16)));
+            const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(add), 16));
+            sum = bf16_held16(_mm512_add_ps(sum, widened));
         }
-        _mm256_storeu_si256((__m256i *)(out + b * BLOCK + 16 * j), round16(sum));
+        _mm256_storeu_si256((__m256i *)(out + b * BLOCK + 16 * j), bf16_pack16(sum));
     }
 }
 
