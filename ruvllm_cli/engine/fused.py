@@ -113,7 +113,8 @@ class FusedDecoder:
                   out: torch.Tensor, threads: int) -> None:
         """x += delta (in place), out = norm(x); `norm`: its weight and eps."""
         self.kernel.add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), norm[0].data_ptr(),
-                                 out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16, threads)
+                                 out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16, self.kernel.wide,
+                                 threads)
 
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:

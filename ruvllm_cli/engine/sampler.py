@@ -138,7 +138,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
         return logits.argmax(-1).tolist()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     kernel.argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], DTYPE_KINDS[logits.dtype],
-                       out.data_ptr(), torch.get_num_threads())
+                       out.data_ptr(), kernel.wide, torch.get_num_threads())
     return out.tolist()
 
 

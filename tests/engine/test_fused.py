@@ -85,6 +85,32 @@ def test_silu_mul_gives_the_same_bits_in_sixteen_lanes_as_in_eight(dtype, count)
     assert torch.allclose(out[1].float()[4:], expected[4:], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not kernels.cpu_has(kernels.AVX512_CPU_FLAGS), reason="no AVX-512 here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_add_rms_norm_in_sixteen_lanes_agrees_with_eight_and_with_torch(dtype, rows):
+    """The residual add gives the same bits in both forms (the same operation on each
+    value); the norm sums its squares in another order, so it agrees within rounding.
+    Both are transformers' RMSNorm (x * rsqrt(mean(x^2) + eps), held, times the weight)."""
+    kernel = kernels.decode_kernel()
+    width, eps, bf16 = 896, 1e-6, int(dtype == torch.bfloat16)
+    torch.manual_seed(rows)
+    x, delta, weight = torch.randn(rows, width).to(dtype), torch.randn(rows, width).to(dtype), torch.randn(width).to(dtype)
+    results = {}
+    for wide in (0, 1):
+        xs, out = x.clone(), torch.empty_like(x)
+        kernel.add_rms_norm(xs.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps, bf16,
+                            wide, 2)
+        results[wide] = xs, out
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[1][0], x + delta)
+    summed = (x + delta).float()
+    expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if bf16 else {"rtol": 1e-5, "atol": 1e-6}
+    for wide in (0, 1):
+        assert torch.allclose(results[wide][1].float(), expected.float(), **tolerance)
+    assert torch.allclose(results[0][1].float(), results[1][1].float(), **tolerance)
+
+
 @pytest.mark.parametrize("shape", [
     {},                                             # 4 query heads over 2 KV heads, head_dim 16
     {"num_kv_heads": 4},                            # no grouping

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from ruvllm_cli.engine import kernels
 from ruvllm_cli.engine.request import Request
 from ruvllm_cli.engine.sampler import (SamplingFailure, greedy_tokens, apply_penalties, filter_min_p, filter_top_k, filter_top_p,
                                        sample)
@@ -98,16 +99,27 @@ def test_a_failing_row_fails_alone():
     assert tokens[1] == 0
 
 
-@pytest.mark.parametrize("shape", [(1, 151936), (16, 1000), (3, 37), (2, 8), (5, 9)])
+@pytest.fixture(params=[pytest.param(1, id="avx512", marks=pytest.mark.skipif(
+    not kernels.cpu_has(kernels.AVX512_CPU_FLAGS), reason="no AVX-512 here")), pytest.param(0, id="avx2")])
+def wide(request, monkeypatch):
+    """The argmax kernel's AVX-512 form (one pass, a row split over the threads) or its
+    AVX2 one (decode_step.c)."""
+    kernel = kernels.decode_kernel()
+    assert kernel is not None, "the decode kernels did not build"
+    monkeypatch.setattr(kernel, "wide", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (16, 1000), (3, 37), (2, 8), (5, 9), (1, 4099), (2, 70)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_are_torchs_argmax(shape, dtype):
+def test_greedy_tokens_are_torchs_argmax(shape, dtype, wide):
     torch.manual_seed(shape[1])
     logits = torch.randn(*shape).to(dtype)
     assert greedy_tokens(logits) == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_tokens_take_the_first_of_ties_and_of_nans_as_torch_does(dtype):
+def test_greedy_tokens_take_the_first_of_ties_and_of_nans_as_torch_does(dtype, wide):
     logits = torch.randn(5, 300, dtype=dtype)
     logits[0, 40] = logits[0, 250] = logits[0].max() + 1       # a tie: the first
     logits[1, 17] = logits[1, 200] = float("nan")              # NaNs: the first
@@ -116,3 +128,26 @@ def test_greedy_tokens_take_the_first_of_ties_and_of_nans_as_torch_does(dtype):
     logits[4] = 0.0
     logits[4, 3] = -0.0                                       # -0 and +0 tie
     assert greedy_tokens(logits) == logits.argmax(-1).tolist() == [40, 17, 0, 299, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_take_the_first_tie_across_lanes_chains_and_pieces(dtype, wide):
+    """The AVX-512 form keeps a best value per lane in four chains of sixteen, and splits
+    a lone row over two threads: a tie whose later copy sits in an earlier lane, chain
+    or piece must still give the first index."""
+    n = 151936 + 40   # 64-value blocks, then two of 16 and eight alone; halves of 1,187 blocks, one of 16, four alone
+    logits = torch.randn(6, n, dtype=dtype)
+    top = logits.max() + 1
+    logits[0, 63] = logits[0, 64] = top            # the first is in chain 3's last lane, the second chain 0's first
+    logits[1, 69] = logits[1, 5] = top             # the same lane of one chain, a block apart
+    logits[2, n // 2 + 3] = logits[2, 100_000] = top   # the second piece only
+    logits[3, 10] = logits[3, n - 1] = top         # first and last of the row
+    logits[4, n - 2] = float("nan")                # a NaN in the second piece, a larger value before it
+    logits[4, 7] = top
+    logits[5] = float("-inf")
+    logits[5, n - 5] = -1e30                       # the only finite value sits in the scalar tail
+    expected = [63, 5, n // 2 + 3, 10, n - 2, n - 5]
+    assert logits.argmax(-1).tolist() == expected
+    assert greedy_tokens(logits) == expected
+    for r in range(6):   # one row alone: split over the threads
+        assert greedy_tokens(logits[r:r + 1].contiguous()) == [expected[r]]

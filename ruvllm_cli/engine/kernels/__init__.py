@@ -102,19 +102,19 @@ class Int4Kernel:
 class DecodeKernel:
     """decode_step.c: the work between a Llama-family decode step's linear layers
     (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument).
-    `wide`: the attention and SiLU * up take their AVX-512 functions (where the CPU has
-    them)."""
+    `wide`: the attention, RMSNorm, SiLU * up and the argmax take their AVX-512
+    functions (where the CPU has them)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.wide = cpu_has(AVX512_CPU_FLAGS)
-        self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float,
-                                                                                 ctypes.c_int, ctypes.c_int])
+        self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float]
+                                  + [ctypes.c_int] * 3)
         self.rope_attend = _bind(library.ruvllm_rope_attend, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
                                  + [_size, _pointer, _pointer, _size, _pointer, _size, ctypes.c_float, _pointer]
                                  + [ctypes.c_int] * 4)
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size] + [ctypes.c_int] * 3)
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
-                                                               ctypes.c_int])
+                                                               ctypes.c_int, ctypes.c_int])
 
 
 def _bind(function: Any, argtypes: list[Any]) -> Any:

@@ -84,8 +84,8 @@ static inline __m256 exp8(__m256 x) {
 /* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
  * transformers' order: x * rsqrt(mean(x^2) + eps), held in the dtype, times the weight.
  * Rows split over the threads from four rows on. */
-void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out,
-                         i64 rows, i64 width, float eps, int bf16, int threads) {
+static void add_rms_norm8(void *x, const void *delta, const void *weight, void *out,
+                          i64 rows, i64 width, float eps, int bf16, int threads) {
     #pragma omp parallel num_threads(threads) if (rows >= 4)
     {
         float *row = malloc((size_t)width * 3 * sizeof(float));
@@ -440,6 +440,53 @@ AVX512_OUTER void softmax16(float *p, i64 n, i64 groups) {
     }
 }
 
+/* Sixteen float32 values into an array of activations (float32, or bfloat16 already
+ * held: its high half is the value). */
+AVX512 void store16(void *base, i64 at, int bf16, __m512 held) {
+    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), bf16_pack16(held));
+    else _mm512_storeu_ps((float *)base + at, held);
+}
+
+/* add_rms_norm8 in sixteen lanes, on the arrays in place (no copies of each row), for a
+ * width that is a multiple of 16: the same operations on each value; the squares summed
+ * in four chains (another order). */
+AVX512_OUTER void add_rms_norm16(void *x, const void *delta, const void *weight, void *out, i64 rows, i64 width,
+                                 float eps, int bf16, int threads) {
+    const int kind = bf16 ? BF16 : F32;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+    for (i64 r = 0; r < rows; ++r) {
+        const i64 row = r * width;
+        __m512 squares[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (i64 i = 0; i < width; i += 16) {
+            __m512 v = load16(x, row + i, kind);
+            if (delta != NULL) {
+                v = _mm512_add_ps(v, load16(delta, row + i, kind));
+                if (bf16) v = bf16_held16(v);
+                store16(x, row + i, bf16, v);
+            }
+            squares[i / 16 % 4] = _mm512_fmadd_ps(v, v, squares[i / 16 % 4]);
+        }
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(squares[0], squares[1]),
+                                                             _mm512_add_ps(squares[2], squares[3])));
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)width + eps));
+        for (i64 i = 0; i < width; i += 16) {
+            __m512 v = _mm512_mul_ps(load16(x, row + i, kind), inv);
+            if (bf16) v = bf16_held16(v);
+            v = _mm512_mul_ps(load16(weight, i, kind), v);
+            store16(out, row + i, bf16, bf16 ? bf16_held16(v) : v);
+        }
+    }
+}
+
+/* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
+ * transformers' order: `wide` (AVX-512) where the width is a multiple of 16, else in
+ * eight lanes. */
+void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out, i64 rows, i64 width, float eps,
+                         int bf16, int wide, int threads) {
+    if (wide && width % 16 == 0) add_rms_norm16(x, delta, weight, out, rows, width, eps, bf16, threads);
+    else add_rms_norm8(x, delta, weight, out, rows, width, eps, bf16, threads);
+}
+
 /* ruvllm_silu_mul in sixteen lanes, in place on the arrays (no copies of each chunk):
  * the same operations on each value (exp16 rounds as exp8 does), so the same bits. The
  * last eight values of a count that is not a multiple of sixteen take exp8. */
@@ -594,13 +641,89 @@ static inline __attribute__((always_inline)) i64 argmax_row(const void *x, i64 n
     return i;
 }
 
-void ruvllm_argmax_rows(const void *x, i64 rows, i64 n, int bf16, i64 *out, int threads) {
-    const size_t item = bf16 ? 2 : 4;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
-    for (i64 r = 0; r < rows; ++r) {
-        const void *row = (const char *)x + (size_t)(r * n) * item;
-        out[r] = bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
+/* The first largest value of x[start, end) and where it is, in sixteen lanes and four
+ * chains (`nan`: where the first NaN is, or -1). Each lane keeps the first of its
+ * largest values (only a greater one replaces it); the first of the lanes holding the
+ * largest wins. One pass, where argmax_row takes two. */
+typedef struct { float best; i64 at, nan; } Peak;
+
+AVX512_OUTER Peak peak16(const void *x, i64 start, i64 end, int bf16) {
+    const int kind = bf16 ? BF16 : F32;
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 top[4];
+    __m512i at[4], index[4];
+    __mmask16 unordered = 0;
+    for (int c = 0; c < 4; ++c) {
+        top[c] = _mm512_set1_ps(-INFINITY);
+        at[c] = index[c] = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(start + 16 * c)));
     }
+    i64 i = start;
+    for (; i + 64 <= end; i += 64)
+        for (int c = 0; c < 4; ++c) {
+            const __m512 v = load16(x, i + 16 * c, kind);
+            const __mmask16 greater = _mm512_cmp_ps_mask(v, top[c], _CMP_GT_OQ);
+            top[c] = _mm512_mask_mov_ps(top[c], greater, v);
+            at[c] = _mm512_mask_mov_epi32(at[c], greater, index[c]);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            index[c] = _mm512_add_epi32(index[c], _mm512_set1_epi32(64));
+        }
+    for (; i + 16 <= end; i += 16) {   /* chain 0 holds the lowest indices still to come */
+        const __m512 v = load16(x, i, kind);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, top[0], _CMP_GT_OQ);
+        top[0] = _mm512_mask_mov_ps(top[0], greater, v);
+        at[0] = _mm512_mask_mov_epi32(at[0], greater, _mm512_add_epi32(lanes, _mm512_set1_epi32((int)i)));
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    for (int c = 1; c < 4; ++c) {   /* per lane: the larger, or the earlier of equals */
+        const __mmask16 take = _mm512_cmp_ps_mask(top[c], top[0], _CMP_GT_OQ)
+            | (_mm512_cmp_ps_mask(top[c], top[0], _CMP_EQ_OQ) & _mm512_cmp_epi32_mask(at[c], at[0], _MM_CMPINT_LT));
+        top[0] = _mm512_mask_mov_ps(top[0], take, top[c]);
+        at[0] = _mm512_mask_mov_epi32(at[0], take, at[c]);
+    }
+    Peak peak = {_mm512_reduce_max_ps(top[0]), 0, -1};
+    peak.at = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(top[0], _mm512_set1_ps(peak.best), _CMP_EQ_OQ), at[0]);
+    for (; i < end; ++i) {
+        const float v = bf16 ? bf16_load(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        if (v != v) unordered = 1;
+        else if (v > peak.best) peak.best = v, peak.at = i;
+    }
+    if (unordered)
+        for (i = start; i < end && peak.nan < 0; ++i) {
+            const float v = bf16 ? bf16_load(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+            if (v != v) peak.nan = i;
+        }
+    return peak;
+}
+
+/* Each row's argmax: `wide` (AVX-512), peak16 over pieces of the row, a row split over
+ * the threads when there are fewer rows than threads; else argmax_row (AVX2). */
+void ruvllm_argmax_rows(const void *x, i64 rows, i64 n, int bf16, i64 *out, int wide, int threads) {
+    const size_t item = bf16 ? 2 : 4;
+    if (!wide || n >= ((i64)1 << 31)) {
+        #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+        for (i64 r = 0; r < rows; ++r) {
+            const void *row = (const char *)x + (size_t)(r * n) * item;
+            out[r] = bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
+        }
+        return;
+    }
+    const i64 pieces = rows >= threads || n < 4096 ? 1 : (threads + rows - 1) / rows, step = (n + pieces - 1) / pieces;
+    Peak *found = malloc((size_t)(rows * pieces) * sizeof(Peak));
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * pieces > 1)
+    for (i64 task = 0; task < rows * pieces; ++task) {
+        const i64 r = task / pieces, start = task % pieces * step, end = start + step < n ? start + step : n;
+        found[task] = peak16((const char *)x + (size_t)(r * n) * item, start, end, bf16);
+    }
+    for (i64 r = 0; r < rows; ++r) {   /* the pieces in order: the first NaN, else the first largest */
+        const Peak *p = found + r * pieces;
+        i64 best = 0, nan = -1;
+        for (i64 k = 0; k < pieces && nan < 0; ++k) {
+            if (p[k].nan >= 0) nan = p[k].nan;
+            else if (p[k].best > p[best].best) best = k;
+        }
+        out[r] = nan >= 0 ? nan : p[best].at;
+    }
+    free(found);
 }
 
 /* ruvllm_rope_store, then ruvllm_decode_attention over the same rows: one call a layer
