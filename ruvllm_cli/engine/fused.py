@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.attention import PagedKVCache
-from ruvllm_cli.engine.kernels import DecodeKernel, decode_kernel
+from ruvllm_cli.engine.kernels import AttendStep, DecodeKernel, decode_kernel
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,21 +78,21 @@ class FusedDecoder:
         attended = x.new_empty(rows, self.q_heads * self.head_dim)
         delta = None
         threads = torch.get_num_threads()
-        # The step's fixed addresses, read once.
-        cos_at, sin_at, attended_at = cos.data_ptr(), sin.data_ptr(), attended.data_ptr()
-        slots_at, tables_at, lengths_at = batch.slots.data_ptr(), batch.tables.data_ptr(), batch.lengths.data_ptr()
-        width = batch.tables.shape[1]
+        kernel = self.kernel
+        # What every layer's RoPE + attention call shares, set once (the tensors it points
+        # into live to the end of the step).
+        step = AttendStep(cos.data_ptr(), sin.data_ptr(), rows, self.q_heads, self.kv_heads, self.head_dim,
+                          cache.keys[0].shape[1], batch.slots.data_ptr(), batch.tables.data_ptr(),
+                          batch.tables.shape[1], batch.lengths.data_ptr(), self.block_size, self.scaling,
+                          attended.data_ptr(), self.bf16, self.kv, kernel.wide, threads)
         for index, ((before, after), (attn, mlp)) in enumerate(zip(self.norms, self.modules)):
             self._add_norm(x, delta, before, h, threads)
             q, k, v = self._qkv(attn, h)
-            keys, values = cache.keys[index], cache.values[index]
-            self.kernel.rope_attend(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos_at, sin_at, rows, self.q_heads,
-                                    self.kv_heads, self.head_dim, keys.data_ptr(), values.data_ptr(), keys.shape[1],
-                                    slots_at, tables_at, width, lengths_at, self.block_size, self.scaling,
-                                    attended_at, self.bf16, self.kv, self.kernel.wide, threads)
+            kernel.rope_attend(step, q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.keys[index].data_ptr(),
+                               cache.values[index].data_ptr())
             self._add_norm(x, _out(attn["o_proj"], attended), after, h, threads)
             gate, up = self._gate_up(mlp, h)
-            self.kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, self.kernel.wide, threads)
+            kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), self.bf16, kernel.wide, threads)
             delta = _out(mlp["down_proj"], gate)
         self._add_norm(x, delta, self.final_norm, h, threads)
         return self.lm_head(h)

@@ -99,6 +99,16 @@ class Int4Kernel:
                                                          _pointer, _pointer, _pointer, ctypes.c_int])
 
 
+class AttendStep(ctypes.Structure):
+    """decode_step.c's AttendStep: what each layer's `rope_attend` call of one decode step
+    shares, set once a step (each argument of a ctypes call is converted on its own)."""
+
+    _fields_ = [("cos", _pointer), ("sin", _pointer), ("rows", _size), ("q_heads", _size), ("kv_heads", _size),
+                ("dim", _size), ("cache_slots", _size), ("slots", _pointer), ("tables", _pointer), ("width", _size),
+                ("lengths", _pointer), ("block_size", _size), ("scale", ctypes.c_float), ("out", _pointer),
+                ("bf16", ctypes.c_int), ("kv", ctypes.c_int), ("wide", ctypes.c_int), ("threads", ctypes.c_int)]
+
+
 class DecodeKernel:
     """decode_step.c: the work between a Llama-family decode step's linear layers
     (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument).
@@ -109,9 +119,7 @@ class DecodeKernel:
         self.wide = cpu_has(AVX512_CPU_FLAGS)
         self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float]
                                   + [ctypes.c_int] * 3)
-        self.rope_attend = _bind(library.ruvllm_rope_attend, [_pointer] * 5 + [_size] * 4 + [_pointer] * 2
-                                 + [_size, _pointer, _pointer, _size, _pointer, _size, ctypes.c_float, _pointer]
-                                 + [ctypes.c_int] * 4)
+        self.rope_attend = _bind(library.ruvllm_rope_attend, [ctypes.POINTER(AttendStep)] + [_pointer] * 5)
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size] + [ctypes.c_int] * 3)
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
                                                                ctypes.c_int, ctypes.c_int])
