@@ -6,6 +6,8 @@ For each batch size and context length, the same decode steps run through both p
 in alternating rounds (the machine's speed drifts between runs, not within a round),
 then once more with every linear layer's work replaced by a zero tensor made ahead
 (the step's "other" cost: norms, RoPE, attention, activations, Python between them).
+Where the fused step runs its layers in one C call (engine/fused.py's LayerPlans), its
+linear layers write zeros there instead; `--python-loop` runs them from Python.
 Prints medians in ms per step and the ratio stock / fused.
 
     .venv/bin/python scripts/bench_fused.py --model models/bench --quantization q8
@@ -59,17 +61,22 @@ class ZeroLinears:
     """Every linear module of the model answers with a zero tensor made ahead of time
     (one per module and row count), so a step costs what lies outside them."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, fused: Any = None) -> None:
         self.modules = [m for name, m in model.named_modules() if name.split(".")[-1] in LINEAR_NAMES]
+        self.fused = fused   # the engine's FusedDecoder: where its C layer loop runs, it writes the zeros
 
     def __enter__(self) -> "ZeroLinears":
         for module in self.modules:
             module.forward = self._zeros(module)
+        if self.fused is not None:
+            self.fused.zero_linears = True
         return self
 
     def __exit__(self, *exc: object) -> None:
         for module in self.modules:
             del module.forward
+        if self.fused is not None:
+            self.fused.zero_linears = False
 
     @staticmethod
     def _zeros(module: nn.Module) -> Any:
@@ -100,7 +107,7 @@ def measure(engine: LLMEngine, streams: int, context: int, args: Any, rng: rando
 
     def run(path: str, zero: bool = False) -> list[float]:
         engine.runner.fused = fused if path == "fused" else None
-        with ZeroLinears(engine.loaded.model) if zero else nullcontext():
+        with ZeroLinears(engine.loaded.model, fused) if zero else nullcontext():
             return decode_steps(engine, streams, context, args.steps, rng)
 
     for path in ("fused", "stock"):   # warm-up: oneDNN primitives, the kernels' first calls
@@ -126,7 +133,7 @@ def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, 
 
     times: dict[str, list[float]] = {}
     for zero in (True, False):
-        with ZeroLinears(engine.loaded.model) if zero else nullcontext():
+        with ZeroLinears(engine.loaded.model, engine.runner.fused) if zero else nullcontext():
             for path in ("avx512", "avx2"):   # warm-up
                 run(path, 4)
             suffix = "other" if zero else "step"
@@ -143,6 +150,8 @@ def main() -> None:
     parser.add_argument("--context", default="128", help="prompt lengths (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps a round (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: %(default)s)")
+    parser.add_argument("--python-loop", action="store_true",
+                        help="run the fused step's layers from Python, not in its one C call (to compare)")
     parser.add_argument("--attention", action="store_true",
                         help="compare the fused step's AVX-512 attention with its AVX2 one instead")
     parser.add_argument("--format", choices=["table", "json"], default="table")
@@ -152,6 +161,7 @@ def main() -> None:
         device="cpu", quantization=parse_quantization(args.quantization), max_model_len=4096))
     if engine.runner.fused is None:
         raise SystemExit("this model or machine has no fused decode step (another family, or no C compiler)")
+    engine.runner.fused.layers_in_c = not args.python_loop
     rng = random.Random(0)
     if args.attention:
         if not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):

@@ -12,6 +12,7 @@ forward, which is also the reference the tests compare it with.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.attention import PagedKVCache
-from ruvllm_cli.engine.kernels import AttendStep, DecodeKernel, decode_kernel
+from ruvllm_cli.engine.kernels import (LINEAR_BF16, LINEAR_F16, LINEAR_INT4, LINEAR_Q8, AttendStep, DecodeKernel,
+                                       LayerPlan, LinearPlan, decode_kernel)
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,6 +67,14 @@ class FusedDecoder:
         self.scaling = float(attn.scaling)
         self.hidden = int(config.hidden_size)
         self.qkv_sizes = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.intermediate = int(config.intermediate_size)
+        # Where every linear layer is one of our kernels, the whole layer loop is one C call.
+        self.layers_in_c = True   # tests and benchmarks turn it off to compare
+        self.zero_linears = False   # scripts/bench_fused.py's "other": the C loop's linear layers answer zeros
+        self._phi3 = "qkv_proj" in self.modules[0][0]
+        self.c_steps = 0
+        self._plans: LayerPlans | None = None
+        self._plan_modules: list[nn.Module] | None = None
 
     @torch.inference_mode()
     def __call__(self, batch: DecodeBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -85,6 +95,11 @@ class FusedDecoder:
                           cache.keys[0].shape[1], batch.slots.data_ptr(), batch.tables.data_ptr(),
                           batch.tables.shape[1], batch.lengths.data_ptr(), self.block_size, self.scaling,
                           attended.data_ptr(), self.bf16, self.kv, kernel.wide, threads)
+        plans = self._layer_plans(rows) if self.layers_in_c else None
+        if plans is not None:
+            plans.run(self, step, cache, x, h, attended)
+            self.c_steps += 1
+            return self.lm_head(h)
         for index, ((before, after), (attn, mlp)) in enumerate(zip(self.norms, self.modules)):
             self._add_norm(x, delta, before, h, threads)
             q, k, v = self._qkv(attn, h)
@@ -96,6 +111,22 @@ class FusedDecoder:
             delta = _out(mlp["down_proj"], gate)
         self._add_norm(x, delta, self.final_norm, h, threads)
         return self.lm_head(h)
+
+    def _layer_plans(self, rows: int) -> "LayerPlans | None":
+        """The C layer loop's plan for this step, or None where a linear layer is not one
+        of our kernels at this many rows (another class, an adapter's wrapper, a forward
+        replaced on the instance) or Phi-3's fused matrices."""
+        if self._phi3:
+            return None
+        modules = [group[name] for attn, mlp in self.modules
+                   for group, names in ((attn, _LINEARS[:4]), (mlp, _LINEARS[4:])) for name in names]
+        if modules != self._plan_modules:   # identity: a module replaced since (an adapter installed)
+            self._plan_modules, self._plans = modules, LayerPlans.build(self, modules)
+        plans = self._plans
+        if plans is None or rows > plans.max_rows or (not self.zero_linears and any("forward" in m.__dict__
+                                                                                     for m in modules)):
+            return None   # a forward replaced on an instance runs as replaced
+        return plans if plans.kernels_run() else None
 
     def _qkv(self, attn: dict[str, nn.Module], h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if "qkv_proj" in attn:   # Phi-3: one matrix; the kernels take each part contiguous
@@ -115,6 +146,136 @@ class FusedDecoder:
         self.kernel.add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), norm[0].data_ptr(),
                                  out.data_ptr(), x.shape[0], self.hidden, norm[1], self.bf16, self.kernel.wide,
                                  threads)
+
+
+class LayerPlans:
+    """Every layer as decode_step.c's LayerPlan array, for `ruvllm_decode_layers`: one C
+    call a step runs the norms, the linear kernels the modules would call (same arrays,
+    same order, so the same bits), RoPE + attention and SiLU * up. The modules' own
+    forwards cost about 8 us a call in Python around their kernel (an output tensor,
+    checks, a ctypes call converting ten arguments): 1.3 ms of a one-stream q8 step."""
+
+    def __init__(self, array: Any, shapes: list[tuple[int, int, int, int]], max_rows: int, kinds: set[int],
+                 held: list[torch.Tensor]) -> None:
+        self.array, self.shapes, self.max_rows, self.kinds = array, shapes, max_rows, kinds
+        self.held = held   # the tensors the plan points into, kept alive with it
+        self.cache_at: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, decoder: FusedDecoder, modules: list[nn.Module]) -> "LayerPlans | None":
+        plans = [_linear_plan(m, decoder.dtype) for m in modules]
+        if any(p is None for p in plans):
+            return None
+        array = (LayerPlan * len(decoder.layers))()
+        held: list[torch.Tensor] = []
+        for index, ((before, after), plan) in enumerate(zip(decoder.norms, array)):
+            for name, (linear, _, tensors) in zip(("q", "k", "v", "o", "gate", "up", "down"), plans[7 * index:7 * index + 7]):
+                setattr(plan, name, linear)
+                held += tensors
+            plan.norm_in, plan.eps_in = before[0].data_ptr(), before[1]
+            plan.norm_post, plan.eps_post = after[0].data_ptr(), after[1]
+            held += [before[0], after[0]]
+        shapes = sorted({(p[0].kind, p[0].in_, p[0].out, p[0].group) for p in plans})
+        return cls(array, shapes, min(p[1] for p in plans), {kind for kind, *_ in shapes}, held)
+
+    def kernels_run(self) -> bool:
+        """Whether the int4 kernel still runs (q4k's layers ask at each call)."""
+        if LINEAR_INT4 not in self.kinds:
+            return True
+        from ruvllm_cli.engine.int4_dense import own_runs
+
+        return own_runs()
+
+    def room_bytes(self, rows: int, threads: int) -> int:
+        """The largest scratch any of the kernels asks for `rows` rows (what the modules
+        ask of scratch_buffer)."""
+        need = 0
+        for kind, width, out, group in self.shapes:
+            if kind == LINEAR_Q8:
+                need = max(need, 2 * rows * width + 4 * (rows + 8) + 4 * rows * out)
+            elif kind == LINEAR_BF16:
+                need = max(need, 4 * rows * width)
+            elif kind == LINEAR_INT4:
+                need = max(need, 4 * rows * (width + width // group))
+            else:
+                need = max(need, 4 * threads * 4 * width)
+        return need
+
+    def run(self, decoder: FusedDecoder, step: AttendStep, cache: PagedKVCache, x: torch.Tensor, h: torch.Tensor,
+            attended: torch.Tensor) -> None:
+        at = (cache.keys[0].data_ptr(), cache.values[0].data_ptr())
+        if at != self.cache_at:   # the pools' addresses, read once per cache
+            for plan, keys, values in zip(self.array, cache.keys, cache.values):
+                plan.k_cache, plan.v_cache = keys.data_ptr(), values.data_ptr()
+            self.cache_at = at
+        rows = x.shape[0]
+        q_size, kv_size = decoder.qkv_sizes[0], decoder.qkv_sizes[1]
+        # Zeros where the linear layers do not run (bench_fused.py): every later write to
+        # these arrays (RoPE, SiLU * up, in place) keeps a zero a zero.
+        make = x.new_zeros if decoder.zero_linears else x.new_empty
+        q, k, v = (make(rows, size) for size in (q_size, kv_size, kv_size))
+        o, down = make(rows, decoder.hidden), make(rows, decoder.hidden)
+        gate, up = (make(rows, decoder.intermediate) for _ in range(2))
+        room = torch.empty(self.room_bytes(rows, step.threads), dtype=torch.int8)
+        table = _kernel_table(set() if decoder.zero_linears else self.kinds)
+        decoder.kernel.decode_layers(step, self.array, len(self.array), table, x.data_ptr(),
+                                     h.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                     gate.data_ptr(), up.data_ptr(), down.data_ptr(), room.data_ptr(), decoder.hidden,
+                                     decoder.final_norm[0].data_ptr(), decoder.final_norm[1])
+
+
+def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, float, list[torch.Tensor]] | None:
+    """A linear module as decode_step.c's LinearPlan, the most rows its kernel takes, and
+    the tensors it points into; None where it is not one of our kernels for `dtype`."""
+    from ruvllm_cli.engine.bf16 import GEMM_ROWS, Bf16Linear
+    from ruvllm_cli.engine.half import HalfLinear
+    from ruvllm_cli.engine.int8 import Int8Linear
+    from ruvllm_cli.engine.quantize import Int4Linear
+
+    if "forward" in module.__dict__:
+        return None
+    kind, bias = type(module), getattr(module, "bias", None)
+    buffers = module._buffers
+    if kind is Int8Linear and dtype == torch.float32:
+        tensors = [buffers["qweight"], buffers["scales"]]
+        plan = LinearPlan(LINEAR_Q8, module.out_features, module.in_features, 0, tensors[0].data_ptr(),
+                          tensors[1].data_ptr(), None)
+        rows: float = module._kernel.rows
+    elif kind is Bf16Linear and dtype == torch.bfloat16:
+        tensors = [buffers["weight"]]
+        plan = LinearPlan(LINEAR_BF16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
+        rows = GEMM_ROWS - 1
+    elif kind is HalfLinear and dtype == torch.float32:
+        tensors = [buffers["weight16"]]
+        plan = LinearPlan(LINEAR_F16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
+        rows = float("inf")
+    elif kind is Int4Linear and dtype == torch.bfloat16:
+        packed, scales, group = buffers["qweight"], buffers["scales_and_zeros"], module.group_size
+        if packed.shape[0] % 64 or group not in (32, 64, 128) or (2 * packed.shape[1]) % group:
+            return None   # what own_linear declines
+        tensors = [packed, scales]
+        plan = LinearPlan(LINEAR_INT4, module.out_features, module.in_features, group, packed.data_ptr(),
+                          scales.data_ptr(), None)
+        rows = float("inf")
+    else:
+        return None
+    if bias is not None:
+        tensors.append(bias)
+        plan.bias = bias.data_ptr()
+    return plan, rows, tensors
+
+
+def _kernel_table(kinds: set[int]) -> Any:
+    """The linear kernels' addresses by kind, as this step finds them (tests swap the
+    int8 GEMV of the kernel object); a kind left out stays NULL, which answers zeros."""
+    from ruvllm_cli.engine.kernels import bf16_kernel, half_kernel, int4_kernel, int8_kernel
+
+    table = (ctypes.c_void_p * 4)()
+    for kind, kernel, name in ((LINEAR_Q8, int8_kernel, "linear_few"), (LINEAR_BF16, bf16_kernel, "linear"),
+                               (LINEAR_INT4, int4_kernel, "linear"), (LINEAR_F16, half_kernel, "linear")):
+        if kind in kinds:
+            table[kind] = ctypes.cast(getattr(kernel(), name), ctypes.c_void_p).value
+    return table
 
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:

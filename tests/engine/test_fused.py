@@ -198,3 +198,89 @@ def test_without_kernels_or_for_other_layers_the_stock_forward_runs(make_tiny_mo
     finally:
         monkeypatch.delenv(kernels.COMPILE_ENV)
         kernels.decode_kernel.cache_clear()
+
+
+# Every linear layer one of our kernels at these sizes (int4: 64-row blocks, so k/v of 64);
+# q/k/v with bias, as Qwen2.
+C_LOOP_SHAPE = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "attention_bias": True}
+
+
+def loop_runs(loaded, quantization: Quantization, in_c: bool, prompt_count: int, patch=None):
+    """Greedy tokens, decode steps' logits and C-loop steps of one engine, its layers run
+    in the one C call (`in_c`) or from Python."""
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quantization))
+    fused = engine.runner.fused
+    fused.layers_in_c = in_c
+    if patch is not None:
+        patch(engine)
+    steps: list[torch.Tensor] = []
+    execute = engine.runner.execute
+
+    def recorded(chunks):
+        logits, sampled = execute(chunks)
+        if all(c.num_new_tokens == 1 for c in chunks):
+            steps.append(logits.float().clone())
+        return logits, sampled
+
+    engine.runner.execute = recorded
+    results = engine.generate(prompts(seed=3)[:prompt_count], GREEDY)
+    return [r.token_ids for r in results], steps, fused.c_steps
+
+
+@pytest.mark.parametrize("quantization, prompt_count, module", [
+    (Quantization.Q8_0, 1, "Int8Linear"),     # the int8 GEMV takes up to four rows
+    (Quantization.Q8_0, 4, "Int8Linear"),
+    (Quantization.Q4_K_M, 6, "Int4Linear"),
+    (Quantization.F16, 6, "Bf16Linear"),
+])
+def test_the_c_layer_loop_gives_the_python_loops_bits(make_tiny_model, quantization, prompt_count, module, wide):
+    """ruvllm_decode_layers calls the kernels the modules call, on the same arrays in the
+    same order: the same tokens and every decode step's logits bit for bit, and it does
+    run (a loop that silently fell back to Python would pass the comparison)."""
+    loaded = load_model(make_tiny_model(**C_LOOP_SHAPE), "cpu", quantization)
+    kinds = {type(m).__name__ for name, m in loaded.model.named_modules() if name.endswith("_proj")}
+    if kinds != {module}:
+        pytest.skip(f"{quantization.value} layers here are {sorted(kinds)}, not our {module} kernel")
+    c_tokens, c_steps, ran = loop_runs(loaded, quantization, True, prompt_count)
+    py_tokens, py_steps, ran_python = loop_runs(loaded, quantization, False, prompt_count)
+    assert ran == len(c_steps) >= GREEDY.max_tokens - 1 and ran_python == 0   # a one-token prompt: one more
+    assert c_tokens == py_tokens
+    assert all(torch.equal(a, b) for a, b in zip(c_steps, py_steps))
+
+
+def test_the_c_layer_loop_steps_aside_for_a_replaced_module_or_forward(make_tiny_model):
+    """A module replaced in its layer (an adapter's wrapper) or a forward replaced on an
+    instance runs as replaced, from Python; with the original back, the C loop again."""
+    loaded = load_model(make_tiny_model(**C_LOOP_SHAPE), "cpu", Quantization.Q8_0)
+    plain_tokens, _, ran = loop_runs(loaded, Quantization.Q8_0, True, 1)
+    assert ran >= GREEDY.max_tokens - 1
+    attn = loaded.model.model.layers[1].self_attn
+    original = attn.o_proj
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 0
+
+    def wrap(engine):
+        attn._modules["o_proj"] = Wrapper(original)
+
+    try:
+        wrapped_tokens, _, ran = loop_runs(loaded, Quantization.Q8_0, True, 1, wrap)
+    finally:
+        attn._modules["o_proj"] = original
+    assert ran == 0 and wrapped_tokens != plain_tokens
+
+    def zero_forward(engine):
+        original.forward = lambda x: torch.zeros(*x.shape[:-1], original.out_features)
+
+    try:
+        replaced_tokens, _, ran = loop_runs(loaded, Quantization.Q8_0, True, 1, zero_forward)
+    finally:
+        del original.forward
+    assert ran == 0 and replaced_tokens == wrapped_tokens
+    again_tokens, _, ran = loop_runs(loaded, Quantization.Q8_0, True, 1)
+    assert ran >= GREEDY.max_tokens - 1 and again_tokens == plain_tokens

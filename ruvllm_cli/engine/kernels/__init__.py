@@ -109,11 +109,32 @@ class AttendStep(ctypes.Structure):
                 ("bf16", ctypes.c_int), ("kv", ctypes.c_int), ("wide", ctypes.c_int), ("threads", ctypes.c_int)]
 
 
+class LinearPlan(ctypes.Structure):
+    """decode_step.c's LinearPlan: one linear layer as `ruvllm_decode_layers` runs it
+    (`kind`: LINEAR_Q8, LINEAR_BF16, LINEAR_INT4 or LINEAR_F16, its kernel's slot in the
+    step's function table)."""
+
+    _fields_ = [("kind", _size), ("out", _size), ("in_", _size), ("group", _size), ("weight", _pointer),
+                ("scales", _pointer), ("bias", _pointer)]
+
+
+LINEAR_Q8, LINEAR_BF16, LINEAR_INT4, LINEAR_F16 = range(4)
+
+
+class LayerPlan(ctypes.Structure):
+    """decode_step.c's LayerPlan: a decoder layer's seven linear layers, norms and caches."""
+
+    _fields_ = [(name, LinearPlan) for name in ("q", "k", "v", "o", "gate", "up", "down")] + [
+        ("norm_in", _pointer), ("norm_post", _pointer), ("eps_in", ctypes.c_float), ("eps_post", ctypes.c_float),
+        ("k_cache", _pointer), ("v_cache", _pointer)]
+
+
 class DecodeKernel:
     """decode_step.c: the work between a Llama-family decode step's linear layers
     (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument).
     `wide`: the attention, RMSNorm, SiLU * up and the argmax take their AVX-512
-    functions (where the CPU has them)."""
+    functions (where the CPU has them). `decode_layers` runs every layer of a step,
+    calling the linear kernels itself (fused.py's LayerPlans)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.wide = cpu_has(AVX512_CPU_FLAGS)
@@ -121,6 +142,9 @@ class DecodeKernel:
                                   + [ctypes.c_int] * 3)
         self.rope_attend = _bind(library.ruvllm_rope_attend, [ctypes.POINTER(AttendStep)] + [_pointer] * 5)
         self.silu_mul = _bind(library.ruvllm_silu_mul, [_pointer, _pointer, _size] + [ctypes.c_int] * 3)
+        self.decode_layers = _bind(library.ruvllm_decode_layers, [ctypes.POINTER(AttendStep), ctypes.POINTER(LayerPlan),
+                                                                  _size, _pointer] + [_pointer] * 10
+                                   + [_size, _pointer, ctypes.c_float])
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
                                                                ctypes.c_int, ctypes.c_int])
 

@@ -750,3 +750,78 @@ void ruvllm_rope_attend(const AttendStep *s, void *q, const void *k, const void 
                             s->block_size, s->q_heads, s->kv_heads, s->dim, s->scale, s->out, s->bf16, s->kv,
                             s->wide, s->threads);
 }
+
+/* ---- Every layer of a decode step in one call, where each linear layer is one of our
+ * kernels (fused.py's LayerPlan): the Python around 169 linear modules (each a call
+ * converting its arguments, an output tensor, checks) cost about 8 us a module, more
+ * than a small layer's kernel. The kernels are those the modules call, on the same
+ * arrays in the same order, so the same bits. ---- */
+
+/* A linear layer: which kernel (the step's `fns` table), its weights and shape. */
+enum { LINEAR_Q8 = 0, LINEAR_BF16 = 1, LINEAR_INT4 = 2, LINEAR_F16 = 3 };
+typedef struct {
+    i64 kind, out, in, group;
+    const void *weight, *scales, *bias;
+} LinearPlan;
+
+typedef struct {
+    LinearPlan q, k, v, o, gate, up, down;
+    const void *norm_in, *norm_post;   /* the two RMSNorms' weights */
+    float eps_in, eps_post;
+    void *k_cache, *v_cache;
+} LayerPlan;
+
+/* The kernels' own signatures (int8_gemm.c, bf16_gemm.c, int4_gemm.c, half_gemm.c). */
+typedef void (*Q8Linear)(const float *, i64, i64, const int8_t *, const float *, i64, const float *, float *,
+                         int8_t *, int);
+typedef void (*Bf16Linear)(const uint16_t *, i64, i64, const uint16_t *, i64, const float *, uint16_t *, float *, int);
+typedef void (*Int4Linear)(const uint16_t *, i64, i64, const uint8_t *, i64, const uint16_t *, i64, const uint16_t *,
+                           uint16_t *, float *, int);
+typedef void (*F16Linear)(const float *, i64, i64, const uint16_t *, i64, const float *, float *, float *, int);
+
+static void run_linear(const LinearPlan *l, void *const *fns, const void *x, i64 rows, void *out, void *room,
+                       int threads) {
+    if (fns[l->kind] == NULL) return;   /* no kernel: `out` keeps the zeros it was given (bench_fused.py's "other") */
+    switch (l->kind) {
+        case LINEAR_Q8:
+            ((Q8Linear)fns[LINEAR_Q8])(x, rows, l->in, l->weight, l->scales, l->out, l->bias, out, room, threads);
+            break;
+        case LINEAR_BF16:
+            ((Bf16Linear)fns[LINEAR_BF16])(x, rows, l->in, l->weight, l->out, l->bias, out, room, threads);
+            break;
+        case LINEAR_INT4:
+            ((Int4Linear)fns[LINEAR_INT4])(x, rows, l->in, l->weight, l->out, l->scales, l->group, l->bias, out, room,
+                                           threads);
+            break;
+        default:
+            ((F16Linear)fns[LINEAR_F16])(x, rows, l->in, l->weight, l->out, l->bias, out, rows > 1 ? room : NULL,
+                                         threads);
+    }
+}
+
+/* fused.py's layer loop: x (the residual stream) in place, h ends as the final norm of
+ * x (the LM head's input). q, k, v, o, gate, up, down: each linear layer's output rows;
+ * the attention writes s->out; room: the kernels' scratch (the largest any asks). */
+void ruvllm_decode_layers(const AttendStep *s, const LayerPlan *layers, i64 count, void *const *fns, void *x,
+                          void *h, void *q, void *k, void *v, void *o, void *gate, void *up, void *down, void *room,
+                          i64 hidden, const void *final_norm, float final_eps) {
+    const i64 rows = s->rows;
+    const int threads = s->threads, bf16 = s->bf16, wide = s->wide;
+    const void *delta = NULL;
+    for (i64 index = 0; index < count; ++index) {
+        const LayerPlan *p = layers + index;
+        ruvllm_add_rms_norm(x, delta, p->norm_in, h, rows, hidden, p->eps_in, bf16, wide, threads);
+        run_linear(&p->q, fns, h, rows, q, room, threads);
+        run_linear(&p->k, fns, h, rows, k, room, threads);
+        run_linear(&p->v, fns, h, rows, v, room, threads);
+        ruvllm_rope_attend(s, q, k, v, p->k_cache, p->v_cache);
+        run_linear(&p->o, fns, s->out, rows, o, room, threads);
+        ruvllm_add_rms_norm(x, o, p->norm_post, h, rows, hidden, p->eps_post, bf16, wide, threads);
+        run_linear(&p->gate, fns, h, rows, gate, room, threads);
+        run_linear(&p->up, fns, h, rows, up, room, threads);
+        ruvllm_silu_mul(gate, up, rows * p->gate.out, bf16, wide, threads);
+        run_linear(&p->down, fns, gate, rows, down, room, threads);
+        delta = down;
+    }
+    ruvllm_add_rms_norm(x, delta, final_norm, h, rows, hidden, final_eps, bf16, wide, threads);
+}
