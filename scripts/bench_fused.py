@@ -13,6 +13,7 @@ Prints medians in ms per step and the ratio stock / fused.
     .venv/bin/python scripts/bench_fused.py --model models/bench --quantization q8
     .venv/bin/python scripts/bench_fused.py --quantization q4k --streams 1,16 --context 128,3000
     .venv/bin/python scripts/bench_fused.py --attention --streams 1,16 --context 128,3000
+    .venv/bin/python scripts/bench_fused.py --loops --streams 1,4,16
 """
 
 from __future__ import annotations
@@ -144,6 +145,26 @@ def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, 
             **{f"{key}_ms": round(statistics.median(values) * 1e3, 2) for key, values in times.items()}}
 
 
+def measure_loops(engine: LLMEngine, streams: int, context: int, args: Any, rng: random.Random) -> dict[str, Any]:
+    """The fused step with its layers in one C call and from Python (`layers_in_c`),
+    alternated in one process: whole steps, and how many ran the C loop."""
+    fused = engine.runner.fused
+
+    def run(path: str, steps: int = args.steps) -> list[float]:
+        fused.layers_in_c = path == "c"
+        return decode_steps(engine, streams, context, steps, rng)
+
+    for path in ("c", "python"):   # warm-up
+        run(path, 4)
+    before = fused.c_steps
+    times = alternated(args.rounds, ("c", "python"), run)
+    fused.layers_in_c = True
+    ms = {path: statistics.median(values) * 1e3 for path, values in times.items()}
+    return {"streams": streams, "context": context, "c_ms": round(ms["c"], 2), "python_ms": round(ms["python"], 2),
+            "speedup": round(ms["python"] / ms["c"], 3), "c_steps": fused.c_steps - before,
+            "steps": len(times["c"])}
+
+
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("--streams", default="1,16", help="decode batch sizes (default: %(default)s)")
@@ -152,6 +173,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default: %(default)s)")
     parser.add_argument("--python-loop", action="store_true",
                         help="run the fused step's layers from Python, not in its one C call (to compare)")
+    parser.add_argument("--loops", action="store_true",
+                        help="compare the fused step's layers in one C call with the same from Python instead")
     parser.add_argument("--attention", action="store_true",
                         help="compare the fused step's AVX-512 attention with its AVX2 one instead")
     parser.add_argument("--format", choices=["table", "json"], default="table")
@@ -163,6 +186,19 @@ def main() -> None:
         raise SystemExit("this model or machine has no fused decode step (another family, or no C compiler)")
     engine.runner.fused.layers_in_c = not args.python_loop
     rng = random.Random(0)
+    if args.loops:
+        rows = [measure_loops(engine, int(s), int(c), args, rng)
+                for s in args.streams.split(",") for c in args.context.split(",")]
+        if args.format == "json":
+            print(json.dumps({"quantization": args.quantization, "threads": args.threads, "rows": rows}, indent=2))
+            return
+        print(f"{args.quantization}, {args.threads} threads: the fused step's layers in one C call / from Python (ms)")
+        print("streams  context  C loop  Python loop  Python/C  C-loop steps")
+        for r in rows:
+            print(f"{r['streams']:7d}  {r['context']:7d}  {r['c_ms']:6.2f}  {r['python_ms']:11.2f}  "
+                  f"{r['speedup']:7.3f}x  {r['c_steps']:5d} of {r['steps']}")
+        print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps)")
+        return
     if args.attention:
         if not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
             raise SystemExit("this CPU has no AVX-512: the fused step's attention is AVX2 only")

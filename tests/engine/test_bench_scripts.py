@@ -69,21 +69,25 @@ def test_load_benchmark_gguf_rows_load_each_file_both_ways(engine_model_dir, tmp
     assert row["streamed"]["peak_mib"] >= row["streamed"]["import_mib"] > 0
 
 
-@pytest.mark.parametrize("attention", [False, True], ids=["fused-vs-stock", "attention"])
-def test_fused_script_runs_on_a_small_model_and_prints_json(engine_model_dir, attention):
+@pytest.mark.parametrize("mode", ["fused-vs-stock", "attention", "loops"])
+def test_fused_script_runs_on_a_small_model_and_prints_json(engine_model_dir, mode):
     import json
 
     from ruvllm_cli.engine import kernels
 
-    if attention and not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
+    if mode == "attention" and not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
         pytest.skip("no AVX-512 here: the fused step's attention has one path")
+    # q8's int8 GEMV takes the two rows: every layer of the C loop is one of our kernels
+    options = {"attention": ["--attention"], "loops": ["--loops", "--quantization", "q8"]}.get(mode, [])
     result = subprocess.run([sys.executable, str(SCRIPTS / "bench_fused.py"), "--model", str(engine_model_dir),
                              "--quantization", "none", "--streams", "2", "--context", "20", "--steps", "2",
-                             "--rounds", "2", "--format", "json", *(["--attention"] if attention else [])],
+                             "--rounds", "2", "--format", "json", *options],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(result.stdout)["rows"]
     assert (row["streams"], row["context"]) == (2, 20)
-    keys = (["avx512_other_ms", "avx2_other_ms", "avx512_step_ms", "avx2_step_ms"] if attention
-            else ["fused_ms", "stock_ms", "fused_other_ms", "stock_other_ms"])
+    keys = {"attention": ["avx512_other_ms", "avx2_other_ms", "avx512_step_ms", "avx2_step_ms"],
+            "loops": ["c_ms", "python_ms"]}.get(mode, ["fused_ms", "stock_ms", "fused_other_ms", "stock_other_ms"])
     assert all(row[key] > 0 for key in keys)
+    if mode == "loops":
+        assert row["c_steps"] == row["steps"] > 0
