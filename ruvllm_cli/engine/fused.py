@@ -123,8 +123,8 @@ class FusedDecoder:
         if modules != self._plan_modules:   # identity: a module replaced since (an adapter installed)
             self._plan_modules, self._plans = modules, LayerPlans.build(self, modules)
         plans = self._plans
-        if plans is None or rows > plans.max_rows or (not self.zero_linears and any("forward" in m.__dict__
-                                                                                     for m in modules)):
+        if plans is None or rows > plans.most_rows() or (not self.zero_linears and any("forward" in m.__dict__
+                                                                                       for m in modules)):
             return None   # a forward replaced on an instance runs as replaced
         return plans if plans.kernels_run() else None
 
@@ -177,6 +177,15 @@ class LayerPlans:
             held += [before[0], after[0]]
         shapes = sorted({(p[0].kind, p[0].in_, p[0].out, p[0].group) for p in plans})
         return cls(array, shapes, min(p[1] for p in plans), {kind for kind, *_ in shapes}, held)
+
+    def most_rows(self) -> float:
+        """The most rows every planned kernel takes now (the int8 GEMV's count depends on
+        which of its forms the kernel object holds: tests swap it)."""
+        if LINEAR_Q8 not in self.kinds:
+            return self.max_rows
+        from ruvllm_cli.engine.kernels import int8_kernel
+
+        return min(self.max_rows, int8_kernel().rows)
 
     def kernels_run(self) -> bool:
         """Whether the int4 kernel still runs (q4k's layers ask at each call)."""
@@ -240,7 +249,7 @@ def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, flo
         tensors = [buffers["qweight"], buffers["scales"]]
         plan = LinearPlan(LINEAR_Q8, module.out_features, module.in_features, 0, tensors[0].data_ptr(),
                           tensors[1].data_ptr(), None)
-        rows: float = module._kernel.rows
+        rows: float = float("inf")   # the int8 GEMV's count is asked at each step (LayerPlans.most_rows)
     elif kind is Bf16Linear and dtype == torch.bfloat16:
         tensors = [buffers["weight"]]
         plan = LinearPlan(LINEAR_BF16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)

@@ -50,7 +50,7 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: 
     out = sums * ((amax / 127) * scales[None, :])
     return out if bias is None else out + bias
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 70])   # VNNI: GEMV to 4, groups of 8 to 32
 @pytest.mark.parametrize("out_features, in_features", [(64, 96), (37, 32), (130, 1024), (9, 160)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_its_documented_arithmetic(rows, out_features, in_features, bias):
@@ -115,8 +115,8 @@ def test_without_the_kernel_q8_is_fbgemm_with_bfloat16_activations(monkeypatch):
 
 def test_a_rows_result_does_not_depend_on_its_batch():
     """Activations are quantized per row and summed exactly, so a row gives the same bits
-    alone (our GEMV) or in any batch (torch's int8 GEMM); fbgemm's per-batch
-    quantization did not."""
+    alone (our GEMV), in a batch of up to 32 (VNNI's GEMM) or in any batch (torch's int8
+    GEMM); fbgemm's per-batch quantization did not."""
     generator = torch.Generator().manual_seed(7)
     codes, scales = int8_rows(torch.randn(75, 320, generator=generator))
     layer = int8_linear(codes, scales, None)
@@ -125,6 +125,7 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     for index in (0, 3, 4, 63, 64, 69):
         assert torch.equal(layer(x[index:index + 1])[0], together[index])
     assert torch.equal(layer(x[5:14]), together[5:14])
+    assert torch.equal(layer(x[5:30]), together[5:30])   # VNNI: groups of eight, against oneDNN's sums
 
 
 def test_no_rows_give_no_rows():

@@ -185,6 +185,112 @@ WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, in
     scale_rows(sums, M, N, xs, ws, bias, out);
 }
 
+/* Five to WIDE_ROWS rows in AVX-512 VNNI (a batch of decodes, where oneDNN's int8 GEMM
+ * took 43 ms for the 0.5B shape's layers at 8 rows against the GEMV's 20 at 4): each pair
+ * of weight rows is read from memory once, for groups of up to eight activation rows (the
+ * pair stays in L1 between groups), and 128 times each row's sum comes off as in
+ * dot_pair_wide: the same exact integers. */
+#define WIDE_ROWS 32
+#define GROUP 8
+
+/* Lane i of the result: the sum of a[i]'s sixteen lanes (a tree of 30 shuffles and 15
+ * adds where sixteen reductions take about 160 instructions; int32 sums in any order are
+ * the same integers). */
+WIDE static inline __attribute__((always_inline)) __m512i reduce16(const __m512i a[16]) {
+    __m512i t[8], u[4];
+    for (int i = 0; i < 8; ++i)   /* per 128-bit lane: a[2i]'s and a[2i+1]'s pairs */
+        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)   /* per 128-bit lane: a[4i..4i+3]'s sums of that lane */
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+    const __m512i w01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xdd));
+    const __m512i w23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(w01, w23, 0x88), _mm512_shuffle_i32x4(w01, w23, 0xdd));
+}
+
+WIDE static inline __attribute__((always_inline)) void dot_pair_group(const uint8_t *xu, int G, int64_t K,
+                                                                    const int8_t *w0, const int8_t *w1,
+                                                                    int32_t d0[GROUP], int32_t d1[GROUP]) {
+    __m512i a0[GROUP], a1[GROUP];
+    for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i v0 = _mm512_loadu_si512(w0 + k), v1 = _mm512_loadu_si512(w1 + k);
+        for (int g = 0; g < G; ++g) {
+            const __m512i x = _mm512_loadu_si512(xu + g * K + k);
+            a0[g] = _mm512_dpbusd_epi32(a0[g], x, v0);
+            a1[g] = _mm512_dpbusd_epi32(a1[g], x, v1);
+        }
+    }
+    if (k < K) {   /* K % 64 == 32: the last 32 codes */
+        const __mmask64 valid = ((__mmask64)1 << (K - k)) - 1;
+        const __m512i v0 = _mm512_maskz_loadu_epi8(valid, w0 + k), v1 = _mm512_maskz_loadu_epi8(valid, w1 + k);
+        for (int g = 0; g < G; ++g) {
+            const __m512i x = _mm512_maskz_loadu_epi8(valid, xu + g * K + k);
+            a0[g] = _mm512_dpbusd_epi32(a0[g], x, v0);
+            a1[g] = _mm512_dpbusd_epi32(a1[g], x, v1);
+        }
+    }
+    __m512i all[16];
+    for (int g = 0; g < GROUP; ++g) {
+        all[g] = g < G ? a0[g] : _mm512_setzero_si512();
+        all[GROUP + g] = g < G ? a1[g] : _mm512_setzero_si512();
+    }
+    int32_t sums[16];
+    _mm512_storeu_si512(sums, reduce16(all));
+    for (int g = 0; g < G; ++g) d0[g] = sums[g], d1[g] = sums[GROUP + g];
+}
+
+/* 128 times the sums of two weight rows (what the offset activations add), with the
+ * rows prefetched AHEAD bytes on: the first pass over the pair, from memory. */
+WIDE static inline __attribute__((always_inline)) void offsets_pair(int64_t K, const int8_t *w0, const int8_t *w1,
+                                                                  int32_t *c0, int32_t *c1) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+        const __mmask64 valid = K - k >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (K - k)) - 1;
+        _mm_prefetch((const char *)(w0 + k + AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w1 + k + AHEAD), _MM_HINT_T0);
+        s0 = _mm512_dpbusd_epi32(s0, ones, _mm512_maskz_loadu_epi8(valid, w0 + k));
+        s1 = _mm512_dpbusd_epi32(s1, ones, _mm512_maskz_loadu_epi8(valid, w1 + k));
+    }
+    *c0 = 128 * _mm512_reduce_add_epi32(s0);
+    *c1 = 128 * _mm512_reduce_add_epi32(s1);
+}
+
+WIDE static void q8_gemm_wide(const int8_t *xq, const float *xs, uint8_t *xu, int64_t M, int64_t K,
+                              const int8_t *w, const float *ws, int64_t N, const float *bias, float *out,
+                              int32_t *sums, int threads) {
+    const __m256i offset = _mm256_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < M * K; k += QK) _mm256_storeu_si256((__m256i *)(xu + k), _mm256_xor_si256(load32(xq + k), offset));
+    const int64_t pairs = (N + 1) / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < pairs; ++p) {
+        const int64_t n = 2 * p, n1 = n + 1 < N ? n + 1 : n;
+        int32_t c0, c1, d0[GROUP], d1[GROUP];
+        offsets_pair(K, w + n * K, w + n1 * K, &c0, &c1);
+        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+            const uint8_t *x = xu + m0 * K;
+            const int G = (int)(M - m0 < GROUP ? M - m0 : GROUP);
+            switch (G) {   /* a constant group: the sums stay in registers */
+                case 1: dot_pair_group(x, 1, K, w + n * K, w + n1 * K, d0, d1); break;
+                case 2: dot_pair_group(x, 2, K, w + n * K, w + n1 * K, d0, d1); break;
+                case 3: dot_pair_group(x, 3, K, w + n * K, w + n1 * K, d0, d1); break;
+                case 4: dot_pair_group(x, 4, K, w + n * K, w + n1 * K, d0, d1); break;
+                case 5: dot_pair_group(x, 5, K, w + n * K, w + n1 * K, d0, d1); break;
+                case 6: dot_pair_group(x, 6, K, w + n * K, w + n1 * K, d0, d1); break;
+                case 7: dot_pair_group(x, 7, K, w + n * K, w + n1 * K, d0, d1); break;
+                default: dot_pair_group(x, 8, K, w + n * K, w + n1 * K, d0, d1); break;
+            }
+            for (int g = 0; g < G; ++g) {
+                sums[(m0 + g) * N + n] = d0[g] - c0;
+                sums[(m0 + g) * N + n1] = d1[g] - c1;
+            }
+        }
+    }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
+}
+
 static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
                        const float *bias, float *out) {
     for (int64_t m = 0; m < M; ++m)
@@ -202,18 +308,27 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
     for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
 }
 
-/* Up to four rows end to end in one call (a decode step's layer): x [M, K] float32 ->
- * out [M, N], through `scratch` (2 * M * K + 4 * M + 4 * M * N bytes, 32-byte aligned
- * pieces): quantize, then the GEMV (`wide`: the VNNI one). One call instead of three
- * saves the per-call cost that a decode step pays 169 times. */
+/* Up to four rows (`wide`: up to WIDE_ROWS) end to end in one call (a decode step's
+ * layer): x [M, K] float32 -> out [M, N], through `scratch` (2 * M * K + 4 * (M + 8) +
+ * 4 * M * N bytes, 32-byte aligned pieces): quantize, then the GEMV (`wide`: the VNNI
+ * one, or the VNNI GEMM from five rows). One call instead of three saves the per-call
+ * cost that a decode step pays 169 times. */
 static void linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                        const float *bias, float *out, int8_t *scratch, int threads, int wide) {
     if (M == 0) return;   /* the GEMV's switch would take four rows */
+    if (M > (wide ? WIDE_ROWS : ROWS)) {   /* more than a caller should send: correct, a few rows at a time */
+        const int64_t step = wide ? WIDE_ROWS : ROWS;
+        for (int64_t m = 0; m < M; m += step)
+            linear_few(x + m * K, M - m < step ? M - m : step, K, w, ws, N, bias, out + m * N, scratch, threads, wide);
+        return;
+    }
     int8_t *xq = scratch, *xa = scratch + M * K;
     float *xs = (float *)(scratch + 2 * M * K);
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
     ruvllm_q8_quantize(x, M, K, xq, xs, threads);
-    if (wide)
+    if (wide && M > ROWS)
+        q8_gemm_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
+    else if (wide)
         q8_gemv_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
     else
         q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
@@ -224,7 +339,8 @@ void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w,
     linear_few(x, M, K, w, ws, N, bias, out, scratch, threads, 0);
 }
 
-/* The same through the AVX-512 VNNI GEMV: the same bits, for CPUs with it. */
+/* The same through the AVX-512 VNNI GEMV (and from five rows to WIDE_ROWS its GEMM):
+ * the same bits, for CPUs with it. */
 void ruvllm_q8_linear_few_wide(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                                const float *bias, float *out, int8_t *scratch, int threads) {
     linear_few(x, M, K, w, ws, N, bias, out, scratch, threads, 1);
