@@ -193,20 +193,6 @@ WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, in
 #define WIDE_ROWS 32
 #define GROUP 8
 
-/* Lane i of the result: the sum of a[i]'s sixteen lanes (a tree of 30 shuffles and 15
- * adds where sixteen reductions take about 160 instructions; int32 sums in any order are
- * the same integers). */
-WIDE static inline __attribute__((always_inline)) __m512i reduce16(const __m512i a[16]) {
-    __m512i t[8], u[4];
-    for (int i = 0; i < 8; ++i)   /* per 128-bit lane: a[2i]'s and a[2i+1]'s pairs */
-        t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)   /* per 128-bit lane: a[4i..4i+3]'s sums of that lane */
-        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-    const __m512i w01 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xdd));
-    const __m512i w23 = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2], u[3], 0x88), _mm512_shuffle_i32x4(u[2], u[3], 0xdd));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(w01, w23, 0x88), _mm512_shuffle_i32x4(w01, w23, 0xdd));
-}
-
 WIDE static inline __attribute__((always_inline)) void dot_pair_group(const uint8_t *xu, int G, int64_t K,
                                                                     const int8_t *w0, const int8_t *w1,
                                                                     int32_t d0[GROUP], int32_t d1[GROUP]) {
@@ -230,14 +216,10 @@ WIDE static inline __attribute__((always_inline)) void dot_pair_group(const uint
             a1[g] = _mm512_dpbusd_epi32(a1[g], x, v1);
         }
     }
-    __m512i all[16];
-    for (int g = 0; g < GROUP; ++g) {
-        all[g] = g < G ? a0[g] : _mm512_setzero_si512();
-        all[GROUP + g] = g < G ? a1[g] : _mm512_setzero_si512();
+    for (int g = 0; g < G; ++g) {
+        d0[g] = _mm512_reduce_add_epi32(a0[g]);
+        d1[g] = _mm512_reduce_add_epi32(a1[g]);
     }
-    int32_t sums[16];
-    _mm512_storeu_si512(sums, reduce16(all));
-    for (int g = 0; g < G; ++g) d0[g] = sums[g], d1[g] = sums[GROUP + g];
 }
 
 /* 128 times the sums of two weight rows (what the offset activations add), with the
