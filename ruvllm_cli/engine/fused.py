@@ -155,9 +155,11 @@ class LayerPlans:
     forwards cost about 8 us a call in Python around their kernel (an output tensor,
     checks, a ctypes call converting ten arguments): 1.3 ms of a one-stream q8 step."""
 
-    def __init__(self, array: Any, shapes: list[tuple[int, int, int, int]], max_rows: int, kinds: set[int],
-                 held: list[torch.Tensor]) -> None:
-        self.array, self.shapes, self.max_rows, self.kinds = array, shapes, max_rows, kinds
+    def __init__(self, array: Any, shapes: list[tuple[int, int, int, int]], max_rows: float,
+                 kernels: dict[int, Any], held: list[torch.Tensor]) -> None:
+        self.array, self.shapes, self.max_rows = array, shapes, max_rows
+        self.kernels = kernels   # each kind's kernel object, as its modules hold it (int4: None, the module asks)
+        self.kinds = set(kernels)
         self.held = held   # the tensors the plan points into, kept alive with it
         self.cache_at: tuple[int, ...] = ()
 
@@ -176,24 +178,37 @@ class LayerPlans:
             plan.norm_post, plan.eps_post = after[0].data_ptr(), after[1]
             held += [before[0], after[0]]
         shapes = sorted({(p[0].kind, p[0].in_, p[0].out, p[0].group) for p in plans})
-        return cls(array, shapes, min(p[1] for p in plans), {kind for kind, *_ in shapes}, held)
+        kernels = {p[0].kind: getattr(m, "_kernel", None) for p, m in zip(plans, modules)}
+        return cls(array, shapes, min(p[1] for p in plans), kernels, held)
 
     def most_rows(self) -> float:
         """The most rows every planned kernel takes now (the int8 GEMV's count depends on
         which of its forms the kernel object holds: tests swap it)."""
         if LINEAR_Q8 not in self.kinds:
             return self.max_rows
-        from ruvllm_cli.engine.kernels import int8_kernel
-
-        return min(self.max_rows, int8_kernel().rows)
+        return min(self.max_rows, self.kernels[LINEAR_Q8].rows)
 
     def kernels_run(self) -> bool:
-        """Whether the int4 kernel still runs (q4k's layers ask at each call)."""
+        """Whether the int4 kernel still runs (q4k's layers ask at each call: not after
+        `--no-compile`'s turn_off)."""
         if LINEAR_INT4 not in self.kinds:
             return True
         from ruvllm_cli.engine.int4_dense import own_runs
 
         return own_runs()
+
+    def kernel_table(self, zero: bool) -> Any:
+        """The linear kernels' addresses by kind, read at each step (tests swap the int8
+        GEMV on its kernel object); with `zero`, none: a NULL kernel leaves its output as
+        given (bench_fused.py's zeros)."""
+        from ruvllm_cli.engine.kernels import int4_kernel
+
+        table = (ctypes.c_void_p * 4)()
+        for kind, kernel in ({} if zero else self.kernels).items():
+            function = int4_kernel().linear if kind == LINEAR_INT4 else kernel.linear_few if kind == LINEAR_Q8 \
+                else kernel.linear
+            table[kind] = ctypes.cast(function, ctypes.c_void_p).value
+        return table
 
     def room_bytes(self, rows: int, threads: int) -> int:
         """The largest scratch any of the kernels asks for `rows` rows (what the modules
@@ -226,7 +241,7 @@ class LayerPlans:
         o, down = make(rows, decoder.hidden), make(rows, decoder.hidden)
         gate, up = (make(rows, decoder.intermediate) for _ in range(2))
         room = torch.empty(self.room_bytes(rows, step.threads), dtype=torch.int8)
-        table = _kernel_table(set() if decoder.zero_linears else self.kinds)
+        table = self.kernel_table(decoder.zero_linears)
         decoder.kernel.decode_layers(step, self.array, len(self.array), table, x.data_ptr(),
                                      h.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                      gate.data_ptr(), up.data_ptr(), down.data_ptr(), room.data_ptr(), decoder.hidden,
@@ -241,7 +256,7 @@ def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, flo
     from ruvllm_cli.engine.int8 import Int8Linear
     from ruvllm_cli.engine.quantize import Int4Linear
 
-    kind, bias = type(module), getattr(module, "bias", None)   # (a forward replaced on the instance: each step asks)
+    kind, bias = type(module), getattr(module, "bias", None)
     buffers = module._buffers
     if kind is Int8Linear and dtype == torch.float32:
         tensors = [buffers["qweight"], buffers["scales"]]
@@ -270,19 +285,6 @@ def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, flo
         tensors.append(bias)
         plan.bias = bias.data_ptr()
     return plan, rows, tensors
-
-
-def _kernel_table(kinds: set[int]) -> Any:
-    """The linear kernels' addresses by kind, as this step finds them (tests swap the
-    int8 GEMV of the kernel object); a kind left out stays NULL, which answers zeros."""
-    from ruvllm_cli.engine.kernels import bf16_kernel, half_kernel, int4_kernel, int8_kernel
-
-    table = (ctypes.c_void_p * 4)()
-    for kind, kernel, name in ((LINEAR_Q8, int8_kernel, "linear_few"), (LINEAR_BF16, bf16_kernel, "linear"),
-                               (LINEAR_INT4, int4_kernel, "linear"), (LINEAR_F16, half_kernel, "linear")):
-        if kind in kinds:
-            table[kind] = ctypes.cast(getattr(kernel(), name), ctypes.c_void_p).value
-    return table
 
 
 def _norm_args(norm: nn.Module) -> tuple[torch.Tensor, float]:

@@ -491,7 +491,8 @@ def kernel_note(model: nn.Module) -> str:
     if Int4Linear in kinds:
         note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
-        note += f"; one to four rows in its {'AVX-512 VNNI' if kernel.wide else 'AVX2'} GEMV"
+        note += ("; up to 32 rows in its AVX-512 VNNI GEMV and GEMM" if kernel.wide
+                 else "; one to four rows in its AVX2 GEMV")
     return note
 
 

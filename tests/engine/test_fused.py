@@ -287,3 +287,24 @@ def test_the_c_layer_loop_steps_aside_for_a_replaced_module_or_forward(make_tiny
     assert ran == 0 and replaced_tokens == wrapped_tokens
     again_tokens, _, ran = loop_runs(loaded, Quantization.Q8_0, True, 1)
     assert ran >= GREEDY.max_tokens - 1 and again_tokens == plain_tokens
+
+
+@pytest.mark.parametrize("quantization", [Quantization.Q8_0, Quantization.Q4_K_M])
+def test_the_c_layer_loop_survives_kernels_turned_off_under_it(make_tiny_model, monkeypatch, quantization):
+    """`--no-compile`'s turn_off after an engine is built: the int8 layers keep the
+    kernel they hold (so does the loop), the int4 ones ask at each call and stop (so the
+    loop steps aside); either way the engine answers as before."""
+    loaded = load_model(make_tiny_model(**C_LOOP_SHAPE), "cpu", quantization)
+    before, _, _ = loop_runs(loaded, quantization, True, 1)
+    monkeypatch.setenv(kernels.COMPILE_ENV, "1")   # restored after, with the loaders' caches below
+    try:
+        engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quantization))
+        kernels.turn_off()
+        after = engine.generate(prompts(seed=3)[:1], GREEDY)[0].token_ids
+    finally:
+        monkeypatch.setenv(kernels.COMPILE_ENV, "1")
+        for loader in (kernels.half_kernel, kernels.int8_kernel, kernels.bf16_kernel, kernels.int4_unpack_kernel,
+                       kernels.int4_kernel, kernels.decode_kernel):
+            loader.cache_clear()
+    assert after == before[0] or quantization == Quantization.Q4_K_M   # q4k then takes torch's int4 kernel
+    assert len(after) == GREEDY.max_tokens
