@@ -30,10 +30,8 @@ def prompts(vocab: int = 500, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in LENGTHS]
 
 
-def run(loaded, fused: bool, quantization: Quantization = Quantization.F32, **config):
-    """Greedy tokens of every prompt together, and each decode step's logits."""
-    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quantization, fused_decode=fused, **config))
-    assert (engine.runner.fused is not None) == fused
+def recorded_steps(engine: LLMEngine) -> list[torch.Tensor]:
+    """The engine's decode steps' logits, appended as it runs them."""
     steps: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -44,6 +42,14 @@ def run(loaded, fused: bool, quantization: Quantization = Quantization.F32, **co
         return logits, sampled
 
     engine.runner.execute = recorded
+    return steps
+
+
+def run(loaded, fused: bool, quantization: Quantization = Quantization.F32, **config):
+    """Greedy tokens of every prompt together, and each decode step's logits."""
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=quantization, fused_decode=fused, **config))
+    assert (engine.runner.fused is not None) == fused
+    steps = recorded_steps(engine)
     results = engine.generate(prompts(), GREEDY)
     return [r.token_ids for r in results], steps, engine.runner.fused_steps
 
@@ -213,16 +219,7 @@ def loop_runs(loaded, quantization: Quantization, in_c: bool, prompt_count: int,
     fused.layers_in_c = in_c
     if patch is not None:
         patch(engine)
-    steps: list[torch.Tensor] = []
-    execute = engine.runner.execute
-
-    def recorded(chunks):
-        logits, sampled = execute(chunks)
-        if all(c.num_new_tokens == 1 for c in chunks):
-            steps.append(logits.float().clone())
-        return logits, sampled
-
-    engine.runner.execute = recorded
+    steps = recorded_steps(engine)
     results = engine.generate(prompts(seed=3)[:prompt_count], GREEDY)
     return [r.token_ids for r in results], steps, fused.c_steps
 

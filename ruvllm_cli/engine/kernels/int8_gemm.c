@@ -160,7 +160,11 @@ WIDE static inline __attribute__((always_inline)) void dot_pair_wide(const uint8
     }
 }
 
-/* q8_gemv with dot_pair_wide; xu: room for M * K bytes (the codes offset to unsigned). */
+/* q8_gemv in AVX-512 VNNI; xu: room for M * K bytes (the codes offset to unsigned). Up
+ * to four rows dot_pair_wide, from five the groups below (q8_pair_groups). */
+WIDE static void q8_pair_groups(const uint8_t *xu, int64_t M, int64_t K, const int8_t *w0, const int8_t *w1,
+                                int64_t n, int64_t n1, int64_t N, int32_t *sums);
+
 WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, int64_t M, int64_t K,
                               const int8_t *w, const float *ws, int64_t N, const float *bias, float *out,
                               int32_t *sums, int threads) {
@@ -170,6 +174,10 @@ WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, in
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < pairs; ++p) {
         const int64_t n = 2 * p, n1 = n + 1 < N ? n + 1 : n;
+        if (M > ROWS) {
+            q8_pair_groups(xu, M, K, w + n * K, w + n1 * K, n, n1, N, sums);
+            continue;
+        }
         int32_t d[2][ROWS];
         switch (M) {
             case 1: dot_pair_wide(xu, 1, K, w + n * K, w + n1 * K, d); break;
@@ -182,7 +190,8 @@ WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, in
             sums[m * N + n1] = d[1][m];
         }
     }
-    scale_rows(sums, M, N, xs, ws, bias, out);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M > ROWS)
+    for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
 }
 
 /* Five to WIDE_ROWS rows in AVX-512 VNNI (a batch of decodes, where oneDNN's int8 GEMM
@@ -239,38 +248,30 @@ WIDE static inline __attribute__((always_inline)) void offsets_pair(int64_t K, c
     *c1 = 128 * _mm512_reduce_add_epi32(s1);
 }
 
-WIDE static void q8_gemm_wide(const int8_t *xq, const float *xs, uint8_t *xu, int64_t M, int64_t K,
-                              const int8_t *w, const float *ws, int64_t N, const float *bias, float *out,
-                              int32_t *sums, int threads) {
-    const __m256i offset = _mm256_set1_epi8((char)0x80);
-    for (int64_t k = 0; k < M * K; k += QK) _mm256_storeu_si256((__m256i *)(xu + k), _mm256_xor_si256(load32(xq + k), offset));
-    const int64_t pairs = (N + 1) / 2;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < pairs; ++p) {
-        const int64_t n = 2 * p, n1 = n + 1 < N ? n + 1 : n;
-        int32_t c0, c1, d0[GROUP], d1[GROUP];
-        offsets_pair(K, w + n * K, w + n1 * K, &c0, &c1);
-        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
-            const uint8_t *x = xu + m0 * K;
-            const int G = (int)(M - m0 < GROUP ? M - m0 : GROUP);
-            switch (G) {   /* a constant group: the sums stay in registers */
-                case 1: dot_pair_group(x, 1, K, w + n * K, w + n1 * K, d0, d1); break;
-                case 2: dot_pair_group(x, 2, K, w + n * K, w + n1 * K, d0, d1); break;
-                case 3: dot_pair_group(x, 3, K, w + n * K, w + n1 * K, d0, d1); break;
-                case 4: dot_pair_group(x, 4, K, w + n * K, w + n1 * K, d0, d1); break;
-                case 5: dot_pair_group(x, 5, K, w + n * K, w + n1 * K, d0, d1); break;
-                case 6: dot_pair_group(x, 6, K, w + n * K, w + n1 * K, d0, d1); break;
-                case 7: dot_pair_group(x, 7, K, w + n * K, w + n1 * K, d0, d1); break;
-                default: dot_pair_group(x, 8, K, w + n * K, w + n1 * K, d0, d1); break;
-            }
-            for (int g = 0; g < G; ++g) {
-                sums[(m0 + g) * N + n] = d0[g] - c0;
-                sums[(m0 + g) * N + n1] = d1[g] - c1;
-            }
+/* Rows beyond four against one pair of weight rows n, n1: the pair's offsets, then each
+ * group of up to eight rows while the pair sits in L1. */
+WIDE static void q8_pair_groups(const uint8_t *xu, int64_t M, int64_t K, const int8_t *w0, const int8_t *w1,
+                                int64_t n, int64_t n1, int64_t N, int32_t *sums) {
+    int32_t c0, c1, d0[GROUP], d1[GROUP];
+    offsets_pair(K, w0, w1, &c0, &c1);
+    for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+        const uint8_t *x = xu + m0 * K;
+        const int G = (int)(M - m0 < GROUP ? M - m0 : GROUP);
+        switch (G) {   /* a constant group: the sums stay in registers */
+            case 1: dot_pair_group(x, 1, K, w0, w1, d0, d1); break;
+            case 2: dot_pair_group(x, 2, K, w0, w1, d0, d1); break;
+            case 3: dot_pair_group(x, 3, K, w0, w1, d0, d1); break;
+            case 4: dot_pair_group(x, 4, K, w0, w1, d0, d1); break;
+            case 5: dot_pair_group(x, 5, K, w0, w1, d0, d1); break;
+            case 6: dot_pair_group(x, 6, K, w0, w1, d0, d1); break;
+            case 7: dot_pair_group(x, 7, K, w0, w1, d0, d1); break;
+            default: dot_pair_group(x, 8, K, w0, w1, d0, d1); break;
+        }
+        for (int g = 0; g < G; ++g) {
+            sums[(m0 + g) * N + n] = d0[g] - c0;
+            sums[(m0 + g) * N + n1] = d1[g] - c1;
         }
     }
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
 }
 
 static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
@@ -308,9 +309,7 @@ static void linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, co
     float *xs = (float *)(scratch + 2 * M * K);
     int32_t *sums = (int32_t *)(xs + ((M + 7) & ~(int64_t)7));
     ruvllm_q8_quantize(x, M, K, xq, xs, threads);
-    if (wide && M > ROWS)
-        q8_gemm_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
-    else if (wide)
+    if (wide)
         q8_gemv_wide(xq, xs, (uint8_t *)xa, M, K, w, ws, N, bias, out, sums, threads);
     else
         q8_gemv(xq, xs, xa, M, K, w, ws, N, bias, out, sums, threads);
