@@ -186,48 +186,34 @@ def main() -> None:
         raise SystemExit("this model or machine has no fused decode step (another family, or no C compiler)")
     engine.runner.fused.layers_in_c = not args.python_loop
     rng = random.Random(0)
-    if args.loops:
-        rows = [measure_loops(engine, int(s), int(c), args, rng)
-                for s in args.streams.split(",") for c in args.context.split(",")]
-        if args.format == "json":
-            print(json.dumps({"quantization": args.quantization, "threads": args.threads, "rows": rows}, indent=2))
-            return
-        print(f"{args.quantization}, {args.threads} threads: the fused step's layers in one C call / from Python (ms)")
-        print("streams  context  C loop  Python loop  Python/C  C-loop steps")
-        for r in rows:
-            print(f"{r['streams']:7d}  {r['context']:7d}  {r['c_ms']:6.2f}  {r['python_ms']:11.2f}  "
-                  f"{r['speedup']:7.3f}x  {r['c_steps']:5d} of {r['steps']}")
-        print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps)")
-        return
-    if args.attention:
-        if not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
-            raise SystemExit("this CPU has no AVX-512: the fused step's attention is AVX2 only")
-        rows = [measure_attention(engine, int(s), int(c), args, rng)
-                for s in args.streams.split(",") for c in args.context.split(",")]
-        if args.format == "json":
-            print(json.dumps({"quantization": args.quantization, "threads": args.threads, "rows": rows}, indent=2))
-            return
-        print(f"{args.quantization}, {args.threads} threads: the fused step's attention, AVX-512 / AVX2 (ms)")
-        print("streams  context  other AVX-512  other AVX2  step AVX-512  step AVX2")
-        for r in rows:
-            print(f"{r['streams']:7d}  {r['context']:7d}  {r['avx512_other_ms']:12.2f}  {r['avx2_other_ms']:10.2f}  "
-                  f"{r['avx512_step_ms']:12.2f}  {r['avx2_step_ms']:9.2f}")
-        print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps)")
-        return
-    rows = [measure(engine, int(s), int(c), args, rng)
-            for s in args.streams.split(",") for c in args.context.split(",")]
+    if args.attention and not kernels.cpu_has(kernels.AVX512_CPU_FLAGS):
+        raise SystemExit("this CPU has no AVX-512: the fused step's attention is AVX2 only")
+    mode = "loops" if args.loops else "attention" if args.attention else "paths"
+    measured = {"loops": measure_loops, "attention": measure_attention, "paths": measure}[mode]
+    rows = [measured(engine, int(s), int(c), args, rng) for s in args.streams.split(",") for c in args.context.split(",")]
     if args.format == "json":
-        print(json.dumps({"quantization": args.quantization, "threads": args.threads,
-                          "path": engine.loaded.quantization_path, "rows": rows}, indent=2))
+        extra = {"path": engine.loaded.quantization_path} if mode == "paths" else {}
+        print(json.dumps({"quantization": args.quantization, "threads": args.threads, **extra, "rows": rows}, indent=2))
         return
-    print(f"{args.quantization}, {args.threads} threads, {engine.loaded.quantization_path}")
-    print("streams  context  fused ms  stock ms  stock/fused  other fused  other stock")
+    title, header, line = {
+        "loops": ("the fused step's layers in one C call / from Python (ms)",
+                  "streams  context  C loop  Python loop  Python/C  C-loop steps",
+                  "{streams:7d}  {context:7d}  {c_ms:6.2f}  {python_ms:11.2f}  {speedup:7.3f}x  {c_steps:5d} of {steps}"),
+        "attention": ("the fused step's attention, AVX-512 / AVX2 (ms)",
+                      "streams  context  other AVX-512  other AVX2  step AVX-512  step AVX2",
+                      "{streams:7d}  {context:7d}  {avx512_other_ms:12.2f}  {avx2_other_ms:10.2f}  "
+                      "{avx512_step_ms:12.2f}  {avx2_step_ms:9.2f}"),
+        "paths": (engine.loaded.quantization_path,
+                  "streams  context  fused ms  stock ms  stock/fused  other fused  other stock",
+                  "{streams:7d}  {context:7d}  {fused_ms:8.2f}  {stock_ms:8.2f}  {speedup:10.2f}x  "
+                  "{fused_other_ms:11.2f}  {stock_other_ms:11.2f}"),
+    }[mode]
+    print(f"{args.quantization}, {args.threads} threads: {title}")
+    print(header)
     for r in rows:
-        print(f"{r['streams']:7d}  {r['context']:7d}  {r['fused_ms']:8.2f}  {r['stock_ms']:8.2f}  "
-              f"{r['speedup']:10.2f}x  {r['fused_other_ms']:11.2f}  {r['stock_other_ms']:11.2f}")
-    print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps; 'other': the same "
-          "steps with every linear layer answering zeros made ahead)")
-
+        print(line.format(**r))
+    print(f"(medians of {args.rounds} alternating rounds of {args.steps} decode steps"
+          + ("; 'other': the same steps with every linear layer answering zeros made ahead)" if mode != "loops" else ")"))
 
 if __name__ == "__main__":
     main()
