@@ -499,12 +499,8 @@ AVX512_OUTER void silu_mul16(void *gate, const void *up, i64 count, int bf16, in
         for (; i + 16 <= end; i += 16) {
             const __m512 x = load16(gate, i, bf16), one = _mm512_set1_ps(1.0f);
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            if (bf16) {
-                const __m512 product = bf16_held16(_mm512_mul_ps(bf16_held16(silu), load16(up, i, BF16)));
-                _mm256_storeu_si256((__m256i *)((uint16_t *)gate + i), bf16_pack16(product));
-            } else {
-                _mm512_storeu_ps((float *)gate + i, _mm512_mul_ps(silu, _mm512_loadu_ps((const float *)up + i)));
-            }
+            const __m512 product = _mm512_mul_ps(bf16 ? bf16_held16(silu) : silu, load16(up, i, bf16));
+            store16(gate, i, bf16, bf16 ? bf16_held16(product) : product);
         }
         for (; i < end; i += 8) {
             const __m256 x = load8(gate, i, bf16), one = _mm256_set1_ps(1.0f);

@@ -102,6 +102,8 @@ static inline void dot_pair(const int8_t *xa, const int8_t *xq, int M, int64_t K
 
 static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
                        const float *bias, float *out);
+void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
+                     const float *bias, float *out, int threads);
 
 /* M <= 4 quantized rows (xq [M, K], scales xs [M]; xa room for M * K bytes) against
  * w [N, K] int8 with scales ws [N]: out [M, N] as ruvllm_q8_scale gives it. */
@@ -190,8 +192,8 @@ WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, in
             sums[m * N + n1] = d[1][m];
         }
     }
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M > ROWS)
-    for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
+    if (M > ROWS) ruvllm_q8_scale(sums, M, N, xs, ws, bias, out, threads);
+    else scale_rows(sums, M, N, xs, ws, bias, out);   /* a few rows: no parallel region */
 }
 
 /* Five to WIDE_ROWS rows in AVX-512 VNNI (a batch of decodes, where oneDNN's int8 GEMM
