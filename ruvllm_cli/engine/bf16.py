@@ -26,6 +26,11 @@ BLOCK = 32   # the kernel reads 32 values a step: K must be a multiple
 GEMM_ROWS = 192
 
 
+def scratch_floats(rows: int, width: int) -> int:
+    """The room `ruvllm_bf16_linear` works in: the rows widened to float32."""
+    return rows * width
+
+
 class Bf16Linear(nn.Module):
     """A linear layer with plain bfloat16 weights [out, in]; bfloat16 in and out."""
 
@@ -45,7 +50,7 @@ class Bf16Linear(nn.Module):
         else:
             out = torch.empty(count, self.out_features, dtype=torch.bfloat16)
             bias = None if self.bias is None else self.bias.data_ptr()
-            room = scratch_buffer(count * self.in_features)
+            room = scratch_buffer(scratch_floats(count, self.in_features))
             self._kernel.linear(rows.data_ptr(), count, self.in_features, self._buffers["weight"].data_ptr(),
                                 self.out_features, bias, out.data_ptr(), room.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], self.out_features)

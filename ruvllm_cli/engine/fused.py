@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ruvllm_cli.engine import bf16, half, int4_dense, int8
 from ruvllm_cli.engine.attention import PagedKVCache
 from ruvllm_cli.engine.kernels import (LINEAR_BF16, LINEAR_F16, LINEAR_INT4, LINEAR_Q8, AttendStep, DecodeKernel,
-                                       LayerPlan, LinearPlan, decode_kernel)
+                                       LayerPlan, LinearPlan, decode_kernel, int4_kernel)
+from ruvllm_cli.engine.quantize import Int4Linear
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -193,16 +195,12 @@ class LayerPlans:
         `--no-compile`'s turn_off)."""
         if LINEAR_INT4 not in self.kinds:
             return True
-        from ruvllm_cli.engine.int4_dense import own_runs
-
-        return own_runs()
+        return int4_dense.own_runs()
 
     def kernel_table(self, zero: bool) -> Any:
         """The linear kernels' addresses by kind, read at each step (tests swap the int8
         GEMV on its kernel object); with `zero`, none: a NULL kernel leaves its output as
         given (bench_fused.py's zeros)."""
-        from ruvllm_cli.engine.kernels import int4_kernel
-
         table = (ctypes.c_void_p * 4)()
         for kind, kernel in ({} if zero else self.kernels).items():
             function = int4_kernel().linear if kind == LINEAR_INT4 else kernel.linear_few if kind == LINEAR_Q8 \
@@ -212,17 +210,17 @@ class LayerPlans:
 
     def room_bytes(self, rows: int, threads: int) -> int:
         """The largest scratch any of the kernels asks for `rows` rows (what the modules
-        ask of scratch_buffer)."""
+        ask of scratch_buffer, by the same functions)."""
         need = 0
         for kind, width, out, group in self.shapes:
             if kind == LINEAR_Q8:
-                need = max(need, 2 * rows * width + 4 * (rows + 8) + 4 * rows * out)
+                need = max(need, int8.scratch_bytes(rows, width, out))
             elif kind == LINEAR_BF16:
-                need = max(need, 4 * rows * width)
+                need = max(need, 4 * bf16.scratch_floats(rows, width))
             elif kind == LINEAR_INT4:
-                need = max(need, 4 * rows * (width + width // group))
+                need = max(need, 4 * int4_dense.scratch_floats(rows, width, group))
             else:
-                need = max(need, 4 * threads * 4 * width)
+                need = max(need, 4 * half.scratch_floats(rows, width, threads))
         return need
 
     def run(self, decoder: FusedDecoder, step: AttendStep, cache: PagedKVCache, x: torch.Tensor, h: torch.Tensor,
@@ -251,30 +249,25 @@ class LayerPlans:
 def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, float, list[torch.Tensor]] | None:
     """A linear module as decode_step.c's LinearPlan, the most rows its kernel takes, and
     the tensors it points into; None where it is not one of our kernels for `dtype`."""
-    from ruvllm_cli.engine.bf16 import GEMM_ROWS, Bf16Linear
-    from ruvllm_cli.engine.half import HalfLinear
-    from ruvllm_cli.engine.int8 import Int8Linear
-    from ruvllm_cli.engine.quantize import Int4Linear
-
     kind, bias = type(module), getattr(module, "bias", None)
     buffers = module._buffers
-    if kind is Int8Linear and dtype == torch.float32:
+    if kind is int8.Int8Linear and dtype == torch.float32:
         tensors = [buffers["qweight"], buffers["scales"]]
         plan = LinearPlan(LINEAR_Q8, module.out_features, module.in_features, 0, tensors[0].data_ptr(),
                           tensors[1].data_ptr(), None)
         rows: float = float("inf")   # the int8 GEMV's count is asked at each step (LayerPlans.most_rows)
-    elif kind is Bf16Linear and dtype == torch.bfloat16:
+    elif kind is bf16.Bf16Linear and dtype == torch.bfloat16:
         tensors = [buffers["weight"]]
         plan = LinearPlan(LINEAR_BF16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
-        rows = GEMM_ROWS - 1
-    elif kind is HalfLinear and dtype == torch.float32:
+        rows = bf16.GEMM_ROWS - 1
+    elif kind is half.HalfLinear and dtype == torch.float32:
         tensors = [buffers["weight16"]]
         plan = LinearPlan(LINEAR_F16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
         rows = float("inf")
     elif kind is Int4Linear and dtype == torch.bfloat16:
         packed, scales, group = buffers["qweight"], buffers["scales_and_zeros"], module.group_size
-        if packed.shape[0] % 64 or group not in (32, 64, 128) or (2 * packed.shape[1]) % group:
-            return None   # what own_linear declines
+        if not int4_dense.own_takes(packed, group):
+            return None   # own_linear declines it too
         tensors = [packed, scales]
         plan = LinearPlan(LINEAR_INT4, module.out_features, module.in_features, group, packed.data_ptr(),
                           scales.data_ptr(), None)

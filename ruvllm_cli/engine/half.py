@@ -50,6 +50,12 @@ def to_half(weight: torch.Tensor) -> torch.Tensor | None:
     return copy
 
 
+def scratch_floats(rows: int, width: int, threads: int) -> int:
+    """The room `ruvllm_f16_linear` works in: a widened block of weights a thread, none
+    for one row."""
+    return threads * 4 * width if rows > 1 else 0
+
+
 class HalfLinear(nn.Module):
     """A linear layer whose [out, in] weight is float16 and whose inputs, outputs and
     bias are float32; the product runs in ruvllm's C kernel."""
@@ -69,7 +75,7 @@ class HalfLinear(nn.Module):
         count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
-        scratch = scratch_buffer(threads * 4 * self.in_features).data_ptr() if count > 1 else None
+        scratch = scratch_buffer(scratch_floats(count, self.in_features, threads)).data_ptr() if count > 1 else None
         self._kernel.linear(rows.data_ptr(), count, self.in_features, self._buffers["weight16"].data_ptr(),
                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
                             out.data_ptr(), scratch, threads)

@@ -102,18 +102,30 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.
                           layout.block)
 
 
+def own_takes(packed: torch.Tensor, group: int) -> bool:
+    """Whether int4_gemm.c takes this packed weight's shape (blocks of 64 rows, groups of
+    32, 64 or 128 that divide K)."""
+    n, half_k = packed.shape
+    return n % 64 == 0 and group in (32, 64, 128) and (2 * half_k) % group == 0
+
+
+def scratch_floats(rows: int, k: int, group: int) -> int:
+    """The room `ruvllm_int4_linear` works in: the rows widened, and their group sums."""
+    return rows * (k + k // group)
+
+
 def own_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [M, K] bfloat16 (contiguous) times the int4 weight (+ the bfloat16 bias, added
     as torch adds it), bfloat16 [M, N], through int4_gemm.c; None where that kernel
     cannot take it (none here, another packed layout, other shapes)."""
-    n, half_k = packed.shape
-    if not own_runs() or n % 64 or group not in (32, 64, 128) or (2 * half_k) % group:
+    if not own_runs() or not own_takes(packed, group):
         return None
     kernel = int4_kernel()
     rows, k = x.shape
+    n = packed.shape[0]
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    room = scratch_buffer(rows * (k + k // group))
+    room = scratch_buffer(scratch_floats(rows, k, group))
     kernel.linear(x.data_ptr(), rows, k, packed.data_ptr(), n, scales_and_zeros.data_ptr(), group,
                   None if bias is None else bias.data_ptr(), out.data_ptr(), room.data_ptr(), torch.get_num_threads())
     return out

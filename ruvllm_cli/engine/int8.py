@@ -25,6 +25,12 @@ from ruvllm_cli.engine.quantize import bucket_rows
 BLOCK = 32   # the GEMV reads 32 codes a step: K must be a multiple
 
 
+def scratch_bytes(rows: int, width: int, out_features: int) -> int:
+    """The room `linear_few` (int8_gemm.c) works in for `rows` rows: the codes, their
+    offset copy, the row scales and the int32 sums."""
+    return 2 * rows * width + 4 * (rows + 8) + 4 * rows * out_features
+
+
 class Int8Linear(nn.Module):
     """A linear layer with int8 codes [out, in] in [-127, 127] and float32 scales [out]
     (w = code * scale); inputs and outputs in the model's dtype, sums exact in int32."""
@@ -47,7 +53,7 @@ class Int8Linear(nn.Module):
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.data_ptr()
         if count <= kernel.rows:   # our GEMV: each weight read once
-            room = scratch_buffer(2 * count * width + 4 * (count + 8) + 4 * count * self.out_features, torch.int8)
+            room = scratch_buffer(scratch_bytes(count, width, self.out_features), torch.int8)
             kernel.linear_few(rows.data_ptr(), count, width, buffers["qweight"].data_ptr(),
                               buffers["scales"].data_ptr(), self.out_features, bias, out.data_ptr(),
                               room.data_ptr(), torch.get_num_threads())
