@@ -122,24 +122,28 @@ def measure(engine: LLMEngine, streams: int, context: int, args: Any, rng: rando
             "speedup": round(ms["stock"] / ms["fused"], 3)}
 
 
+LEVELS = {"avx512bf16": 2, "avx512": 1, "avx2": 0}   # DecodeKernel.wide
+
+
 def measure_attention(engine: LLMEngine, streams: int, context: int, args: Any, rng: random.Random) -> dict[str, Any]:
-    """The fused step with the attention's AVX-512 functions and with its AVX2 ones
-    (`DecodeKernel.wide`), alternated in one process: whole steps and 'other'."""
+    """The fused step with the decode kernel's functions at each level this CPU has
+    (`DecodeKernel.wide`: AVX-512 BF16, AVX-512, AVX2), alternated in one process:
+    whole steps and 'other'."""
     kernel = engine.runner.fused.kernel
     chosen = kernel.wide
+    paths = tuple(name for name, level in LEVELS.items() if level <= chosen)
 
     def run(path: str, steps: int = args.steps) -> list[float]:
-        kernel.wide = path == "avx512"
+        kernel.wide = LEVELS[path]
         return decode_steps(engine, streams, context, steps, rng)
 
     times: dict[str, list[float]] = {}
     for zero in (True, False):
         with ZeroLinears(engine.loaded.model, engine.runner.fused) if zero else nullcontext():
-            for path in ("avx512", "avx2"):   # warm-up
+            for path in paths:   # warm-up
                 run(path, 4)
             suffix = "other" if zero else "step"
-            times.update({f"{path}_{suffix}": values
-                          for path, values in alternated(args.rounds, ("avx512", "avx2"), run).items()})
+            times.update({f"{path}_{suffix}": values for path, values in alternated(args.rounds, paths, run).items()})
     kernel.wide = chosen
     return {"streams": streams, "context": context,
             **{f"{key}_ms": round(statistics.median(values) * 1e3, 2) for key, values in times.items()}}
@@ -176,7 +180,8 @@ def main() -> None:
     parser.add_argument("--loops", action="store_true",
                         help="compare the fused step's layers in one C call with the same from Python instead")
     parser.add_argument("--attention", action="store_true",
-                        help="compare the fused step's AVX-512 attention with its AVX2 one instead")
+                        help="compare the fused step's kernels at each level this CPU has instead "
+                             "(AVX-512 with BF16, AVX-512, AVX2)")
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args()
     model_dir = script_model(args)
@@ -195,14 +200,16 @@ def main() -> None:
         extra = {"path": engine.loaded.quantization_path} if mode == "paths" else {}
         print(json.dumps({"quantization": args.quantization, "threads": args.threads, **extra, "rows": rows}, indent=2))
         return
+    levels = [name for name, level in LEVELS.items() if level <= engine.runner.fused.kernel.wide]
     title, header, line = {
         "loops": ("the fused step's layers in one C call / from Python (ms)",
                   "streams  context  C loop  Python loop  Python/C  C-loop steps",
                   "{streams:7d}  {context:7d}  {c_ms:6.2f}  {python_ms:11.2f}  {speedup:7.3f}x  {c_steps:5d} of {steps}"),
-        "attention": ("the fused step's attention, AVX-512 / AVX2 (ms)",
-                      "streams  context  other AVX-512  other AVX2  step AVX-512  step AVX2",
-                      "{streams:7d}  {context:7d}  {avx512_other_ms:12.2f}  {avx2_other_ms:10.2f}  "
-                      "{avx512_step_ms:12.2f}  {avx2_step_ms:9.2f}"),
+        "attention": ("the fused step's kernels at each level of this CPU (ms)",
+                      "streams  context" + "".join(f"  {kind + ' ' + path:>16}" for kind in ("other", "step")
+                                                   for path in levels),
+                      "{streams:7d}  {context:7d}" + "".join(f"  {{{path}_{kind}_ms:16.2f}}"
+                                                             for kind in ("other", "step") for path in levels)),
         "paths": (engine.loaded.quantization_path,
                   "streams  context  fused ms  stock ms  stock/fused  other fused  other stock",
                   "{streams:7d}  {context:7d}  {fused_ms:8.2f}  {stock_ms:8.2f}  {speedup:10.2f}x  "

@@ -86,7 +86,9 @@ def test_fused_script_runs_on_a_small_model_and_prints_json(engine_model_dir, mo
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(result.stdout)["rows"]
     assert (row["streams"], row["context"]) == (2, 20)
-    keys = {"attention": ["avx512_other_ms", "avx2_other_ms", "avx512_step_ms", "avx2_step_ms"],
+    keys = {"attention": [f"{level}_{kind}_ms" for level in ("avx512", "avx2") for kind in ("other", "step")]
+            + ([f"avx512bf16_{kind}_ms" for kind in ("other", "step")]
+               if kernels.cpu_has(kernels.AVX512_CPU_FLAGS + ("avx512_bf16",)) else []),
             "loops": ["c_ms", "python_ms"]}.get(mode, ["fused_ms", "stock_ms", "fused_other_ms", "stock_other_ms"])
     assert all(row[key] > 0 for key in keys)
     if mode == "loops":

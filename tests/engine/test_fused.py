@@ -54,14 +54,20 @@ def run(loaded, fused: bool, quantization: Quantization = Quantization.F32, **co
     return [r.token_ids for r in results], steps, engine.runner.fused_steps
 
 
-WIDE = [pytest.param(True, id="avx512", marks=pytest.mark.skipif(
-             not kernels.cpu_has(kernels.AVX512_CPU_FLAGS), reason="no AVX-512 here")),
-         pytest.param(False, id="avx2")]
+HAS_AVX512 = kernels.cpu_has(kernels.AVX512_CPU_FLAGS)
+HAS_AVX512_BF16 = kernels.cpu_has(kernels.AVX512_CPU_FLAGS + ("avx512_bf16",))
+# DecodeKernel.wide's levels this CPU has: AVX-512 with BF16 (2), AVX-512 (1), AVX2 (0)
+LEVELS = [level for level, present in ((0, True), (1, HAS_AVX512), (2, HAS_AVX512_BF16)) if present]
+
+WIDE = [pytest.param(2, id="avx512bf16", marks=pytest.mark.skipif(not HAS_AVX512_BF16, reason="no AVX-512 BF16 here")),
+        pytest.param(1, id="avx512", marks=pytest.mark.skipif(not HAS_AVX512, reason="no AVX-512 here")),
+        pytest.param(0, id="avx2")]
 
 
 @pytest.fixture(params=WIDE)
-def wide(request, monkeypatch) -> bool:
-    """The attention's and SiLU * up's AVX-512 functions, or their AVX2 ones (decode_step.c)."""
+def wide(request, monkeypatch) -> int:
+    """The attention's and SiLU * up's functions at one level (decode_step.c): AVX-512
+    with its BF16 instructions, AVX-512, or AVX2."""
     kernel = kernels.decode_kernel()
     assert kernel is not None, "the decode kernels did not build"
     monkeypatch.setattr(kernel, "wide", request.param)
@@ -72,23 +78,32 @@ def wide(request, monkeypatch) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("count", [8, 16, 1032, 16 * 4864])
 def test_silu_mul_gives_the_same_bits_in_sixteen_lanes_as_in_eight(dtype, count):
-    """Both forms take each value through the same operations (exp16 rounds as exp8), so
-    the AVX-512 one changes no result; counts that are not a multiple of 16 end in eight
-    lanes. Both are torch's silu(g) * up within float32 rounding."""
+    """Every form takes each value through the same operations (exp16 rounds as exp8,
+    the BF16 conversion instruction as the integer rounding), so the AVX-512 ones change
+    no result; counts that are not a multiple of 16 end in eight lanes. Products below
+    float32's normal range (the conversion instruction takes them for zero) and a NaN
+    keep their bits. All are torch's silu(g) * up within float32 rounding."""
     kernel = kernels.decode_kernel()
     torch.manual_seed(count)
     gate = (torch.randn(count) * 6).to(dtype)
-    gate[:4] = torch.tensor([90.0, -90.0, 0.0, float("nan")])
     up = torch.randn(count).to(dtype)
+    gate[:4] = torch.tensor([90.0, -90.0, 0.0, float("nan")])
+    if count >= 16:   # silu(-90) * up: subnormal products, in a vector of their own and among normal ones
+        gate[4:8], up[4:8] = -90.0, torch.tensor([0.01, 1e-3, 1e-4, -0.01])
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     out = {}
-    for wide in (0, 1):
+    for wide in LEVELS:
         g = gate.clone()
         kernel.silu_mul(g.data_ptr(), up.data_ptr(), count, int(dtype == torch.bfloat16), wide, 2)
         out[wide] = g
-    assert torch.equal(out[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       out[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    for wide in LEVELS[1:]:
+        assert torch.equal(out[0].view(bits), out[wide].view(bits)), wide
     expected = torch.nn.functional.silu(gate.float()) * up.float()
-    assert torch.allclose(out[1].float()[4:], expected[4:], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6)
+    assert torch.allclose(out[LEVELS[-1]].float()[4:], expected[4:], rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                          atol=1e-6)
+    if count >= 16 and dtype == torch.bfloat16:
+        assert (out[LEVELS[-1]][4:8].float().abs() < torch.finfo(torch.float32).tiny).all()
+        assert (out[LEVELS[-1]][4:8] != 0).all()
 
 
 @pytest.mark.skipif(not kernels.cpu_has(kernels.AVX512_CPU_FLAGS), reason="no AVX-512 here")
@@ -136,11 +151,16 @@ def test_fused_decode_matches_the_stock_forward_in_float32(make_tiny_model, shap
     assert max((a - b).abs().max().item() for a, b in zip(fused_steps, stock_steps)) < 1e-4
 
 
-def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_tiny_model, wide):
+@pytest.mark.parametrize("shape", [
+    {},
+    # head_dim 64: AVX-512 BF16 scores pairs of bfloat16 values by its dot product
+    {"hidden_size": 448, "num_heads": 7, "num_kv_heads": 1, "intermediate_size": 64},
+])
+def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_tiny_model, shape, wide):
     # q4k keeps bfloat16 activations on every CPU. Rounding differs (float32 scores
     # here, bfloat16 there), so greedy paths may part on a near tie: compare the first
     # decode step, where both read the same cache.
-    loaded = load_model(make_tiny_model(), "cpu", Quantization.Q4_K_M)
+    loaded = load_model(make_tiny_model(**shape), "cpu", Quantization.Q4_K_M)
     assert loaded.dtype == torch.bfloat16
     _, fused_steps, taken = run(loaded, fused=True, quantization=Quantization.Q4_K_M)
     _, stock_steps, _ = run(loaded, fused=False, quantization=Quantization.Q4_K_M)

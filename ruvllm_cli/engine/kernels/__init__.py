@@ -137,11 +137,13 @@ class DecodeKernel:
     """decode_step.c: the work between a Llama-family decode step's linear layers
     (engine/fused.py), on float32 or bfloat16 activations (the `bf16` argument).
     `wide`: the attention, RMSNorm, SiLU * up and the argmax take their AVX-512
-    functions (where the CPU has them). `decode_layers` runs every layer of a step,
+    functions (1, where the CPU has them; 2 where it has AVX-512 BF16 too: bfloat16
+    roundings by its conversion instruction, the attention's bfloat16 scores by its
+    dot product; 0: AVX2). `decode_layers` runs every layer of a step,
     calling the linear kernels itself (fused.py's LayerPlans)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.wide = cpu_has(AVX512_CPU_FLAGS)
+        self.wide = (2 if cpu_has(AVX512_CPU_FLAGS + ("avx512_bf16",)) else 1) if cpu_has(AVX512_CPU_FLAGS) else 0
         self.add_rms_norm = _bind(library.ruvllm_add_rms_norm, [_pointer] * 4 + [_size, _size, ctypes.c_float]
                                   + [ctypes.c_int] * 3)
         self.rope_attend = _bind(library.ruvllm_rope_attend, [ctypes.POINTER(AttendStep)] + [_pointer] * 5)
