@@ -158,16 +158,18 @@ class ModelRunner:
             self.lora.end_step()
 
     def _decode_batch(self, decodes: list[ScheduledChunk]) -> DecodeBatch:
-        lengths = [c.start + 1 for c in decodes]
-        width = -(-max(lengths) // self.block_size)
+        size = self.block_size
+        starts = [c.start for c in decodes]
+        last = max(starts)
+        width = last // size + 1
         tables = [c.request.block_table[:width] for c in decodes]
+        # ids, positions and slots in one tensor (a row each): one conversion, not three
+        rows = self._tensor([[c.request.all_token_ids[c.start] for c in decodes], starts,
+                             [t[p // size] * size + p % size for t, p in zip(tables, starts)]])
         return DecodeBatch(
-            input_ids=self._tensor([c.request.all_token_ids[c.start] for c in decodes]),
-            positions=self._tensor([c.start for c in decodes]).unsqueeze(0),
-            slots=self._tensor([slot for c in decodes for slot in self._slots(c.request.block_table, c.start,
-                                                                               c.start + 1)]),
+            input_ids=rows[0], positions=rows[1].unsqueeze(0), slots=rows[2],
             tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-            lengths=torch.tensor(lengths, dtype=torch.int32))
+            lengths=torch.tensor([p + 1 for p in starts], dtype=torch.int32), last_position=last)
 
     def _pack(self, ordered: Sequence[ScheduledChunk], cache: PagedKVCache
               ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
@@ -228,7 +230,7 @@ class ModelRunner:
                     rows = layer_from.index_select(1, src.to(layer_from.device))
                     layer_to.index_copy_(1, dst.to(layer_to.device), rows.to(layer_to.device))
 
-    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+    def _tensor(self, values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:

@@ -110,26 +110,53 @@ def test_silu_mul_gives_the_same_bits_in_sixteen_lanes_as_in_eight(dtype, count)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_add_rms_norm_in_sixteen_lanes_agrees_with_eight_and_with_torch(dtype, rows):
-    """The residual add gives the same bits in both forms (the same operation on each
-    value); the norm sums its squares in another order, so it agrees within rounding.
-    Both are transformers' RMSNorm (x * rsqrt(mean(x^2) + eps), held, times the weight)."""
+    """The residual add gives the same bits in every form (the same operation on each
+    value); the norm sums its squares in another order in sixteen lanes, so it agrees
+    with eight within rounding, and the BF16 conversion instruction rounds as the integer
+    way (the same bits as AVX-512 alone). All are transformers' RMSNorm (x * rsqrt(mean(x^2)
+    + eps), held, times the weight)."""
     kernel = kernels.decode_kernel()
     width, eps, bf16 = 896, 1e-6, int(dtype == torch.bfloat16)
     torch.manual_seed(rows)
     x, delta, weight = torch.randn(rows, width).to(dtype), torch.randn(rows, width).to(dtype), torch.randn(width).to(dtype)
     results = {}
-    for wide in (0, 1):
+    for wide in LEVELS:
         xs, out = x.clone(), torch.empty_like(x)
         kernel.add_rms_norm(xs.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, width, eps, bf16,
                             wide, 2)
         results[wide] = xs, out
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[1][0], x + delta)
+    assert all(torch.equal(results[wide][0], x + delta) for wide in LEVELS)
+    if 2 in LEVELS:
+        assert torch.equal(results[1][1], results[2][1])
     summed = (x + delta).float()
     expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     tolerance = {"rtol": 1e-2, "atol": 1e-2} if bf16 else {"rtol": 1e-5, "atol": 1e-6}
-    for wide in (0, 1):
+    for wide in LEVELS:
         assert torch.allclose(results[wide][1].float(), expected.float(), **tolerance)
     assert torch.allclose(results[0][1].float(), results[1][1].float(), **tolerance)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 64])
+def test_rope_table_rows_are_the_rotary_modules_own_values(make_tiny_model, head_dim):
+    """The fused step looks cos and sin up in tables the rotary module computed for every
+    position at once: each row is what the module gives for that position in a call of
+    its own, to the bit, at any batch, dtype and position (the table grows)."""
+    from ruvllm_cli.engine.fused import RopeTable
+
+    loaded = load_model(make_tiny_model(hidden_size=4 * head_dim, num_heads=4, num_kv_heads=2), "cpu", Quantization.F32)
+    rotary = loaded.model.model.rotary_emb
+    table = RopeTable(rotary)
+    assert table.tabled
+    torch.manual_seed(head_dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, 4 * head_dim, dtype=dtype)
+        for batch, top in ((1, 100), (3, 1000), (16, 3000), (2, 9000)):
+            positions = torch.randint(0, top, (1, batch))
+            positions[0, 0] = top - 1
+            expected = rotary(x, positions)
+            got = table(x, positions, int(positions.max()))
+            assert all(torch.equal(e, g) and g.is_contiguous() for e, g in zip(expected, got)), (dtype, batch)
+    assert table.tables[torch.float32][0].shape[0] == 9 * 1024   # grown past the furthest position asked, 8,999
 
 
 @pytest.mark.parametrize("shape", [

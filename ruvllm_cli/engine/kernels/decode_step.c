@@ -38,17 +38,37 @@ static void load_row(const void *src, i64 start, i64 n, int kind, float *dst) {
         for (i64 i = 0; i < n; ++i) dst[i] = bf16_load(s[i]);
 }
 
-/* n float32 values into an array of `kind` from `start`, rounded to nearest even. */
+/* Eight values as the activation dtype holds them (`held`, vectorized). */
+static inline __m256 held8(__m256 v, int bf16) {
+    if (!bf16) return v;
+    const __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), high);
+    const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* n float32 values into an array of `kind` from `start`, rounded to nearest even, eight
+ * at a time (held8's rounding, the same bits as bf16_round's; F16C's conversion). */
 static void store_row(const float *src, i64 n, int kind, void *dst, i64 start) {
     if (kind == F32) {
         memcpy((float *)dst + start, src, (size_t)n * 4);
         return;
     }
     uint16_t *d = (uint16_t *)dst + start;
-    if (kind == F16)
-        for (i64 i = 0; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-    else
-        for (i64 i = 0; i < n; ++i) d[i] = bf16_round(src[i]);
+    i64 i = 0;
+    if (kind == F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+        return;
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(held8(_mm256_loadu_ps(src + i), 1)), 16);
+        _mm_storeu_si128((__m128i *)(d + i), _mm_packus_epi32(_mm256_castsi256_si128(high),
+                                                              _mm256_extracti128_si256(high, 1)));
+    }
+    for (; i < n; ++i) d[i] = bf16_round(src[i]);
 }
 
 /* A value as the activation dtype holds it: rounded to bfloat16, or as is. */
@@ -111,16 +131,6 @@ static void add_rms_norm8(void *x, const void *delta, const void *weight, void *
         }
         free(row);
     }
-}
-
-/* Eight values as the activation dtype holds them (`held`, vectorized). */
-static inline __m256 held8(__m256 v, int bf16) {
-    if (!bf16) return v;
-    const __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), high);
-    const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
-    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
 /* transformers' x * cos + rotate_half(x) * sin for each head of one row, in place;
@@ -440,80 +450,11 @@ AVX512_OUTER void softmax16(float *p, i64 n, i64 groups) {
     }
 }
 
-/* Sixteen float32 values into an array of activations (float32, or bfloat16 already
- * held: its high half is the value). */
-AVX512 void store16(void *base, i64 at, int bf16, __m512 held) {
-    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), bf16_pack16(held));
-    else _mm512_storeu_ps((float *)base + at, held);
-}
-
-/* add_rms_norm8 in sixteen lanes, on the arrays in place (no copies of each row), for a
- * width that is a multiple of 16: the same operations on each value; the squares summed
- * in four chains (another order). */
-AVX512_OUTER void add_rms_norm16(void *x, const void *delta, const void *weight, void *out, i64 rows, i64 width,
-                                 float eps, int bf16, int threads) {
-    const int kind = bf16 ? BF16 : F32;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
-    for (i64 r = 0; r < rows; ++r) {
-        const i64 row = r * width;
-        __m512 squares[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (i64 i = 0; i < width; i += 16) {
-            __m512 v = load16(x, row + i, kind);
-            if (delta != NULL) {
-                v = _mm512_add_ps(v, load16(delta, row + i, kind));
-                if (bf16) v = bf16_held16(v);
-                store16(x, row + i, bf16, v);
-            }
-            squares[i / 16 % 4] = _mm512_fmadd_ps(v, v, squares[i / 16 % 4]);
-        }
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(squares[0], squares[1]),
-                                                             _mm512_add_ps(squares[2], squares[3])));
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)width + eps));
-        for (i64 i = 0; i < width; i += 16) {
-            __m512 v = _mm512_mul_ps(load16(x, row + i, kind), inv);
-            if (bf16) v = bf16_held16(v);
-            v = _mm512_mul_ps(load16(weight, i, kind), v);
-            store16(out, row + i, bf16, bf16 ? bf16_held16(v) : v);
-        }
-    }
-}
-
-/* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
- * transformers' order: `wide` (AVX-512) where the width is a multiple of 16, else in
- * eight lanes. */
-void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out, i64 rows, i64 width, float eps,
-                         int bf16, int wide, int threads) {
-    if (wide && width % 16 == 0) add_rms_norm16(x, delta, weight, out, rows, width, eps, bf16, threads);
-    else add_rms_norm8(x, delta, weight, out, rows, width, eps, bf16, threads);
-}
-
-/* ruvllm_silu_mul in sixteen lanes, in place on the arrays (no copies of each chunk):
- * the same operations on each value (exp16 rounds as exp8 does), so the same bits. The
- * last eight values of a count that is not a multiple of sixteen take exp8. */
-AVX512_OUTER void silu_mul16(void *gate, const void *up, i64 count, int bf16, int threads) {
-    const i64 chunk = 1024, chunks = (count + chunk - 1) / chunk;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
-    for (i64 c = 0; c < chunks; ++c) {
-        const i64 end = (c + 1) * chunk < count ? (c + 1) * chunk : count;
-        i64 i = c * chunk;
-        for (; i + 16 <= end; i += 16) {
-            const __m512 x = load16(gate, i, bf16), one = _mm512_set1_ps(1.0f);
-            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            const __m512 product = _mm512_mul_ps(bf16 ? bf16_held16(silu) : silu, load16(up, i, bf16));
-            store16(gate, i, bf16, bf16 ? bf16_held16(product) : product);
-        }
-        for (; i < end; i += 8) {
-            const __m256 x = load8(gate, i, bf16), one = _mm256_set1_ps(1.0f);
-            const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-            float product[8];
-            _mm256_storeu_ps(product, held8(_mm256_mul_ps(held8(silu, bf16), load8(up, i, bf16)), bf16));
-            store_row(product, 8, bf16, gate, i);
-        }
-    }
-}
-
 /* ---- CPUs with AVX-512 BF16 as well (`wide` 2): its conversion rounds sixteen floats to
- * bfloat16 in one instruction, and its dot product multiplies pairs of bfloat16 values. ---- */
+ * bfloat16 in one instruction, and its dot product multiplies pairs of bfloat16 values.
+ * The functions below that take a `cvt` flag are compiled with BF16 allowed but run it
+ * only where the flag is set (only these intrinsics emit its instructions), so they also
+ * serve AVX-512 CPUs without it. ---- */
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"), always_inline)) static inline
 #define AVX512_BF16_OUTER __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) static
 
@@ -525,30 +466,86 @@ AVX512_BF16 __m256i bf16_pack16_cvt(__m512 v) {
     return (__m256i)_mm512_cvtneps_pbh(v);
 }
 
-/* bf16_held16, the same bits, by the conversion above. */
-AVX512_BF16 __m512 bf16_held16_cvt(__m512 v) {
+/* bf16_held16(v): by the conversion above where `cvt` (the same bits). */
+AVX512_BF16 __m512 held16(__m512 v, int cvt) {
+    if (!cvt) return bf16_held16(v);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack16_cvt(v)), 16));
 }
 
-/* silu_mul16 on bfloat16 arrays, the roundings by the conversion instruction. */
-AVX512_BF16_OUTER void silu_mul16_bf16(void *gate, const void *up, i64 count, int threads) {
+/* Sixteen float32 values into an array of activations, rounded to bfloat16 where `bf16`
+ * (by the conversion instruction where `cvt`). */
+AVX512_BF16 void store16_rounded(void *base, i64 at, int bf16, int cvt, __m512 v) {
+    if (!bf16) _mm512_storeu_ps((float *)base + at, v);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), cvt ? bf16_pack16_cvt(v) : bf16_pack16(bf16_held16(v)));
+}
+
+/* Sixteen float32 values into an array of activations (float32, or bfloat16 already
+ * held: its high half is the value). */
+AVX512 void store16(void *base, i64 at, int bf16, __m512 held) {
+    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), bf16_pack16(held));
+    else _mm512_storeu_ps((float *)base + at, held);
+}
+
+/* add_rms_norm8 in sixteen lanes, on the arrays in place (no copies of each row), for a
+ * width that is a multiple of 16: the same operations on each value; the squares summed
+ * in four chains (another order). */
+AVX512_BF16_OUTER void add_rms_norm16(void *x, const void *delta, const void *weight, void *out, i64 rows,
+                                      i64 width, float eps, int bf16, int cvt, int threads) {
+    const int kind = bf16 ? BF16 : F32;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 4)
+    for (i64 r = 0; r < rows; ++r) {
+        const i64 row = r * width;
+        __m512 squares[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (i64 i = 0; i < width; i += 16) {
+            __m512 v = load16(x, row + i, kind);
+            if (delta != NULL) {
+                v = _mm512_add_ps(v, load16(delta, row + i, kind));
+                if (bf16) v = held16(v, cvt);
+                store16(x, row + i, bf16, v);
+            }
+            squares[i / 16 % 4] = _mm512_fmadd_ps(v, v, squares[i / 16 % 4]);
+        }
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(squares[0], squares[1]),
+                                                             _mm512_add_ps(squares[2], squares[3])));
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)width + eps));
+        for (i64 i = 0; i < width; i += 16) {
+            __m512 v = _mm512_mul_ps(load16(x, row + i, kind), inv);
+            if (bf16) v = held16(v, cvt);
+            store16_rounded(out, row + i, bf16, cvt, _mm512_mul_ps(load16(weight, i, kind), v));
+        }
+    }
+}
+
+/* x += delta (when delta is not NULL), then out = RMSNorm(x) * weight, row by row, in
+ * transformers' order: `wide` (AVX-512) where the width is a multiple of 16, else in
+ * eight lanes. */
+void ruvllm_add_rms_norm(void *x, const void *delta, const void *weight, void *out, i64 rows, i64 width, float eps,
+                         int bf16, int wide, int threads) {
+    if (wide && width % 16 == 0) add_rms_norm16(x, delta, weight, out, rows, width, eps, bf16, wide >= 2, threads);
+    else add_rms_norm8(x, delta, weight, out, rows, width, eps, bf16, threads);
+}
+
+/* ruvllm_silu_mul in sixteen lanes, in place on the arrays (no copies of each chunk):
+ * the same operations on each value (exp16 rounds as exp8 does), so the same bits. The
+ * last eight values of a count that is not a multiple of sixteen take exp8. */
+AVX512_BF16_OUTER void silu_mul16(void *gate, const void *up, i64 count, int bf16, int cvt, int threads) {
     const i64 chunk = 1024, chunks = (count + chunk - 1) / chunk;
     #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
     for (i64 c = 0; c < chunks; ++c) {
         const i64 end = (c + 1) * chunk < count ? (c + 1) * chunk : count;
         i64 i = c * chunk;
         for (; i + 16 <= end; i += 16) {
-            const __m512 x = load16(gate, i, BF16), one = _mm512_set1_ps(1.0f);
+            const __m512 x = load16(gate, i, bf16), one = _mm512_set1_ps(1.0f);
             const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            const __m512 product = _mm512_mul_ps(bf16_held16_cvt(silu), load16(up, i, BF16));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)gate + i), bf16_pack16_cvt(product));
+            const __m512 product = _mm512_mul_ps(bf16 ? held16(silu, cvt) : silu, load16(up, i, bf16));
+            store16_rounded(gate, i, bf16, cvt, product);
         }
         for (; i < end; i += 8) {
-            const __m256 x = load8(gate, i, BF16), one = _mm256_set1_ps(1.0f);
+            const __m256 x = load8(gate, i, bf16), one = _mm256_set1_ps(1.0f);
             const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
             float product[8];
-            _mm256_storeu_ps(product, held8(_mm256_mul_ps(held8(silu, 1), load8(up, i, BF16)), 1));
-            store_row(product, 8, BF16, gate, i);
+            _mm256_storeu_ps(product, held8(_mm256_mul_ps(held8(silu, bf16), load8(up, i, bf16)), bf16));
+            store_row(product, 8, bf16, gate, i);
         }
     }
 }
@@ -681,12 +678,8 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
  * transformers computes it: silu(g) = g / (1 + exp(-g)), held, times up, held.
  * `wide`: silu_mul16, on CPUs with AVX-512. */
 void ruvllm_silu_mul(void *gate, const void *up, i64 count, int bf16, int wide, int threads) {
-    if (wide >= 2 && bf16) {
-        silu_mul16_bf16(gate, up, count, threads);
-        return;
-    }
     if (wide) {
-        silu_mul16(gate, up, count, bf16, threads);
+        silu_mul16(gate, up, count, bf16, wide >= 2, threads);
         return;
     }
     const i64 chunk = 1024;   /* a one-row step's 4,864 values still split over the threads */
