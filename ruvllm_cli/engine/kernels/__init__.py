@@ -1,7 +1,7 @@
 """Small C kernels of our own, for what torch's CPU kernels do slowly here.
 
-Plain C (no torch headers), so the system's C compiler builds one in about a second
-on first use; the library is kept in the cache under a name that hashes its source
+Plain C (no torch headers), so the system's C compiler builds one in under a second to
+four (the decode step's) on first use; the library is kept in the cache under a name that hashes its source
 and flags, and loaded through ctypes. Where there is no compiler, no suitable CPU,
 or `RUVLLM_COMPILE=0`, callers get None and keep torch's kernels (docs/design.md,
 section 5a).
@@ -266,7 +266,7 @@ def cpu_has(flags: tuple[str, ...]) -> bool:
 def _build(compiler: str, source: bytes, header: bytes, path: Path, what: str, fallback: str,
            flags: tuple[str, ...]) -> bool:
     """Compile into a temporary file renamed into place: a reader never sees half a library."""
-    _say(f"building ruvllm's {what} kernel (once; about a second)")
+    _say(f"building ruvllm's {what} kernel (once; a few seconds at most)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as work:
