@@ -50,9 +50,9 @@ class RopeTable:
     """A step's cos and sin [1, B, D], rows of tables the model's rotary module computed
     itself for positions 0..n-1 in one call (a position's values are the same operations
     on the same numbers as in a call of its own; tests hold them equal), grown 1,024
-    positions at a time: the module's dozen small ATen calls cost 0.03-0.08 ms a step. Our own
-    RotaryEmbedding (native.py) only, and not longrope's, whose frequencies depend on the
-    step's furthest position; any other module is called each step."""
+    positions at a time: the module's dozen small ATen calls cost 0.03-0.08 ms a step.
+    Our own RotaryEmbedding (native.py) only, and not longrope's, whose frequencies
+    depend on the step's furthest position; any other module is called each step."""
 
     def __init__(self, rotary: nn.Module) -> None:
         self.rotary = rotary
