@@ -357,10 +357,11 @@ AVX512 void scores16(const float *qf, i64 groups, i64 dim, const void *k_cache, 
     }
 }
 
-/* out[g][d0, d0 + 16W) = sum over j of p[g][j] * (value row j), every head's sums held
- * in registers while each value row is read once. G * W <= 28. */
+/* out[g][d0, d0 + 16W) = inv[g] * sum over j of p[g][j] * (value row j), every head's
+ * sums held in registers while each value row is read once (p: the softmax's exps, inv:
+ * one over their sum). G * W <= 28. */
 AVX512 void values_block(const float *p, i64 stride, i64 length, const void *v_cache, const i64 *rows,
-                         i64 d0, int kv, float *out, i64 dim, const int G, const int W) {
+                         i64 d0, int kv, const float *inv, float *out, i64 dim, const int G, const int W) {
     __m512 acc[8][4];
     for (int g = 0; g < G; ++g)
         for (int w = 0; w < W; ++w) acc[g][w] = _mm512_setzero_ps();
@@ -373,22 +374,23 @@ AVX512 void values_block(const float *p, i64 stride, i64 length, const void *v_c
         }
     }
     for (int g = 0; g < G; ++g)
-        for (int w = 0; w < W; ++w) _mm512_storeu_ps(out + g * dim + d0 + 16 * w, acc[g][w]);
+        for (int w = 0; w < W; ++w)
+            _mm512_storeu_ps(out + g * dim + d0 + 16 * w, _mm512_mul_ps(acc[g][w], _mm512_set1_ps(inv[g])));
 }
 
 /* values_block over every head and slice: one (G, W) instance per case, so that the trip
  * counts are constants and the sums stay in registers. */
 AVX512 void values16(const float *p, i64 stride, i64 groups, i64 length, const void *v_cache, const i64 *rows,
-                     i64 dim, int kv, float *out) {
+                     i64 dim, int kv, const float *inv, float *out) {
     const i64 vectors = dim / 16;
     for (i64 g0 = 0; g0 < groups; g0 += 8) {   /* more than eight heads to a KV head: blocks of eight */
         const int G = (int)(groups - g0 < 8 ? groups - g0 : 8);
         int W = 4;   /* the widest slice of 16W values (W divides dim / 16) whose G x W sums fit */
         while (W > 1 && (vectors % W != 0 || G * W > 28)) --W;
-        const float *pg = p + g0 * stride;
+        const float *pg = p + g0 * stride, *ig = inv + g0;
         float *og = out + g0 * dim;
         for (i64 d0 = 0; d0 < dim; d0 += 16 * W) {
-#define CASE(g, w) case (g) * 8 + (w): values_block(pg, stride, length, v_cache, rows, d0, kv, og, dim, g, w); break;
+#define CASE(g, w) case (g) * 8 + (w): values_block(pg, stride, length, v_cache, rows, d0, kv, ig, og, dim, g, w); break;
             switch (G * 8 + W) {
                 CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4)
                 CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
@@ -415,9 +417,11 @@ AVX512 __m512 exp16(__m512 x) {
 
 /* softmax() over each of G rows of n scores (row g at p + g * n), n % 16 == 0 (the tail
  * padded with -inf), the rows side by side: G independent chains at each pass, and each
- * row's values taken in the same order as alone. */
-AVX512 void softmax_rows(float *p, i64 n, const int G) {
-    __m512 top[8], total[8], shift[8], inv[8];
+ * row's values taken in the same order as alone. The rows keep their exps; inv[g] is
+ * one over row g's sum, applied to the weighted sum of values instead (values_block):
+ * a pass over the scores fewer. */
+AVX512 void softmax_rows(float *p, i64 n, const int G, float *inv) {
+    __m512 top[8], total[8], shift[8];
     for (int g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY), total[g] = _mm512_setzero_ps();
     for (i64 j = 0; j < n; j += 16)
         for (int g = 0; g < G; ++g) top[g] = _mm512_max_ps(top[g], _mm512_loadu_ps(p + g * n + j));
@@ -428,24 +432,22 @@ AVX512 void softmax_rows(float *p, i64 n, const int G) {
             _mm512_storeu_ps(p + g * n + j, e);
             total[g] = _mm512_add_ps(total[g], e);
         }
-    for (int g = 0; g < G; ++g) inv[g] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total[g]));
-    for (i64 j = 0; j < n; j += 16)
-        for (int g = 0; g < G; ++g) _mm512_storeu_ps(p + g * n + j, _mm512_mul_ps(_mm512_loadu_ps(p + g * n + j), inv[g]));
+    for (int g = 0; g < G; ++g) inv[g] = 1.0f / _mm512_reduce_add_ps(total[g]);
 }
 
 /* softmax_rows over `groups` rows, eight at a time, G a constant in each instance. */
-AVX512_OUTER void softmax16(float *p, i64 n, i64 groups) {
+AVX512_OUTER void softmax16(float *p, i64 n, i64 groups, float *inv) {
     for (i64 g0 = 0; g0 < groups; g0 += 8) {
-        float *pg = p + g0 * n;
+        float *pg = p + g0 * n, *ig = inv + g0;
         switch (groups - g0 < 8 ? groups - g0 : 8) {
-            case 1: softmax_rows(pg, n, 1); break;
-            case 2: softmax_rows(pg, n, 2); break;
-            case 3: softmax_rows(pg, n, 3); break;
-            case 4: softmax_rows(pg, n, 4); break;
-            case 5: softmax_rows(pg, n, 5); break;
-            case 6: softmax_rows(pg, n, 6); break;
-            case 7: softmax_rows(pg, n, 7); break;
-            default: softmax_rows(pg, n, 8); break;
+            case 1: softmax_rows(pg, n, 1, ig); break;
+            case 2: softmax_rows(pg, n, 2, ig); break;
+            case 3: softmax_rows(pg, n, 3, ig); break;
+            case 4: softmax_rows(pg, n, 4, ig); break;
+            case 5: softmax_rows(pg, n, 5, ig); break;
+            case 6: softmax_rows(pg, n, 6, ig); break;
+            case 7: softmax_rows(pg, n, 7, ig); break;
+            default: softmax_rows(pg, n, 8, ig); break;
         }
     }
 }
@@ -620,10 +622,11 @@ AVX512_OUTER void attend16(const float *qf, const uint16_t *qb, i64 groups, i64 
     else scores16(qf, groups, dim, k_cache, rows, padded, scale, F16, scores, padded, kt);
     for (i64 g = 0; g < groups; ++g)
         for (i64 j = length; j < padded; ++j) scores[g * padded + j] = -INFINITY;
-    softmax16(scores, padded, groups);
-    if (kv == F32) values16(scores, padded, groups, length, v_cache, rows, dim, F32, out);
-    else if (kv == BF16) values16(scores, padded, groups, length, v_cache, rows, dim, BF16, out);
-    else values16(scores, padded, groups, length, v_cache, rows, dim, F16, out);
+    float inv[groups];
+    softmax16(scores, padded, groups, inv);
+    if (kv == F32) values16(scores, padded, groups, length, v_cache, rows, dim, F32, inv, out);
+    else if (kv == BF16) values16(scores, padded, groups, length, v_cache, rows, dim, BF16, inv, out);
+    else values16(scores, padded, groups, length, v_cache, rows, dim, F16, inv, out);
 }
 
 /* One query row per request over its cached tokens. q, out: [B, Hq, D]; caches
