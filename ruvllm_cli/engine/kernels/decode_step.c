@@ -314,6 +314,14 @@ AVX512 void transpose16(__m512 a[16]) {
     }
 }
 
+/* call(G) for G = min(count, 8), a constant in each instance, so that the always-inline
+ * function it names keeps its G sums in registers (its loops' trip counts constant). */
+#define BY_GROUP(count, call) \
+    switch ((count) < 8 ? (count) : 8) { \
+        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+        case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
+    }
+
 /* G heads (a constant) against one block of sixteen keys held by dimension (kt[d]: the
  * sixteen keys' values at d): two sums a head, over even and odd d. */
 AVX512 void block_scores(const float *qf, i64 dim, const float *kt, const int G, __m512 scaled, float *scores,
@@ -343,16 +351,9 @@ AVX512 void scores16(const float *qf, i64 groups, i64 dim, const void *k_cache, 
         for (i64 g0 = 0; g0 < groups; g0 += 8) {
             const float *q = qf + g0 * dim;
             float *s = scores + g0 * stride + j0;
-            switch (groups - g0 < 8 ? groups - g0 : 8) {
-                case 1: block_scores(q, dim, kt, 1, scaled, s, stride); break;
-                case 2: block_scores(q, dim, kt, 2, scaled, s, stride); break;
-                case 3: block_scores(q, dim, kt, 3, scaled, s, stride); break;
-                case 4: block_scores(q, dim, kt, 4, scaled, s, stride); break;
-                case 5: block_scores(q, dim, kt, 5, scaled, s, stride); break;
-                case 6: block_scores(q, dim, kt, 6, scaled, s, stride); break;
-                case 7: block_scores(q, dim, kt, 7, scaled, s, stride); break;
-                default: block_scores(q, dim, kt, 8, scaled, s, stride); break;
-            }
+#define SCORES(G) block_scores(q, dim, kt, G, scaled, s, stride)
+            BY_GROUP(groups - g0, SCORES)
+#undef SCORES
         }
     }
 }
@@ -439,16 +440,9 @@ AVX512 void softmax_rows(float *p, i64 n, const int G, float *inv) {
 AVX512_OUTER void softmax16(float *p, i64 n, i64 groups, float *inv) {
     for (i64 g0 = 0; g0 < groups; g0 += 8) {
         float *pg = p + g0 * n, *ig = inv + g0;
-        switch (groups - g0 < 8 ? groups - g0 : 8) {
-            case 1: softmax_rows(pg, n, 1, ig); break;
-            case 2: softmax_rows(pg, n, 2, ig); break;
-            case 3: softmax_rows(pg, n, 3, ig); break;
-            case 4: softmax_rows(pg, n, 4, ig); break;
-            case 5: softmax_rows(pg, n, 5, ig); break;
-            case 6: softmax_rows(pg, n, 6, ig); break;
-            case 7: softmax_rows(pg, n, 7, ig); break;
-            default: softmax_rows(pg, n, 8, ig); break;
-        }
+#define SOFTMAX(G) softmax_rows(pg, n, G, ig)
+        BY_GROUP(groups - g0, SOFTMAX)
+#undef SOFTMAX
     }
 }
 
@@ -596,16 +590,9 @@ AVX512_BF16_OUTER void scores16_dot(const uint16_t *qb, i64 groups, i64 dim, con
         for (i64 g0 = 0; g0 < groups; g0 += 8) {
             const uint32_t *q = qp + g0 * pairs;
             float *s = scores + g0 * stride + j0;
-            switch (groups - g0 < 8 ? groups - g0 : 8) {
-                case 1: block_scores_dot(q, pairs, kt, 1, scaled, s, stride); break;
-                case 2: block_scores_dot(q, pairs, kt, 2, scaled, s, stride); break;
-                case 3: block_scores_dot(q, pairs, kt, 3, scaled, s, stride); break;
-                case 4: block_scores_dot(q, pairs, kt, 4, scaled, s, stride); break;
-                case 5: block_scores_dot(q, pairs, kt, 5, scaled, s, stride); break;
-                case 6: block_scores_dot(q, pairs, kt, 6, scaled, s, stride); break;
-                case 7: block_scores_dot(q, pairs, kt, 7, scaled, s, stride); break;
-                default: block_scores_dot(q, pairs, kt, 8, scaled, s, stride); break;
-            }
+#define SCORES(G) block_scores_dot(q, pairs, kt, G, scaled, s, stride)
+            BY_GROUP(groups - g0, SCORES)
+#undef SCORES
         }
     }
 }
