@@ -116,9 +116,12 @@ static int quad(const uint16_t *w, int64_t N, int64_t K, int64_t n, const uint16
     return valid;
 }
 
-/* Activation rows m..m+R-1 of xf (R = 1..4), the last repeated to fill four. */
+/* How many of the four activation rows from m exist (1..4). */
+static inline int group_rows(int64_t M, int64_t m) { return M - m < 4 ? (int)(M - m) : 4; }
+
+/* Activation rows m..m+R-1 of xf (R = group_rows), the first repeated to fill four. */
 static inline int group(const float *xf, int64_t M, int64_t K, int64_t m, const float **xs) {
-    const int R = M - m < 4 ? (int)(M - m) : 4;
+    const int R = group_rows(M, m);
     for (int r = 0; r < 4; ++r) xs[r] = xf + (m + (r < R ? r : 0)) * K;
     return R;
 }
@@ -170,7 +173,7 @@ static void quad_blocked(const float *xf, int64_t M, int64_t K, const uint16_t *
     for (int64_t g = 0; g < groups; ++g) {
         float sums[16];
         reduce16(acc[g], sums);
-        store(sums, 4 * g, M - 4 * g < 4 ? (int)(M - 4 * g) : 4, n, valid, N, bias, out);
+        store(sums, 4 * g, group_rows(M, 4 * g), n, valid, N, bias, out);
     }
 }
 
