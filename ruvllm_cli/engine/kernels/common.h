@@ -42,6 +42,14 @@ RUVLLM_AVX512_INLINE __m256i bf16_pack16(__m512 held) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(held), 16));
 }
 
+/* call(G) for G = min(count, 8), a constant in each instance, so that the always-inline
+ * function it names keeps its G rows' sums in registers (its loops' trip counts constant). */
+#define BY_GROUP(count, call) \
+    switch ((count) < 8 ? (count) : 8) { \
+        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+        case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
+    }
+
 /* The sum of eight float32 lanes. */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -314,14 +314,6 @@ AVX512 void transpose16(__m512 a[16]) {
     }
 }
 
-/* call(G) for G = min(count, 8), a constant in each instance, so that the always-inline
- * function it names keeps its G sums in registers (its loops' trip counts constant). */
-#define BY_GROUP(count, call) \
-    switch ((count) < 8 ? (count) : 8) { \
-        case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
-        case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
-    }
-
 /* G heads (a constant) against one block of sixteen keys held by dimension (kt[d]: the
  * sixteen keys' values at d): two sums a head, over even and odd d. */
 AVX512 void block_scores(const float *qf, i64 dim, const float *kt, const int G, __m512 scaled, float *scores,
@@ -647,7 +639,7 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
                 if (++offset == block_size) offset = 0, ++block;
             }
             for (i64 j = length; j < padded; ++j) rows[j] = rows[0];
-            load_row(q, at, groups * dim, bf16, qf);
+            if (!dot) load_row(q, at, groups * dim, bf16, qf);   /* scores16_dot reads q as it is */
             if (wide)
                 attend16(qf, dot ? (const uint16_t *)q + at : NULL, groups, dim, k_cache, v_cache, rows, length, scale,
                          kv, scores, acc, kt);

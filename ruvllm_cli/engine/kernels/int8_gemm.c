@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "common.h"
+
 #define QK 32          /* bytes of a weight row per step: K must be a multiple */
 /* Software prefetch distance along a weight row (a thread's rows are contiguous, so it
  * runs on into the next ones): without it one decode step's int8 layers read 12.7 GB/s
@@ -259,16 +261,9 @@ WIDE static void q8_pair_groups(const uint8_t *xu, int64_t M, int64_t K, const i
     for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
         const uint8_t *x = xu + m0 * K;
         const int G = (int)(M - m0 < GROUP ? M - m0 : GROUP);
-        switch (G) {   /* a constant group: the sums stay in registers */
-            case 1: dot_pair_group(x, 1, K, w0, w1, d0, d1); break;
-            case 2: dot_pair_group(x, 2, K, w0, w1, d0, d1); break;
-            case 3: dot_pair_group(x, 3, K, w0, w1, d0, d1); break;
-            case 4: dot_pair_group(x, 4, K, w0, w1, d0, d1); break;
-            case 5: dot_pair_group(x, 5, K, w0, w1, d0, d1); break;
-            case 6: dot_pair_group(x, 6, K, w0, w1, d0, d1); break;
-            case 7: dot_pair_group(x, 7, K, w0, w1, d0, d1); break;
-            default: dot_pair_group(x, 8, K, w0, w1, d0, d1); break;
-        }
+#define DOTS(g) dot_pair_group(x, g, K, w0, w1, d0, d1)
+        BY_GROUP(G, DOTS)   /* GROUP is 8: a constant group, the sums in registers */
+#undef DOTS
         for (int g = 0; g < G; ++g) {
             sums[(m0 + g) * N + n] = d0[g] - c0;
             sums[(m0 + g) * N + n1] = d1[g] - c1;
