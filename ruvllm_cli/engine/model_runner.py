@@ -165,7 +165,7 @@ class ModelRunner:
         tables = [c.request.block_table[:width] for c in decodes]
         # ids, positions and slots in one tensor (a row each): one conversion, not three
         rows = self._tensor([[c.request.all_token_ids[c.start] for c in decodes], starts,
-                             [t[p // size] * size + p % size for t, p in zip(tables, starts)]])
+                             [self._slots(t, p, p + 1)[0] for t, p in zip(tables, starts)]])
         return DecodeBatch(
             input_ids=rows[0], positions=rows[1].unsqueeze(0), slots=rows[2],
             tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),

@@ -2,9 +2,9 @@
 
 Plain C (no torch headers), so the system's C compiler builds one in under a second
 to four (the decode step's) on first use; the library is kept in the cache under a
-name that hashes its source and flags, and loaded through ctypes. Where there is no compiler, no suitable CPU,
-or `RUVLLM_COMPILE=0`, callers get None and keep torch's kernels (docs/design.md,
-section 5a).
+name that hashes its source and flags, and loaded through ctypes. Where there is no
+compiler, no suitable CPU, or `RUVLLM_COMPILE=0`, callers get None and keep torch's
+kernels (docs/design.md, section 5a).
 """
 
 from __future__ import annotations
