@@ -208,7 +208,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     waiting_for = "the replicas" if options["cluster"] else "the model"
     out.info(f"[dim]Listening on {escape(server.url)}; loading {waiting_for} (/health answers 503 until it is "
              "ready)[/dim]")
-    pending = Pending()
+    pending = Pending(connected=take_back_signals(stop.set))
     try:
         backend = await until_stopped(in_daemon_thread(lambda: load(app, options, pending)), stop)
     except BaseException:
@@ -305,6 +305,15 @@ def install_signal_handlers(handler: Callable[[], None]) -> None:
             loop.add_signal_handler(sig, handler)
         except (NotImplementedError, RuntimeError):  # pragma: no cover - Windows
             signal.signal(sig, lambda *_: loop.call_soon_threadsafe(handler))
+
+
+def take_back_signals(handler: Callable[[], None]) -> Callable[[], None]:
+    """A callable for another thread that installs `handler` again on this event loop.
+    Ray's driver, as it connects, puts abseil's failure handler on SIGTERM: it prints a
+    stack dump, then arms a 3-second alarm that aborts the process (SIGABRT), cutting
+    a graceful stop short. Called once Ray is up, it gives SIGTERM back to the server."""
+    loop = asyncio.get_running_loop()
+    return lambda: loop.call_soon_threadsafe(install_signal_handlers, handler)
 
 
 def end_now(server: Any, out: Any) -> None:

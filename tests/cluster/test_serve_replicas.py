@@ -57,7 +57,9 @@ def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     assert process.returncode == 0, stderr
     assert stdout == ""
     assert "Replicas    2 x (1 CPU thread) on a local Ray cluster (127.0.0.1); prefix-aware routing" in stderr
-    assert "Traceback" not in stderr
+    # Ray's driver puts abseil's failure handler on SIGTERM (a stack dump, then SIGABRT 3 s
+    # later, whatever the drain still had to do); the server takes SIGTERM back.
+    assert "Traceback" not in stderr and "SIGTERM received" not in stderr
 
 
 def test_the_openai_sdk_through_the_router(replicas: Replicas):
@@ -174,6 +176,10 @@ def wait_all_placed(replicas: Replicas, count: int) -> list[dict[str, Any]]:
     raise AssertionError("the requests never all reached a replica")
 
 
+def replaced(health: dict[str, Any], victim: str) -> bool:
+    return health["replica_states"] == {"RUNNING": 2} and victim not in {r["replica_id"] for r in health["replicas"]}
+
+
 @pytest.mark.slow
 def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(replicas: Replicas):
     results: dict[int, Any] = {}
@@ -195,10 +201,11 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(replicas: R
     assert len(results) == 6 and len(failed) == victim["in_flight"], results
     assert set(failed.values()) <= {(503, "replica_unavailable"), ("event", "replica_unavailable")}
     assert all(r == ("ok", 600) for i, r in results.items() if i not in failed)
-    while replicas.health()["replica_states"] != {"RUNNING": 2}:
+    # Replaced: two running again, the killed one not among them (Serve may still list it as
+    # running for a moment after the kill, before its controller has noticed).
+    while not replaced(replicas.health(), victim["replica_id"]):
         assert time.monotonic() - killed < 60, replicas.health()
         time.sleep(0.5)
-    assert victim["replica_id"] not in {r["replica_id"] for r in replicas.health()["replicas"]}
     after = replicas.client.completions.create(model="tiny", prompt="back again", max_tokens=4,
                                               extra_body={"ignore_eos": True})
     assert after.usage.completion_tokens == 4
