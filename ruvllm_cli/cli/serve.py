@@ -208,7 +208,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     waiting_for = "the replicas" if options["cluster"] else "the model"
     out.info(f"[dim]Listening on {escape(server.url)}; loading {waiting_for} (/health answers 503 until it is "
              "ready)[/dim]")
-    pending = Pending(connected=take_back_signals(stop.set))
+    pending = Pending(on_connected=take_back_signals(stop.set))
     try:
         backend = await until_stopped(in_daemon_thread(lambda: load(app, options, pending)), stop)
     except BaseException:

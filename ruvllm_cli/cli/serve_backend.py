@@ -108,10 +108,10 @@ class ClusterBackend:
 @dataclass
 class Pending:
     """A cluster started while the model loads, so a stop before it is ready ends it too;
-    `connected` is called (in the loading thread) once Ray is up."""
+    `on_connected` is called (in the loading thread) once Ray is up."""
 
     clusters: list["Cluster"] = field(default_factory=list)
-    connected: Callable[[], None] = lambda: None
+    on_connected: Callable[[], None] = lambda: None
 
     def stop(self) -> None:
         while self.clusters:
@@ -133,7 +133,7 @@ def load_cluster(app: AppContext, options: dict[str, Any], cluster_options: "Clu
     cluster = Cluster(cluster_options, app_name, app.verbose)
     pending.clusters.append(cluster)
     cluster.connect()
-    pending.connected()
+    pending.on_connected()
     spec = ReplicaSpec(options["model"], str(app.cache_dir), engine_options(options),
                        tuple((name, str(path)) for name, path in options["adapters"]),
                        cluster_options.threads_per_replica, app.verbose)

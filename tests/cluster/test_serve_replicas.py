@@ -201,8 +201,9 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(replicas: R
     assert len(results) == 6 and len(failed) == victim["in_flight"], results
     assert set(failed.values()) <= {(503, "replica_unavailable"), ("event", "replica_unavailable")}
     assert all(r == ("ok", 600) for i, r in results.items() if i not in failed)
-    # Replaced: two running again, the killed one not among them (Serve may still list it as
-    # running for a moment after the kill, before its controller has noticed).
+    # Replaced: two running again, the killed one not among them (the front door reads
+    # Serve's states once a second, and Serve's controller notices a death after Ray does:
+    # just after the kill /health may still show the victim running beside the other).
     while not replaced(replicas.health(), victim["replica_id"]):
         assert time.monotonic() - killed < 60, replicas.health()
         time.sleep(0.5)
