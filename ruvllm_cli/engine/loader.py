@@ -270,8 +270,8 @@ def load_model(path: str | Path, device: str = "auto",
     if streamed is not None:
         model, quant_path = streamed
     else:
-        model = _from_pretrained(path, source, dtype, extra)
-        quant_path = _quantize_loaded(model, quantization, target, bool(extra))
+        model = _from_pretrained(path, source, _build_dtype(config, target, dtype, quantization), extra)
+        quant_path = _quantize_loaded(model, quantization, target, bool(extra), dtype)
     if path.suffix == ".gguf" and streamed is None:
         quant_path = (f"GGUF {path.name} through transformers ({not_streamed}), which dequantizes the whole "
                       f"file, then {quant_path}")
@@ -304,14 +304,28 @@ def _gguf_streams(layout: GGUFLayout) -> bool:
     return gguf_plan.unstreamable(layout) is None and os.environ.get(STREAM_ENV, "1") != "0"
 
 
-def _quantize_loaded(model: Any, quantization: Quantization, target: torch.device, bitsandbytes: bool) -> str:
-    """transformers' path: the loaded model moved and quantized in place."""
+def _build_dtype(config: dict[str, Any] | None, target: torch.device, dtype: torch.dtype,
+                 quantization: Quantization) -> torch.dtype:
+    """The dtype transformers' path builds the whole model in. q8 on a CPU (float32
+    activations) keeps a 16-bit checkpoint's own dtype: `quantize_model` widens each
+    weight as it quantizes it (exactly: the values the streamed loader reads), which
+    halves that path's peak; everything else is built in `dtype`."""
+    if config is not None and target.type == "cpu" and quantization is Quantization.Q8_0 and \
+            dtype == torch.float32 and _config_dtype(config) in (torch.bfloat16, torch.float16):
+        return _config_dtype(config)
+    return dtype
+
+
+def _quantize_loaded(model: Any, quantization: Quantization, target: torch.device, bitsandbytes: bool,
+                     dtype: torch.dtype) -> str:
+    """transformers' path: the loaded model moved and quantized in place, its
+    activations in `dtype`."""
     from ruvllm_cli.engine.quantize import quantize_model
 
     if not bitsandbytes:
         model.to(target)
     model.eval()
-    quant_path = quantize_model(model, quantization, target)
+    quant_path = quantize_model(model, quantization, target, dtype)
     if target.type == "cpu":
         # After quantizing: packed and quantized layers are already fresh copies, so
         # only what is left (embeddings, norms, biases, unpacked layers) is copied.

@@ -720,20 +720,32 @@ def _replace_linears(module: nn.Module, plan: WeightPlan, skip: nn.Module | None
         if child is skip:
             continue
         if isinstance(child, nn.Linear):
-            bias = None if child.bias is None else child.bias.detach()
-            replacement = plan.linear(child.weight.detach(), bias)
+            bias = None if child.bias is None else _widened(child.bias, plan.dtype)
+            replacement = plan.linear(_widened(child.weight, plan.read_dtype(plan.dtype)), bias)
             if replacement is not None:
                 setattr(module, name, replacement)
         else:
             _replace_linears(child, plan, skip)
 
 
+def _widened(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` as the plan reads it: in `dtype` (None: as it is)."""
+    tensor = tensor.detach()
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
 @torch.no_grad()
-def quantize_model(model: nn.Module, quantization: Quantization, device: torch.device) -> str:
-    """Quantize `model` in place (CPU paths); returns a one-line description of the path."""
+def quantize_model(model: nn.Module, quantization: Quantization, device: torch.device,
+                   dtype: torch.dtype | None = None) -> str:
+    """Quantize `model` in place (CPU paths); returns a one-line description of the path.
+
+    `dtype` is the activations' (default: the model's). A model built in a narrower
+    dtype (loader._build_dtype) has each weight widened as it is replaced, and what no
+    plan replaces (norms, biases kept as they are) widened after."""
     if device.type != "cpu" and quantization in (Quantization.Q8_0, Quantization.Q4_K_M):
         return "bitsandbytes " + ("8-bit" if quantization is Quantization.Q8_0 else "4-bit NF4")
-    dtype = next(model.parameters()).dtype
+    built = next(model.parameters()).dtype
+    dtype = dtype or built
     if device.type != "cpu":
         return f"{str(dtype).replace('torch.', '')} weights, no quantization"
     plan = WeightPlan(quantization, dtype, model.config.hidden_size)
@@ -742,12 +754,18 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
     if plan.unties_head:
         model.config.tie_word_embeddings = False
     _replace_linears(model, plan, skip=head if tied else None)
+    # Widened once: a tied head and its embedding must see the same tensor to share a table.
+    table = _widened(embeddings.weight, plan.read_dtype(dtype))
     if tied:   # built last, as the streamed loader builds it: the embedding may share it
-        weight = head.weight.detach()
-        replacement = plan.tied_head(weight) if head.bias is None else plan.linear(weight, head.bias.detach())
+        replacement = plan.tied_head(table) if head.bias is None else \
+            plan.linear(table, _widened(head.bias, dtype))
         if replacement is not None:
             model.set_output_embeddings(replacement)
-    replacement = plan.embedding(embeddings.weight.detach(), embeddings.padding_idx)
+    replacement = plan.embedding(table, embeddings.padding_idx)
     if replacement is not None:
         model.set_input_embeddings(replacement)
+    if built != dtype:
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.dtype == built:
+                tensor.data = tensor.data.to(dtype)
     return plan.describe()

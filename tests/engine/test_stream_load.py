@@ -23,6 +23,8 @@ VARIANTS = {
     "tied-float32": dict(hidden_size=128, num_layers=2, intermediate_size=256),
     "untied-bias-bf16": dict(hidden_size=128, num_layers=2, intermediate_size=256,
                              tie_word_embeddings=False, attention_bias=True, dtype="bfloat16"),
+    # transformers' path builds q8 in bfloat16 here and widens as it quantizes (loader._build_dtype)
+    "tied-bf16": dict(hidden_size=128, num_layers=2, intermediate_size=256, dtype="bfloat16"),
 }
 
 
