@@ -75,7 +75,8 @@ class HalfLinear(nn.Module):
         count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
-        scratch = scratch_buffer(scratch_floats(count, self.in_features, threads)).data_ptr() if count > 1 else None
+        room = scratch_floats(count, self.in_features, threads)
+        scratch = scratch_buffer(room).data_ptr() if room else None   # one row: the kernel takes none
         self._kernel.linear(rows.data_ptr(), count, self.in_features, self._buffers["weight16"].data_ptr(),
                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
                             out.data_ptr(), scratch, threads)
