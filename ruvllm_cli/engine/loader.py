@@ -124,9 +124,12 @@ ORDER = (Quantization.F32, Quantization.F16, Quantization.Q8_0, Quantization.Q4_
 
 
 def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.device,
-                  quantization: Quantization, layout: GGUFLayout | None = None) -> int:
+                  quantization: Quantization, layout: GGUFLayout | None = None,
+                  streamed: bool | None = None) -> int:
     """Bytes of memory the loaded weights take at the load's peak, from the files'
-    sizes and config.json alone (nothing is read)."""
+    sizes and config.json alone (nothing is read). `streamed`: whether the checkpoint
+    loads tensor by tensor (stream_load) or through transformers; None: as
+    RUVLLM_STREAM_LOAD says (the loader checks again once it knows)."""
     dtype = dtype_for(quantization, device)
     if config is None:
         return _gguf_memory(path, device, dtype, quantization, layout)
@@ -149,13 +152,31 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
         # table. Norms take the activations' dtype; q8 counts a float32 scale per
         # output row in our kernel, fbgemm's scale and zero point (16 bytes) in its.
         quantized = weights - embedding - norms
-        needed = quantized * linear + embedding * table + head_copy * linear + norms * dtype.itemsize
+        loaded = quantized * linear + embedding * table + head_copy * linear + norms * dtype.itemsize
         if quantization is Quantization.Q8_0:
-            needed += rows * (4 if plan.own_int8 else 16)
-        return int(needed)
-    if quantization is Quantization.F16 and dtype == torch.float32:
-        return weights * 2   # float16 weights; a tied head shares the embedding's copy (engine/half.py)
-    return (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
+            loaded += rows * (4 if plan.own_int8 else 16)
+    elif quantization is Quantization.F16 and dtype == torch.float32:
+        loaded = weights * 2   # float16 weights; a tied head shares the embedding's copy (engine/half.py)
+    else:
+        loaded = (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
+    if streamed is None:
+        streamed = os.environ.get(STREAM_ENV, "1") != "0"
+    if streamed:
+        return int(loaded)
+    # transformers' path (design section 9, "transformers' path"): the whole model as
+    # built beside what quantizing makes of it. Built in the file's dtype, its weights
+    # are the file's mapped pages, all resident by the end; converted, a copy, made
+    # while the file is mapped. One embedding table more: q8 widens it whole to
+    # quantize it, f16 and none copy it out of the mapping; q4k quantizes it from there.
+    build = _build_dtype(config, device, dtype, quantization)
+    if build == file_dtype:
+        built, held = 0, on_disk
+    else:
+        held = weights * build.itemsize
+        built = on_disk + held
+    widens = quantization is Quantization.Q8_0 and build != dtype
+    copies = quantization in (Quantization.F16, Quantization.F32) and build == file_dtype
+    return int(max(built, held + loaded + (embedding * dtype.itemsize if widens or copies else 0)))
 
 
 def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantization: Quantization,
@@ -185,25 +206,32 @@ def free_memory(device: torch.device) -> int:
 
 
 def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device,
-                  quantization: Quantization, layout: GGUFLayout | None = None) -> None:
+                  quantization: Quantization, layout: GGUFLayout | None = None,
+                  not_streamed: str | None = None) -> None:
     """Refuse early, with a clear message, a model that cannot fit, naming the
-    quantization that would."""
-    needed = memory_needed(path, config, device, quantization, layout)
+    quantization that would. `not_streamed`: why a checkpoint the first check took
+    for streamed goes through transformers instead (a second check, still before
+    any weight is read)."""
+    streamed = None if not_streamed is None else False
+    needed = memory_needed(path, config, device, quantization, layout, streamed)
     if not needed:
         return
     free = free_memory(device)
     if needed <= free:
         return
     smaller = ORDER[ORDER.index(quantization) + 1:] if quantization in ORDER else ()
-    fits = next(((q, n) for q in smaller if (n := memory_needed(path, config, device, q, layout)) <= free), None)
+    fits = next(((q, n) for q in smaller
+                 if (n := memory_needed(path, config, device, q, layout, streamed)) <= free), None)
     if fits is not None:
         hint = f"--quantization {fits[0].value} needs about {fits[1] / 2**30:.1f} GiB: try it"
     elif smaller:
-        least = memory_needed(path, config, device, smaller[-1], layout)
+        least = memory_needed(path, config, device, smaller[-1], layout, streamed)
         hint = f"even --quantization {smaller[-1].value} needs about {least / 2**30:.1f} GiB: try a smaller model"
     else:
         hint = "try a smaller model"
-    raise ModelLoadError(f"not enough memory: the weights need about {needed / 2**30:.1f} GiB, "
+    how = "" if not_streamed is None else \
+        f" (it loads through transformers, which holds the whole checkpoint meanwhile: {not_streamed})"
+    raise ModelLoadError(f"not enough memory: the weights need about {needed / 2**30:.1f} GiB{how}, "
                          f"{free / 2**30:.1f} GiB is free on {device.type}", hint)
 
 
@@ -270,6 +298,8 @@ def load_model(path: str | Path, device: str = "auto",
     if streamed is not None:
         model, quant_path = streamed
     else:
+        if config is not None and target.type == "cpu" and os.environ.get(STREAM_ENV, "1") != "0":
+            _check_memory(path, config, target, quantization, not_streamed=not_streamed)
         model = _from_pretrained(path, source, _build_dtype(config, target, dtype, quantization), extra)
         quant_path = _quantize_loaded(model, quantization, target, bool(extra), dtype)
     if path.suffix == ".gguf" and streamed is None:

@@ -128,3 +128,74 @@ def test_memory_needed_is_the_weights_in_our_dtype_plus_a_tied_heads_packed_copy
         load_model(engine_model_dir, "cpu", Q.F32)
     # q8 quantizes the head instead of packing a full-precision copy: it fits.
     assert load_model(engine_model_dir, "cpu", Q.Q8_0).quantization is Q.Q8_0
+
+
+def _unstreamable(make_tiny_model, tmp_path: Path) -> Path:
+    """A bfloat16 checkpoint with a tensor the model lacks: transformers' path loads it
+    (and drops the extra), the streamed loader does not (its names must match)."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(make_tiny_model(**WIDE, dtype="bfloat16"), tmp_path / "extra")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.unused_extra.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_transformers_peak_is_the_checkpoint_beside_the_quantized_model(make_tiny_model, tmp_path):
+    from ruvllm_cli.engine.loader import memory_needed
+
+    path = _unstreamable(make_tiny_model, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    cpu = torch.device("cpu")
+    table = config["vocab_size"] * config["hidden_size"]
+    on_disk = weights_on_disk(path)
+    extra = {q: memory_needed(path, config, cpu, q, streamed=False) - memory_needed(path, config, cpu, q, streamed=True)
+             for q in (Q.Q8_0, Q.Q4_K_M)}
+    # q8's float32 activations: its bfloat16 table is widened whole before it is quantized.
+    assert extra == {Q.Q8_0: on_disk + table * 4, Q.Q4_K_M: on_disk}
+
+
+def test_a_checkpoint_that_does_not_stream_is_checked_again_before_transformers_reads_it(
+        make_tiny_model, tmp_path, monkeypatch):
+    import psutil
+
+    from ruvllm_cli.engine import loader
+
+    path = _unstreamable(make_tiny_model, tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    cpu = torch.device("cpu")
+    streamed = loader.memory_needed(path, config, cpu, Q.Q8_0, streamed=True)
+    through = {q: loader.memory_needed(path, config, cpu, q, streamed=False) for q in (Q.Q8_0, Q.Q4_K_M)}
+    assert through[Q.Q4_K_M] < through[Q.Q8_0]
+    free = {"bytes": through[Q.Q4_K_M] + 1}     # the streamed figure fits, transformers' q8 does not
+    assert streamed < free["bytes"]
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=free["bytes"]))
+    real = loader._from_pretrained
+    monkeypatch.setattr(loader, "_from_pretrained", lambda *a, **k: pytest.fail("weights read before the check"))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(path, "cpu", Q.Q8_0, use_cache=False)
+    assert re.fullmatch(r"not enough memory: the weights need about \d+\.\d GiB \(it loads through transformers, "
+                        r"which holds the whole checkpoint meanwhile: checkpoint names differ .*\), "
+                        r"\d+\.\d GiB is free on cpu", error.value.message)
+    assert re.fullmatch(r"--quantization q4k needs about \d+\.\d GiB: try it", error.value.hint)
+    # With room for transformers' peak it loads that way.
+    monkeypatch.setattr(loader, "_from_pretrained", real)
+    free["bytes"] = through[Q.Q8_0] + 1
+    loaded = load_model(path, "cpu", Q.Q8_0, use_cache=False)
+    assert not loaded.streamed and loaded.quantization is Q.Q8_0
+
+
+def test_with_streaming_off_the_first_check_uses_transformers_peak(make_tiny_model, monkeypatch):
+    import psutil
+
+    from ruvllm_cli.engine import loader
+
+    path = make_tiny_model(**WIDE, dtype="bfloat16")
+    config = json.loads((path / "config.json").read_text())
+    through = loader.memory_needed(path, config, torch.device("cpu"), Q.Q8_0, streamed=False)
+    monkeypatch.setenv(loader.STREAM_ENV, "0")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(available=through - 1))
+    monkeypatch.setattr(loader, "_tokenizer", lambda *a, **k: pytest.fail("read before the check"))
+    with pytest.raises(ModelLoadError, match=r"^not enough memory: the weights need about .* GiB, "):
+        load_model(path, "cpu", Q.Q8_0, use_cache=False)
