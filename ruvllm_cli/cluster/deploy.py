@@ -80,6 +80,9 @@ def import_ray(options: ClusterOptions) -> None:
         # the loopback interface only (a local cluster has no other node to talk to).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Token authentication, as Ray 2.60 turns on for a new local cluster anyway;
+        # named, so it does not warn at every start that it did so.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
         import ray.serve  # noqa: F401
     except ImportError as error:
@@ -92,6 +95,8 @@ def connect(options: ClusterOptions, verbose: bool) -> None:
     import ray
 
     level = logging.INFO if verbose else logging.WARNING
+    if not verbose:
+        quiet_logs("ray")
     if options.ray_address is None:
         cpus = max(os.cpu_count() or 1, options.max_replicas * options.threads_per_replica)
         ray.init(address="local", include_dashboard=False, num_cpus=cpus, logging_level=level,
@@ -102,6 +107,26 @@ def connect(options: ClusterOptions, verbose: bool) -> None:
     except (ConnectionError, ValueError) as error:
         raise RuvllmError(f"cannot join the Ray cluster at {options.ray_address}: {error}",
                           "start one with `ray start --head`, or leave out --ray-address") from error
+
+
+class StartNoiseFilter(logging.Filter):
+    """Without --verbose, what Ray says at start that asks nothing of the user: Serve's
+    progress lines (INFO: "Started Serve", "Connecting to existing Serve app ... New
+    http_options/controller_options will not be applied", a router object's repr)
+    and the SIGTERM handler `ray.init` cannot set from the thread that hosts the
+    cluster (serve puts its own back once Ray is up: serve.take_back_signals)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING and \
+            not record.getMessage().startswith("SIGTERM handler is not set because current thread")
+
+
+def quiet_logs(logger_name: str) -> None:
+    """StartNoiseFilter on the handlers of Ray's logger `logger_name` (its records
+    and its children's pass them)."""
+    for handler in logging.getLogger(logger_name).handlers:
+        if not any(isinstance(f, StartNoiseFilter) for f in handler.filters):
+            handler.addFilter(StartNoiseFilter())
 
 
 class QueuedRequestsFilter(logging.Filter):
@@ -135,7 +160,8 @@ def deployment_options(options: ClusterOptions, block_size: int) -> dict[str, An
 
 
 def deploy(options: ClusterOptions, spec: ReplicaSpec, app_name: str) -> Any:
-    """Deploy the replicas and wait until they are running; the RayEngineClient."""
+    """Deploy the replicas and wait until they are running; the RayEngineClient.
+    Serve's progress lines show with --verbose (`spec.verbose`) only."""
     from ray import serve
 
     from ruvllm_cli.cluster.client import RayEngineClient
@@ -143,6 +169,8 @@ def deploy(options: ClusterOptions, spec: ReplicaSpec, app_name: str) -> Any:
     from ruvllm_cli.cluster.replica import EngineReplica
     from ruvllm_cli.engine.config import EngineConfig
 
+    if not spec.verbose:
+        quiet_logs("ray.serve")
     serve.start(proxy_location="Disabled")
     logging.getLogger("ray.serve").addFilter(QueuedRequestsFilter())
     block_size = spec.engine_options.get("block_size") or EngineConfig.block_size

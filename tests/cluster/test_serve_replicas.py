@@ -7,6 +7,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,10 @@ def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     # Ray's driver puts abseil's failure handler on SIGTERM (a stack dump, then SIGABRT 3 s
     # later, whatever the drain still had to do); the server takes SIGTERM back.
     assert "Traceback" not in stderr and "SIGTERM received" not in stderr
+    # Without --verbose the start says only ruvllm's own lines: none of Serve's progress
+    # (INFO) nor Ray's warnings about its SIGTERM handler or token authentication.
+    start = stderr.split("Press Ctrl+C to stop.")[0]
+    assert not re.search(r"INFO|WARNING|SIGTERM handler|Token authentication", start), start
 
 
 def test_the_openai_sdk_through_the_router(replicas: Replicas):
