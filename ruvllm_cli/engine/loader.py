@@ -210,8 +210,8 @@ def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.devic
                   not_streamed: str | None = None) -> None:
     """Refuse early, with a clear message, a model that cannot fit, naming the
     quantization that would. `not_streamed`: why a checkpoint the first check took
-    for streamed goes through transformers instead (a second check, still before
-    any weight is read)."""
+    for streamed goes through transformers instead (a second check, before
+    transformers reads the checkpoint)."""
     streamed = None if not_streamed is None else False
     needed = memory_needed(path, config, device, quantization, layout, streamed)
     if not needed:
