@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import re
 from collections import OrderedDict
@@ -104,9 +105,18 @@ def adapter_dir(path: str | Path) -> Path | None:
     return path if (path / ADAPTER_CONFIG).is_file() else None
 
 
+def quiet_bitsandbytes() -> None:
+    """peft imports bitsandbytes where it is installed, and its CPU backend warns, on a
+    CPU with AVX-512 BF16, that an optional kernel package (`kernels`) is missing: a
+    fast path for its own 4-bit layers, which ruvllm never runs on a CPU. Said to our
+    users at every --lora start, that line asks for a package they do not need."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def read_adapter(name: str, path: str | Path) -> Any:
     """Read a PEFT LoRA (or X-LoRA) adapter directory into host memory (float32),
     refusing what the serving path does not do, with the reason."""
+    quiet_bitsandbytes()
     from peft import PeftConfig
     from peft.utils import load_peft_weights
 

@@ -107,6 +107,9 @@ def test_piped_chat_answers_with_the_adapter_given(ruvllm: Run, tiny_model_dir: 
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected["chat"].text + "\n"
     assert "LoRA adapter sql (rank 4" in result.stderr and "LoRA adapter chat (rank 8" in result.stderr
+    # ruvllm's own lines only: not bitsandbytes' advice (peft imports it) to install `kernels`.
+    assert [line for line in result.stderr.splitlines()
+            if not line.startswith(("Loaded ", "LoRA adapter ", "ruvllm: building"))] == []
     base = chat(ruvllm, tiny_model_dir, *loras)
     assert base.returncode == 0, base.stderr
     assert base.stdout == expected[None].text + "\n"
