@@ -80,9 +80,6 @@ def import_ray(options: ClusterOptions) -> None:
         # the loopback interface only (a local cluster has no other node to talk to).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # Token authentication, as Ray 2.60 turns on for a new local cluster anyway;
-        # named, so it does not warn at every start that it did so.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
     try:
         import ray.serve  # noqa: F401
     except ImportError as error:
@@ -112,13 +109,19 @@ def connect(options: ClusterOptions, verbose: bool) -> None:
 class StartNoiseFilter(logging.Filter):
     """Without --verbose, what Ray says at start that asks nothing of the user: Serve's
     progress lines (INFO: "Started Serve", "Connecting to existing Serve app ... New
-    http_options/controller_options will not be applied", a router object's repr)
-    and the SIGTERM handler `ray.init` cannot set from the thread that hosts the
-    cluster (serve puts its own back once Ray is up: serve.take_back_signals)."""
+    http_options/controller_options will not be applied", a router object's repr),
+    the SIGTERM handler `ray.init` cannot set from the thread that hosts the cluster
+    (serve puts its own back once Ray is up: serve.take_back_signals), and that a new
+    local cluster has token authentication on, as Ray 2.60 does by default. (Setting
+    RAY_AUTH_MODE=token instead would silence that too, but only when set before Ray's
+    first import, which caches the mode: a later one leaves the driver without the
+    token its own cluster asks for.)"""
+
+    NOISE = ("SIGTERM handler is not set because current thread",
+             "Token authentication is enabled for this Ray cluster")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING and \
-            not record.getMessage().startswith("SIGTERM handler is not set because current thread")
+        return record.levelno >= logging.WARNING and not record.getMessage().startswith(self.NOISE)
 
 
 def quiet_logs(logger_name: str) -> None:
