@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -182,14 +183,19 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
 def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantization: Quantization,
                  layout: GGUFLayout | None = None) -> int:
     """A GGUF file's weights once loaded: each tensor in its layout where it streams
-    (gguf_plan), else transformers' path, which dequantizes the whole file first (a
-    4-bit file grows about 4x in 16-bit)."""
+    (gguf_plan), else transformers' path, which dequantizes the whole file first. On
+    a CPU that path's peak holds the mapped file, the whole model dequantized in the
+    activations' dtype and one tensor (the largest) in float32 as it is dequantized;
+    the quantized form comes once the file is let go (design section 9)."""
     from ruvllm_cli.engine import gguf_plan
     from ruvllm_cli.engine.quantize import WeightPlan
 
     layout = layout if layout is not None else check_gguf(path)
-    if device.type != "cpu" or gguf_plan.unstreamable(layout) or os.environ.get(STREAM_ENV, "1") == "0":
-        return path.stat().st_size * (8 if dtype == torch.float32 else 4)
+    if device.type != "cpu":
+        return path.stat().st_size * (8 if dtype == torch.float32 else 4)   # about: a 4-bit file grows 4x in 16 bits
+    if gguf_plan.unstreamable(layout) or os.environ.get(STREAM_ENV, "1") == "0":
+        sizes = [math.prod(tensor.dims) for tensor in layout.tensors]
+        return path.stat().st_size + sum(sizes) * dtype.itemsize + max(sizes, default=0) * 4
     hidden = layout.metadata.get(f"{layout.metadata['general.architecture']}.embedding_length", 1)
     plan = WeightPlan(quantization, dtype, hidden, int4_group=gguf_plan.INT4_GROUP)
     return gguf_plan.loaded_bytes(layout, quantization, dtype.itemsize, plan.head_copy,

@@ -186,6 +186,30 @@ def test_the_memory_check_counts_the_loaded_layouts(files, quant):
     assert 0.97 < estimate / loaded.weight_bytes < 1.03, (estimate, loaded.weight_bytes)
 
 
+def test_transformers_gguf_path_is_checked_at_its_peak(files, monkeypatch):
+    """Through transformers the file is dequantized whole: the check counts the mapped
+    file, the model in the activations' dtype and one tensor in float32, and refuses a
+    load that only the streamed figure would fit."""
+    import math
+    from collections import namedtuple
+
+    import psutil
+
+    from ruvllm_cli.engine.gguf_check import check_gguf
+    from ruvllm_cli.errors import ModelLoadError
+
+    path, cpu = files["llama"], torch.device("cpu")
+    streamed = memory_needed(path, None, cpu, Q.Q8_0)
+    monkeypatch.setenv(STREAM_ENV, "0")
+    through = memory_needed(path, None, cpu, Q.Q8_0)
+    sizes = [math.prod(t.dims) for t in check_gguf(path).tensors]
+    assert through == path.stat().st_size + sum(sizes) * 4 + max(sizes) * 4   # q8: float32 activations
+    assert through > 4 * streamed
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: namedtuple("Memory", "available")(through // 2))
+    with pytest.raises(ModelLoadError, match=r"^not enough memory: the weights need about "):
+        load_model(path, "cpu", Q.Q8_0)
+
+
 @pytest.mark.parametrize("kind, expected", [("F16", Q.F32), ("BF16", Q.F16), ("Q8_0", Q.Q8_0), ("Q6_K", Q.Q8_0),
                                             ("Q5_0", Q.Q8_0), ("Q4_K", Q.Q4_K_M), ("Q4_0", Q.Q4_K_M)])
 def test_the_file_type_picks_the_default_quantization(files, kind, expected):
