@@ -161,7 +161,7 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     else:
         loaded = (weights + head_copy) * dtype.itemsize  # a tied head's packed copy, where packing works
     if streamed is None:
-        streamed = os.environ.get(STREAM_ENV, "1") != "0"
+        streamed = _streaming_on()
     if streamed:
         return int(loaded)
     # transformers' path (design section 9, "transformers' path"): the whole model as
@@ -193,7 +193,7 @@ def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantizat
     layout = layout if layout is not None else check_gguf(path)
     if device.type != "cpu":
         return path.stat().st_size * (8 if dtype == torch.float32 else 4)   # about: a 4-bit file grows 4x in 16 bits
-    if gguf_plan.unstreamable(layout) or os.environ.get(STREAM_ENV, "1") == "0":
+    if not _gguf_streams(layout):
         sizes = [math.prod(tensor.dims) for tensor in layout.tensors]
         return path.stat().st_size + sum(sizes) * dtype.itemsize + max(sizes, default=0) * 4
     hidden = layout.metadata.get(f"{layout.metadata['general.architecture']}.embedding_length", 1)
@@ -304,7 +304,7 @@ def load_model(path: str | Path, device: str = "auto",
     if streamed is not None:
         model, quant_path = streamed
     else:
-        if config is not None and target.type == "cpu" and os.environ.get(STREAM_ENV, "1") != "0":
+        if config is not None and target.type == "cpu" and _streaming_on():
             _check_memory(path, config, target, quantization, not_streamed=not_streamed)
         model = _from_pretrained(path, source, _build_dtype(config, target, dtype, quantization), extra)
         quant_path = _quantize_loaded(model, quantization, target, bool(extra), dtype)
@@ -333,11 +333,16 @@ def load_model(path: str | Path, device: str = "auto",
                        from_weight_cache=cached is not None)
 
 
+def _streaming_on() -> bool:
+    """Whether loads may go tensor by tensor at all (RUVLLM_STREAM_LOAD is not 0)."""
+    return os.environ.get(STREAM_ENV, "1") != "0"
+
+
 def _gguf_streams(layout: GGUFLayout) -> bool:
     """Whether a GGUF file loads tensor by tensor (so its weight cache can be read back)."""
     from ruvllm_cli.engine import gguf_plan
 
-    return gguf_plan.unstreamable(layout) is None and os.environ.get(STREAM_ENV, "1") != "0"
+    return gguf_plan.unstreamable(layout) is None and _streaming_on()
 
 
 def _build_dtype(config: dict[str, Any] | None, target: torch.device, dtype: torch.dtype,
@@ -389,7 +394,7 @@ def _stream(path: Path, config: dict[str, Any] | None, header: GGUFLayout | None
 
     if device.type != "cpu":
         return None, f"on {device.type}"
-    if os.environ.get(STREAM_ENV, "1") == "0":
+    if not _streaming_on():
         return None, f"{STREAM_ENV}=0"
     try:
         if config is None:
