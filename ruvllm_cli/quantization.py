@@ -17,11 +17,6 @@ class Quantization(str, Enum):
     def label(self) -> str:
         return {"q4k": "Q4_K_M", "q8": "Q8_0", "f16": "F16", "none": "F32"}[self.value]
 
-    @property
-    def bytes_per_param(self) -> float:
-        """Average weight bytes per parameter, including block scales."""
-        return {"q4k": 4.85 / 8, "q8": 8.5 / 8, "f16": 2.0, "none": 4.0}[self.value]
-
 
 _NAMES = {
     "q4k": Quantization.Q4_K_M, "q4_k": Quantization.Q4_K_M, "q4_k_m": Quantization.Q4_K_M,

@@ -230,8 +230,8 @@ def _render_memory(out: Output, data: dict[str, Any]) -> None:
         return
     rows = [(m["label"] + f" ({q})", format_bytes(m["weights_bytes"]), format_bytes(m["kv_cache_bytes"]),
              format_bytes(m["overhead_bytes"]), format_bytes(m["total_bytes"])) for q, m in memory.items()]
-    caption = (f"{data['parameters']:,} parameters, from the {data['parameter_source']}; "
-               f"KV cache for {data['memory_context']:,} tokens")
+    caption = (f"{data['parameters']:,} parameters, from the {data['parameter_source']}; weights as ruvllm "
+               f"holds them on a CPU; KV cache for {data['memory_context']:,} tokens")
     out.table(["Quantization", "Weights", "KV cache", "Overhead", "Total"], rows,
               title="Memory estimates", caption=escape(caption))
 

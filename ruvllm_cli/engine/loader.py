@@ -22,6 +22,7 @@ from ruvllm_cli.engine.gguf_check import GGUFLayout, check_gguf
 from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.memory import LAYOUT_BYTES
 
 log = logging.getLogger(__name__)
 STREAM_ENV = "RUVLLM_STREAM_LOAD"  # "0": always load through transformers, then quantize
@@ -116,11 +117,6 @@ def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None,
     return {"pretrained_model_name_or_path": path}, _read_config(path), None
 
 
-# Bytes a weight takes once loaded on a CPU: (linear layers, embedding table).
-# q8: int8 codes + a float32 scale per row; q4k: 4-bit codes + a bf16 scale and zero
-# per group of 128 (linears) or 32 (embeddings). Measured against `weight_bytes` of
-# the loaded 0.5B shape within 1% (docs/design.md, "Loading").
-QUANT_BYTES = {Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 128, 0.5 + 4 / 32)}
 ORDER = (Quantization.F32, Quantization.F16, Quantization.Q8_0, Quantization.Q4_K_M)
 
 
@@ -146,8 +142,10 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     plan = WeightPlan(quantization, dtype, hidden)
     # The loaders' own rule for whether a tied head gets a copy of its own.
     head_copy = embedding if tied and plan.head_copy(embedding // hidden, hidden) else 0
-    if quantization in QUANT_BYTES:
-        linear, table = QUANT_BYTES[quantization]
+    if quantization in (Quantization.Q8_0, Quantization.Q4_K_M):
+        # registry.memory's layout sizes, which `info` shows: measured against
+        # `weight_bytes` of the loaded 0.5B shape within 1% (docs/design.md, "Loading").
+        linear, table = LAYOUT_BYTES[quantization]
         # Streamed (stream_load): the quantized model, plus the one tensor being
         # converted; a tied head gets its own quantized copy unless it shares the
         # table. Norms take the activations' dtype; q8 counts a float32 scale per

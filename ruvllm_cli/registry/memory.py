@@ -1,10 +1,15 @@
-"""Memory estimates for running a model, from its parameter count and shape (no torch).
+"""Memory estimates for running a model on a CPU, from its parameter count and shape (no torch).
 
-    weights    = params x bytes_per_param(quantization)
-                 (Q4_K_M 4.85 bits, Q8_0 8.5 bits incl. block scales; F16 2 bytes; F32 4 bytes)
+    weights    = linear-layer params x linear bytes + embedding-table params x table bytes,
+                 in ruvllm's own layouts (LAYOUT_BYTES; the loader's memory check uses them):
+                 q8 1 byte, q4k 4-bit codes with a 16-bit scale and zero per group of 128
+                 (tables: 32), f16 2 bytes, none 4 bytes (a tied LM head then takes a packed
+                 copy of the table). Without the shape's hidden and vocabulary sizes every
+                 parameter counts as a linear layer's.
     kv_cache   = 2 (K and V) x layers x kv_heads x head_dim x kv_dtype_bytes x context
                  (the cache is kept in 16-bit, or in 32-bit when the model runs unquantized F32)
-    overhead   = 10% of weights + 256 MiB for the runtime, activations and allocator slack
+    overhead   = 2% of weights + 320 MiB: `import torch` (218 MiB), a 150k-token tokenizer,
+                 the model's objects and a step's buffers; measured (docs/design.md, section 9)
     total      = weights + kv_cache + overhead
 
 The KV-cache term needs the shape; without one it is reported as unknown (None) and left
@@ -17,9 +22,18 @@ from typing import Any, Protocol
 
 from ruvllm_cli.quantization import Quantization, parse_quantization
 
-OVERHEAD_FRACTION = 0.10
-OVERHEAD_BASE_BYTES = 256 * 1024**2
+OVERHEAD_FRACTION = 0.02
+OVERHEAD_BASE_BYTES = 320 * 1024**2
 DEFAULT_CONTEXT = 4096
+
+# Bytes a weight takes once loaded on a CPU, in ruvllm's layouts (engine/quantize.py):
+# (linear layers, embedding table). q8: int8 codes (our kernel adds a float32 scale per
+# output row, which the loader counts); q4k: 4-bit codes + a bf16 scale and zero per
+# group of 128 (linear layers) or 32 (tables); f16: float16 weights (float32 activations);
+# none: float32. A tied LM head shares the table, except under none (a packed copy).
+LAYOUT_BYTES: dict[Quantization, tuple[float, float]] = {
+    Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 128, 0.5 + 4 / 32),
+    Quantization.F16: (2.0, 2.0), Quantization.F32: (4.0, 4.0)}
 
 
 class KVShape(Protocol):
@@ -32,9 +46,15 @@ def kv_dtype_bytes(quantization: Quantization | str) -> int:
     return 4 if parse_quantization(quantization) is Quantization.F32 else 2
 
 
-def estimate_weight_bytes(params: int | float, quantization: Quantization | str) -> int:
-    """Bytes the weights take at `quantization`."""
-    return int(round(params * parse_quantization(quantization).bytes_per_param))
+def estimate_weight_bytes(params: int | float, quantization: Quantization | str, shape: Any = None) -> int:
+    """Bytes the weights take loaded at `quantization`: the embedding table apart where
+    `shape` gives its size (hidden_size and vocab_size; a ModelShape or a registry entry)."""
+    quant = parse_quantization(quantization)
+    linear, table = LAYOUT_BYTES[quant]
+    hidden, vocab = getattr(shape, "hidden_size", None), getattr(shape, "vocab_size", None)
+    embedding = hidden * vocab if hidden and vocab else 0
+    head_copy = embedding if quant is Quantization.F32 and getattr(shape, "tie_word_embeddings", False) else 0
+    return int(round((params - embedding) * linear + embedding * table + head_copy * linear))
 
 
 def estimate_kv_bytes_per_token(shape: KVShape, dtype_bytes: int = 2) -> int:
@@ -50,7 +70,7 @@ def estimate_memory(params: int | float, quantization: Quantization | str, shape
                     context: int = DEFAULT_CONTEXT) -> dict[str, Any]:
     """Weights + KV cache at `context` tokens + runtime overhead, in bytes (see module doc)."""
     quant = parse_quantization(quantization)
-    weights = estimate_weight_bytes(params, quant)
+    weights = estimate_weight_bytes(params, quant, shape)
     kv = estimate_kv_bytes_per_token(shape, kv_dtype_bytes(quant)) * context if shape else None
     overhead = estimate_overhead_bytes(weights)
     return {

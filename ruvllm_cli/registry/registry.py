@@ -62,6 +62,9 @@ class ModelEntry:
     num_layers: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    tie_word_embeddings: bool | None = None
     exact_params: int | None = None
     user: bool = False
     path: Path | None = None  # a user alias of a local model (directory or .gguf file) instead of a repo
@@ -136,7 +139,8 @@ def _entry_from_data(data: dict[str, Any], *, user: bool, where: str) -> ModelEn
             recommended_quantization=quant, notes=data.get("notes", ""), sampling=sampling,
             gguf_repo=data.get("gguf_repo"), gguf_files=gguf, num_layers=data.get("num_layers"),
             num_kv_heads=data.get("num_kv_heads"), head_dim=data.get("head_dim"),
-            exact_params=data.get("params"), user=user,
+            hidden_size=data.get("hidden_size"), vocab_size=data.get("vocab_size"),
+            tie_word_embeddings=data.get("tie_word_embeddings"), exact_params=data.get("params"), user=user,
         )
     except (KeyError, TypeError, AttributeError, UsageError) as error:
         raise CacheError(f"invalid model entry in {where}: {error}",

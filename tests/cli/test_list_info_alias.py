@@ -199,7 +199,9 @@ def test_info_local_tiny_model_json(ruvllm: Run, tiny_model_dir: Path) -> None:
     assert local["weights"] == ["model.safetensors"]
     assert local["size_bytes"] == sum(f["size"] for f in local["files"]) > 0
     assert "config.json" in {f["name"] for f in local["files"]}
-    assert data["memory"]["none"]["weights_bytes"] == 4 * data["parameters"]
+    # float32, and the tied head's packed copy of the 512 x 64 table; q8 one byte each
+    assert data["memory"]["none"]["weights_bytes"] == 4 * (data["parameters"] + 512 * 64)
+    assert data["memory"]["q8"]["weights_bytes"] == data["parameters"]
     assert data["memory"]["f16"]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 2 * 4096
 
 

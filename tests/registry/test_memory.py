@@ -12,8 +12,8 @@ import pytest
 
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.registry.memory import (OVERHEAD_BASE_BYTES, estimate_kv_bytes_per_token, estimate_memory,
-                                        estimate_weight_bytes, format_bytes)
+from ruvllm_cli.registry.memory import (LAYOUT_BYTES, OVERHEAD_BASE_BYTES, OVERHEAD_FRACTION, estimate_kv_bytes_per_token,
+                                        estimate_memory, estimate_weight_bytes, format_bytes)
 from ruvllm_cli.registry.model_config import (ModelShape, count_parameters, count_parameters_from_safetensors,
                                               read_model_config, read_safetensors_header, shape_from_dict)
 from ruvllm_cli.registry.registry import builtin_entries
@@ -127,6 +127,8 @@ def test_registry_numbers_come_from_the_config(alias: str) -> None:
     entry = builtin_entries()[alias]
     shape = shape_from_dict(REAL_CONFIGS[alias])
     assert entry.params == count_parameters(shape)
+    assert (entry.hidden_size, entry.vocab_size, entry.tie_word_embeddings) == (
+        shape.hidden_size, shape.vocab_size, shape.tie_word_embeddings)
     assert (entry.architecture, entry.context_length) == (shape.architecture, shape.context_length)
     assert (entry.num_layers, entry.num_kv_heads, entry.head_dim) == (shape.num_layers, shape.num_kv_heads,
                                                                      shape.head_dim)
@@ -187,14 +189,46 @@ def test_tiny_model_counts_equal_torch(make_tiny_model: Callable[..., Path], opt
 QWEN_05B = shape_from_dict(REAL_CONFIGS["qwen-0.5b"])
 
 
-def test_weight_bytes_follow_bytes_per_param() -> None:
+def test_weight_bytes_follow_ruvllm_layouts() -> None:
     params = 1_000_000_000
+    # Without a shape every parameter counts as a linear layer's.
     q4, q8 = estimate_weight_bytes(params, "q4k"), estimate_weight_bytes(params, Quantization.Q8_0)
     f16, f32 = estimate_weight_bytes(params, "f16"), estimate_weight_bytes(params, "none")
-    assert (q4, q8, f16, f32) == (606_250_000, 1_062_500_000, 2_000_000_000, 4_000_000_000)
-    assert q8 / q4 == pytest.approx(8.5 / 4.85)
-    assert f16 / q8 == pytest.approx(16 / 8.5)
-    assert f32 / f16 == 2
+    assert (q4, q8, f16, f32) == (531_250_000, 1_000_000_000, 2_000_000_000, 4_000_000_000)
+    # The embedding table apart: q4k's groups of 32 there; under none a tied head's packed copy.
+    params = count_parameters(QWEN_05B)
+    table = 151_936 * 896
+    assert estimate_weight_bytes(params, "q8", QWEN_05B) == params
+    assert estimate_weight_bytes(params, "q4k", QWEN_05B) == round((params - table) * 0.53125 + table * 0.625)
+    assert estimate_weight_bytes(params, "f16", QWEN_05B) == 2 * params
+    assert estimate_weight_bytes(params, "none", QWEN_05B) == 4 * (params + table)
+    qwen = builtin_entries()["qwen"]   # untied: the head is a linear layer
+    assert estimate_weight_bytes(qwen.params, "none", qwen) == 4 * qwen.params
+    # The Qwen2.5-7B shape's q4k weights as the loader measured them: 3,908 MiB (design, section 9).
+    assert estimate_weight_bytes(qwen.params, "q4k", qwen) / 2**20 == pytest.approx(3_908, abs=2)
+
+
+def test_the_estimate_is_the_loader_memory_check_figure(make_tiny_model: Callable[..., Path]) -> None:
+    """`info`'s weights and the loader's streamed figure (which the loader tests hold to
+    the loaded model's bytes) agree, but for what `info` leaves out: the norms (kept in
+    the activations' dtype), q8's scales (4 bytes an output row in our kernel, 16 in
+    fbgemm's) and the file's header (the loader counts weights by the file's size)."""
+    torch = pytest.importorskip("torch")
+    from ruvllm_cli.engine.loader import _shape_counts, dtype_for, memory_needed
+
+    path = make_tiny_model(hidden_size=128, intermediate_size=256, num_layers=2)
+    config = json.loads((path / "config.json").read_text())
+    shape = read_model_config(path)
+    params = count_parameters(shape)
+    header = (path / "model.safetensors").stat().st_size - 4 * params
+    _, _, rows, norms, _ = _shape_counts(config)
+    cpu = torch.device("cpu")
+    for quantization, scales in ((Quantization.Q8_0, (4 * rows, 16 * rows)), (Quantization.Q4_K_M, (0, 0))):
+        ours = estimate_weight_bytes(params, quantization, shape)
+        left_out = memory_needed(path, config, cpu, quantization, streamed=True) - ours
+        linear = LAYOUT_BYTES[quantization][0]
+        norm_bytes = norms * (dtype_for(quantization, cpu).itemsize - linear)
+        assert norm_bytes + scales[0] <= left_out <= norm_bytes + scales[1] + header, quantization
 
 
 def test_kv_bytes_per_token() -> None:
@@ -208,9 +242,9 @@ def test_estimate_memory_parts_add_up() -> None:
     params = count_parameters(QWEN_05B)
     memory = estimate_memory(params, "q8", QWEN_05B, context=2048)
     assert memory["quantization"] == "q8" and memory["label"] == "Q8_0" and memory["context"] == 2048
-    assert memory["weights_bytes"] == estimate_weight_bytes(params, "q8")
+    assert memory["weights_bytes"] == estimate_weight_bytes(params, "q8", QWEN_05B)
     assert memory["kv_cache_bytes"] == 12_288 * 2048
-    assert memory["overhead_bytes"] == int(memory["weights_bytes"] * 0.10) + OVERHEAD_BASE_BYTES
+    assert memory["overhead_bytes"] == int(memory["weights_bytes"] * OVERHEAD_FRACTION) + OVERHEAD_BASE_BYTES
     assert memory["total_bytes"] == memory["weights_bytes"] + memory["kv_cache_bytes"] + memory["overhead_bytes"]
 
 
