@@ -5,8 +5,10 @@ Needs no network: it reads the registry, the cache and the model's own files.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.filesize import decimal as format_size
@@ -22,6 +24,9 @@ from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, KVShape, estimate_memory
 from ruvllm_cli.registry.model_config import (ModelShape, count_parameters, count_parameters_from_safetensors,
                                               read_model_config)
 from ruvllm_cli.registry.registry import ModelRef, resolve_model
+
+if TYPE_CHECKING:
+    from ruvllm_cli.engine.gguf_check import GGUFLayout
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 KIND_LABELS = {"local": "local path", "registry": "registry alias", "hub": "Hugging Face id"}
@@ -101,16 +106,49 @@ def memory_table(params: int | None, kv_shape: KVShape | None) -> dict[str, Any]
     return {q.value: estimate_memory(params, q, kv_shape, DEFAULT_CONTEXT) for q in Quantization}
 
 
-def gguf_record(path: Path) -> dict[str, Any]:
-    """A GGUF file's type, what it loads as without -q, and what each weight becomes
-    under every quantization (engine/gguf_plan.py: read from its header alone)."""
-    from ruvllm_cli.engine import gguf_plan
+def read_gguf(path: Path) -> GGUFLayout | ModelLoadError:
+    """A GGUF file's checked header, or what is wrong with it."""
     from ruvllm_cli.engine.gguf_check import check_gguf
 
     try:
-        layout = check_gguf(path)
+        return check_gguf(path)
     except ModelLoadError as error:
-        return {"path": str(path), "error": error.message}
+        return error
+
+
+def gguf_memory(layout: GGUFLayout) -> tuple[int, dict[str, Any]]:
+    """A GGUF file's parameter count and memory table, from its header alone: each weight
+    in the layout it loads into under each quantization (gguf_plan, the figure the
+    loader's memory check takes; a tied head's packed copy under none), the KV cache
+    from its attention metadata."""
+    from ruvllm_cli.engine import gguf_plan
+
+    params = sum(math.prod(tensor.dims) for tensor in layout.tensors)
+    metadata = layout.metadata
+    arch = metadata.get("general.architecture")
+    layers, kv_heads = metadata.get(f"{arch}.block_count"), metadata.get(f"{arch}.attention.head_count_kv")
+    head_dim = metadata.get(f"{arch}.attention.key_length")
+    if head_dim is None and metadata.get(f"{arch}.attention.head_count"):
+        head_dim = metadata.get(f"{arch}.embedding_length", 0) // metadata[f"{arch}.attention.head_count"]
+    shape = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim) \
+        if layers and kv_heads and head_dim else None
+    table = {}
+    for quantization in Quantization:
+        weights = gguf_plan.loaded_bytes(layout, quantization, 4,
+                                         lambda rows, columns, q=quantization: q is Quantization.F32,
+                                         int8_row_bytes=4)
+        table[quantization.value] = estimate_memory(params, quantization, shape, DEFAULT_CONTEXT,
+                                                    weight_bytes=weights)
+    return params, table
+
+
+def gguf_record(path: Path, layout: GGUFLayout | ModelLoadError) -> dict[str, Any]:
+    """A GGUF file's type, what it loads as without -q, and what each weight becomes
+    under every quantization (engine/gguf_plan.py: read from its header alone)."""
+    from ruvllm_cli.engine import gguf_plan
+
+    if isinstance(layout, ModelLoadError):
+        return {"path": str(path), "error": layout.message}
     return {"path": str(path), "file_type": gguf_plan.label(layout),
             "default_quantization": gguf_plan.file_quantization(layout).value,
             "through_transformers": gguf_plan.unstreamable(layout),
@@ -136,6 +174,11 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
             config_error = error.message
     params, source = parameter_count(ref, shape, directory)
     kv_shape = shape or (ref.entry.kv_shape if ref.entry else None)
+    ggufs = {path: read_gguf(path) for path in _gguf_files(ref, downloads)}
+    memory = memory_table(params, kv_shape)
+    own = ggufs.get(ref.local_path) if ref.local_path is not None else None
+    if params is None and own is not None and not isinstance(own, ModelLoadError):
+        (params, memory), source = gguf_memory(own), "GGUF header"
     return {
         "model": name,
         "kind": ref.kind,
@@ -150,9 +193,9 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "downloads": [download_record(d) for d in downloads],
         "parameters": params,
         "parameter_source": source,
-        "memory": memory_table(params, kv_shape),
+        "memory": memory,
         "memory_context": DEFAULT_CONTEXT,
-        "gguf": [gguf_record(path) for path in _gguf_files(ref, downloads)],
+        "gguf": [gguf_record(path, layout) for path, layout in ggufs.items()],
     }
 
 

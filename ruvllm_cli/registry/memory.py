@@ -67,10 +67,11 @@ def estimate_overhead_bytes(weight_bytes: int) -> int:
 
 
 def estimate_memory(params: int | float, quantization: Quantization | str, shape: KVShape | None = None,
-                    context: int = DEFAULT_CONTEXT) -> dict[str, Any]:
-    """Weights + KV cache at `context` tokens + runtime overhead, in bytes (see module doc)."""
+                    context: int = DEFAULT_CONTEXT, weight_bytes: int | None = None) -> dict[str, Any]:
+    """Weights + KV cache at `context` tokens + runtime overhead, in bytes (see module doc).
+    `weight_bytes`: the weights' size where it is known tensor by tensor (a GGUF file's)."""
     quant = parse_quantization(quantization)
-    weights = estimate_weight_bytes(params, quant, shape)
+    weights = estimate_weight_bytes(params, quant, shape) if weight_bytes is None else weight_bytes
     kv = estimate_kv_bytes_per_token(shape, kv_dtype_bytes(quant)) * context if shape else None
     overhead = estimate_overhead_bytes(weights)
     return {

@@ -205,6 +205,34 @@ def test_info_local_tiny_model_json(ruvllm: Run, tiny_model_dir: Path) -> None:
     assert data["memory"]["f16"]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 2 * 4096
 
 
+def test_info_gguf_file_memory_from_its_header(ruvllm: Run, cli_env: dict[str, str], tiny_model_dir: Path,
+                                               tmp_path: Path) -> None:
+    """A GGUF file has no config.json beside it: its header gives the parameter count,
+    the KV cache's shape and each weight's loaded size (the loader's own figure)."""
+    torch = pytest.importorskip("torch")
+    from ruvllm_cli.engine.gguf_check import check_gguf
+    from ruvllm_cli.engine.loader import memory_needed
+    from ruvllm_cli.quantization import Quantization
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    gguf = write_gguf(tiny_model_dir, tmp_path / "tiny-Q8_0.gguf")
+    result = ruvllm("info", str(gguf), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    shape = read_model_config(tiny_model_dir)
+    assert (data["parameters"], data["parameter_source"]) == (count_parameters(shape), "GGUF header")
+    layout = check_gguf(gguf)
+    for quantization in (Quantization.Q8_0, Quantization.Q4_K_M):
+        memory = data["memory"][quantization.value]
+        loader = memory_needed(gguf, None, torch.device("cpu"), quantization, layout)
+        assert memory["weights_bytes"] == pytest.approx(loader, rel=0.02), quantization
+        assert memory["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 2 * 4096    # 2 layers, 2 KV heads of 16
+        assert memory["total_bytes"] == sum(memory[k] for k in ("weights_bytes", "kv_cache_bytes",
+                                                                "overhead_bytes"))
+    shown = ruvllm("info", str(gguf), env=wide_env(cli_env)).stdout
+    assert "Memory estimates" in shown and "from the GGUF header" in shown
+
+
 def test_info_local_gguf_file(ruvllm: Run, tmp_path: Path) -> None:
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 60)
