@@ -315,6 +315,9 @@ class GrammarCompiler:
         if vocab_size < len(tokenizer):
             raise ValueError(f"logits width {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
         self._tokenizer = _llguidance_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        from ruvllm_cli.engine.stream_load import release_freed_memory
+
+        release_freed_memory()   # the build's temporaries (the vocabulary's JSON, twice parsed)
         self.layout = MaskLayout((vocab_size + 31) // 32, len(tokenizer), tuple(self._tokenizer.eos_tokens))
         self.stats = CompileStats()
         self._max_cached = max_cached
