@@ -422,3 +422,20 @@ def test_specs_are_canonical_values():
 def test_the_logits_cannot_be_narrower_than_the_tokenizer(tokenizer):
     with pytest.raises(ValueError, match="smaller than the tokenizer's 512 tokens"):
         GrammarCompiler(tokenizer, 500)
+
+
+def test_a_tokenizer_with_padding_and_truncation_is_read_without_them_and_kept_as_it_was(tokenizer):
+    """llguidance reads the backend's JSON: padding and truncation are turned off on a
+    copy (only when set), never on the tokenizer the engine encodes with."""
+    from copy import deepcopy
+
+    from ruvllm_cli.engine.grammar import _llguidance_tokenizer
+
+    padded = deepcopy(tokenizer)
+    padded.backend_tokenizer.enable_padding(length=64)
+    padded.backend_tokenizer.enable_truncation(max_length=8)
+    built = _llguidance_tokenizer(padded, WIDE, None)
+    assert padded.backend_tokenizer.padding is not None and padded.backend_tokenizer.truncation is not None
+    text = "a long enough text to be truncated at eight tokens, padded to sixty-four"
+    assert built.tokenize_str(text) == tokenizer.encode(text)
+    assert len(built.tokenize_str(text)) > 8
