@@ -4,8 +4,8 @@
 a byte-level BPE tokenizer trained here on a built-in corpus, a ChatML chat template
 with tool support, generation config) that `AutoModelForCausalLM` and `AutoTokenizer`
 load like any hub download. `build_bench_model` writes the exact shape of
-Qwen2.5-0.5B-Instruct, with that tokenizer widened to Qwen2.5's vocabulary size, for
-benchmarks that feed token ids.
+Qwen2.5-0.5B-Instruct with a tokenizer of its vocabulary's size (`synthetic_vocab`),
+for benchmarks that feed token ids.
 
 The architecture is LLaMA, not Qwen2, on purpose: transformers 5 swaps the tokenizer
 of any `qwen2` model for its own, which would disagree with ours on every id.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from transformers import LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 # Bump when the output of the builders changes, so cached models are rebuilt.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 BOS_TOKEN = "<|begin_of_text|>"
 END_OF_TEXT_TOKEN = "<|end_of_text|>"
@@ -61,9 +61,6 @@ QWEN25_05B_SHAPE: dict[str, Any] = {
     "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-6,
 }
-
-# len(tokenizer) of Qwen/Qwen2.5-0.5B-Instruct: 151,643 merged tokens and 22 added ones.
-QWEN25_TOKENS = 151_665
 
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. A small model can still learn to say hello.
@@ -193,47 +190,30 @@ def train_tokenizer(vocab_size: int = 512) -> "Tokenizer":
     return tokenizer
 
 
-def widen_tokenizer(tokenizer: "Tokenizer", vocab_size: int, seed: int = 0) -> "Tokenizer":
-    """`tokenizer` grown to exactly `vocab_size` tokens by merges drawn at random from its
-    own tokens (pieces of up to 8 byte-level characters, 7.2 on average), its added tokens kept last.
-
-    A model's vocabulary is much of what its tokenizer holds in memory (Qwen2.5's 151,643
-    merges take tens of MiB in `tokenizers`, as they do in llama.cpp): a benchmark's
-    memory figures need one of the real size, which no corpus shipped here can train."""
-    import random
-
-    from tokenizers import Tokenizer
-
-    data = json.loads(tokenizer.to_str())
-    vocab: dict[str, int] = data["model"]["vocab"]
-    merges: list[Any] = data["model"]["merges"]
-    added = [token for token in data["added_tokens"] if token["id"] >= len(vocab)]
-    wanted = vocab_size - len(added)
-    specials = {token["content"] for token in data["added_tokens"]}
-    pieces = [piece for piece in vocab if piece not in specials]
-    rng = random.Random(seed)
-    while len(vocab) < wanted:
-        first, second = rng.choice(pieces), rng.choice(pieces)
-        joined = first + second
-        if len(joined) > 8 or joined in vocab:
-            continue
-        vocab[joined] = len(vocab)
-        pieces.append(joined)
-        merges.append([first, second] if merges and isinstance(merges[0], list) else f"{first} {second}")
-    for offset, token in enumerate(added):
-        token["id"] = wanted + offset
-    return Tokenizer.from_str(json.dumps(data))
+def build_tokenizer(vocab_size: int = 512, model_max_length: int = 4096) -> "PreTrainedTokenizerFast":
+    """The trained tokenizer wrapped for transformers, with the ChatML template set."""
+    return _wrap(train_tokenizer(vocab_size), model_max_length)
 
 
-def build_tokenizer(vocab_size: int = 512, model_max_length: int = 4096,
-                    full_vocab: int | None = None) -> "PreTrainedTokenizerFast":
-    """The trained tokenizer wrapped for transformers, with the ChatML template set;
-    `full_vocab`: widened to that many tokens (`widen_tokenizer`)."""
+def build_bench_tokenizer(model_max_length: int = 32768) -> "PreTrainedTokenizerFast":
+    """A tokenizer of Qwen2.5's size: the synthetic vocabulary's 151,643 tokens
+    (`synthetic_vocab`), then the same special and tool tokens as `build_tokenizer`'s,
+    and its chat template."""
+    from tokenizers import AddedToken
+
+    from ruvllm_cli.testing.synthetic_vocab import synthetic_tokenizer
+
+    backend = synthetic_tokenizer()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return _wrap(backend, model_max_length)
+
+
+def _wrap(backend: "Tokenizer", model_max_length: int) -> "PreTrainedTokenizerFast":
     from transformers import PreTrainedTokenizerFast
 
-    trained = train_tokenizer(vocab_size)
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=trained if full_vocab is None else widen_tokenizer(trained, full_vocab),
+        tokenizer_object=backend,
         bos_token=BOS_TOKEN,
         eos_token=IM_END_TOKEN,
         pad_token=PAD_TOKEN,
@@ -337,12 +317,10 @@ def _write_generation_config(path: Path, ids: dict[str, int]) -> None:
 
 
 def _build(
-    path: str | os.PathLike, shape: dict[str, Any], tokenizer_vocab: int, dtype: str, seed: int,
-    full_vocab: int | None = None,
+    path: str | os.PathLike, shape: dict[str, Any], tokenizer: "PreTrainedTokenizerFast", dtype: str, seed: int
 ) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(tokenizer_vocab, shape["max_position_embeddings"], full_vocab)
     ids = _token_ids(tokenizer)
     model = random_model(_llama_config(shape, ids, dtype), dtype, seed)
     model.save_pretrained(path)
@@ -382,19 +360,20 @@ def build_tiny_model(
         "tie_word_embeddings": tie_word_embeddings,
         "attention_bias": attention_bias,
     }
-    return _build(path, shape, vocab_size, dtype, seed)
+    return _build(path, shape, build_tokenizer(vocab_size, max_position_embeddings), dtype, seed)
 
 
 def build_bench_model(path: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0) -> Path:
     """Write a random model with Qwen2.5-0.5B-Instruct's exact shape (494M parameters).
 
-    The tokenizer has Qwen2.5's 151,665 tokens (the embedding's 151,936 rows pad it,
-    as Qwen2.5's do): the trained 512 widened by random merges (`widen_tokenizer`), so
-    that memory figures count a vocabulary of the real size; benchmarks feed token
-    ids. LlamaConfig's `attention_bias` also puts a bias on o_proj, which Qwen2 lacks:
-    896 extra parameters per layer.
+    The tokenizer has Qwen2.5's 151,643 regular tokens, synthetic (`build_bench_tokenizer`),
+    and the tiny model's 7 special and tool tokens, so that memory figures count a
+    vocabulary of the real size (the config's 151,936 rows pad it, as Qwen2.5's do);
+    benchmarks feed token ids. LlamaConfig's `attention_bias` also puts a bias on
+    o_proj, which Qwen2 lacks: 896 extra parameters per layer.
     """
-    return _build(path, dict(QWEN25_05B_SHAPE), 512, dtype, seed, full_vocab=QWEN25_TOKENS)
+    shape = dict(QWEN25_05B_SHAPE)
+    return _build(path, shape, build_bench_tokenizer(shape["max_position_embeddings"]), dtype, seed)
 
 
 def cached_tiny_model(root: str | os.PathLike, *, bench: bool = False, **kwargs: Any) -> Path:

@@ -9,16 +9,15 @@ import pytest
 
 from ruvllm_cli.testing.tiny_model import (
     QWEN25_05B_SHAPE,
-    QWEN25_TOKENS,
     SPECIAL_TOKENS,
     TOOL_TOKENS,
     _llama_config,
     build_bench_model,
+    build_bench_tokenizer,
     build_tiny_model,
     cached_tiny_model,
-    train_tokenizer,
-    widen_tokenizer,
 )
+from ruvllm_cli.testing.synthetic_vocab import REGULAR_TOKENS
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -242,31 +241,18 @@ def test_bench_model_builds_in_bf16(tmp_path: Path) -> None:
         total = sum(_numel(weights.get_slice(k).get_shape()) for k in weights.keys())
         assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
     assert total == 494_032_768 + 24 * 896
-    assert len(transformers.AutoTokenizer.from_pretrained(path)) == QWEN25_TOKENS
+    assert len(transformers.AutoTokenizer.from_pretrained(path)) == REGULAR_TOKENS + 7
 
 
-def test_a_widened_tokenizer_keeps_the_trained_one_and_its_added_tokens_last() -> None:
-    trained = train_tokenizer(512)
-    wide = widen_tokenizer(train_tokenizer(512), 3_000)
-    again = widen_tokenizer(train_tokenizer(512), 3_000)
-    assert wide.get_vocab_size() == 3_000 and wide.to_str() == again.to_str()
-    # The trained tokens keep their ids; the tool markers move to the end, still added.
-    vocab = wide.get_vocab()
-    assert all(vocab[token] == i for token, i in trained.get_vocab().items() if token not in TOOL_TOKENS)
-    assert [vocab[t] for t in TOOL_TOKENS] == [2_998, 2_999]
-    assert [t.content for t in wide.get_added_tokens_decoder().values()] == [*SPECIAL_TOKENS, *TOOL_TOKENS]
-    new = [token for token, i in vocab.items() if 510 <= i < 2_998]
-    assert len(new) == 2_488 and max(len(token) for token in new) <= 8
-    # New merges apply (a text made of new tokens takes fewer ids than before), and
-    # every text still decodes back.
-    text = wide.decode([vocab[t] for t in new[:50]])
-    assert len(wide.encode(text).ids) < len(trained.encode(text).ids)
-    for text in (text, "Hello <tool_call>{}</tool_call> wörld 😀"):
-        assert wide.decode(wide.encode(text).ids) == text
-
-
-def _numel(shape: list[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
+def test_the_bench_tokenizer_has_qwen25s_size_and_the_tiny_models_special_tokens() -> None:
+    tokenizer = build_bench_tokenizer()
+    assert len(tokenizer) == REGULAR_TOKENS + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    ids = tokenizer.convert_tokens_to_ids([*SPECIAL_TOKENS, *TOOL_TOKENS])
+    assert ids == list(range(REGULAR_TOKENS, REGULAR_TOKENS + 7))
+    text = "<|im_start|>assistant\nHello <tool_call>{\"name\": \"f\"}</tool_call> 12 wörld 中文<|im_end|>"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text[len("<|im_start|>"):-len("<|im_end|>")]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
