@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 KIND_LABELS = {"local": "local path", "registry": "registry alias", "hub": "Hugging Face id"}
+WEIGHTS_FROM = {"gguf": "GGUF file", "safetensors": "safetensors"}
 
 
 # ---------------------------------------------------------------- gathering
@@ -100,10 +101,13 @@ def parameter_count(ref: ModelRef, shape: ModelShape | None, directory: Path | N
     return None, None
 
 
-def memory_table(params: int | None, kv_shape: KVShape | None) -> dict[str, Any] | None:
+def memory_table(params: int | None, kv_shape: KVShape | None,
+                 from_gguf: frozenset[Quantization] = frozenset()) -> dict[str, Any] | None:
+    """Estimates per quantization; those in `from_gguf` load from a GGUF file of theirs."""
     if params is None:
         return None
-    return {q.value: estimate_memory(params, q, kv_shape, DEFAULT_CONTEXT) for q in Quantization}
+    return {q.value: estimate_memory(params, q, kv_shape, DEFAULT_CONTEXT, gguf=q in from_gguf)
+            for q in Quantization}
 
 
 def read_gguf(path: Path) -> GGUFLayout | ModelLoadError:
@@ -175,7 +179,11 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
     params, source = parameter_count(ref, shape, directory)
     kv_shape = shape or (ref.entry.kv_shape if ref.entry else None)
     ggufs = {path: read_gguf(path) for path in _gguf_files(ref, downloads)}
-    memory = memory_table(params, kv_shape)
+    # An alias without its safetensors loads the registry's GGUF file of a quantization
+    # (registry.locate), which is what `download` fetches for it.
+    from_gguf = frozenset(ref.entry.gguf_files) if ref.kind == "registry" and ref.entry and directory is None \
+        else frozenset()
+    memory = memory_table(params, kv_shape, from_gguf)
     own = ggufs.get(ref.local_path) if ref.local_path is not None else None
     if params is None and own is not None and not isinstance(own, ModelLoadError):
         (params, memory), source = gguf_memory(own), "GGUF header"
@@ -271,11 +279,12 @@ def _render_memory(out: Output, data: dict[str, Any]) -> None:
         out.print("Memory estimates: unknown until the model's config.json is available "
                   "(download it, or use a registry alias).")
         return
-    rows = [(m["label"] + f" ({q})", format_bytes(m["weights_bytes"]), format_bytes(m["kv_cache_bytes"]),
-             format_bytes(m["overhead_bytes"]), format_bytes(m["total_bytes"])) for q, m in memory.items()]
+    rows = [(m["label"] + f" ({q})", WEIGHTS_FROM[m["weights_from"]], format_bytes(m["weights_bytes"]),
+             format_bytes(m["kv_cache_bytes"]), format_bytes(m["overhead_bytes"]), format_bytes(m["total_bytes"]))
+            for q, m in memory.items()]
     caption = (f"{data['parameters']:,} parameters, from the {data['parameter_source']}; weights as ruvllm "
                f"holds them on a CPU; KV cache for {data['memory_context']:,} tokens")
-    out.table(["Quantization", "Weights", "KV cache", "Overhead", "Total"], rows,
+    out.table(["Quantization", "From", "Weights", "KV cache", "Overhead", "Total"], rows,
               title="Memory estimates", caption=escape(caption))
 
 

@@ -25,11 +25,15 @@ def format_params(params_b: float | None) -> str:
     return f"{params_b:.2f}B" if params_b >= 1 else f"{params_b * 1000:.0f}M"
 
 
-def entry_memory(entry: ModelEntry) -> dict[str, Any] | None:
-    """Memory estimate at the entry's recommended quantization; None without a parameter count."""
+def entry_memory(entry: ModelEntry, safetensors: bool = False) -> dict[str, Any] | None:
+    """Memory estimate at the entry's recommended quantization, loaded from what the
+    engine would load: the GGUF file `download` fetches where the registry names one,
+    unless the safetensors are downloaded; None without a parameter count."""
     if entry.params is None:
         return None
-    return estimate_memory(entry.params, entry.recommended_quantization, entry.kv_shape)
+    quantization = entry.recommended_quantization
+    gguf = quantization in entry.gguf_files and not safetensors
+    return estimate_memory(entry.params, quantization, entry.kv_shape, gguf=gguf)
 
 
 def downloads_of(entry: ModelEntry, downloaded: list[DownloadedModel]) -> list[DownloadedModel]:
@@ -42,7 +46,7 @@ def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel]) -> dic
     mine = downloads_of(entry, downloaded)
     return {
         **entry.to_dict(),
-        "memory_estimate": entry_memory(entry),
+        "memory_estimate": entry_memory(entry, any(m.repo_id.lower() == entry.repo_id.lower() for m in mine)),
         "downloaded": bool(mine),
         "downloads": [{"repo_id": m.repo_id, "revision": m.revision, "commit": m.commit,
                        "stored_as": m.stored_as, "path": str(m.path)} for m in mine],

@@ -5,7 +5,8 @@
                  q8 1 byte, q4k 4-bit codes with a 16-bit scale and zero per group of 128
                  (tables: 32), f16 2 bytes, none 4 bytes (a tied LM head then takes a packed
                  copy of the table). Without the shape's hidden and vocabulary sizes every
-                 parameter counts as a linear layer's.
+                 parameter counts as a linear layer's. From a GGUF file (what `download`
+                 fetches for an alias that names one) q4k takes groups of 32 everywhere.
     kv_cache   = 2 (K and V) x layers x kv_heads x head_dim x kv_dtype_bytes x context
                  (the cache is kept in 16-bit, or in 32-bit when the model runs unquantized F32)
     overhead   = 2% of weights + 320 MiB: `import torch` (218 MiB), a 150k-token tokenizer,
@@ -34,6 +35,9 @@ DEFAULT_CONTEXT = 4096
 LAYOUT_BYTES: dict[Quantization, tuple[float, float]] = {
     Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 128, 0.5 + 4 / 32),
     Quantization.F16: (2.0, 2.0), Quantization.F32: (4.0, 4.0)}
+# A GGUF file's weights load in its own block width: q4k in groups of 32 everywhere
+# (engine/gguf_plan.py; "GGUF straight in" in docs/design.md).
+GGUF_LAYOUT_BYTES = {**LAYOUT_BYTES, Quantization.Q4_K_M: (0.5 + 4 / 32, 0.5 + 4 / 32)}
 
 
 class KVShape(Protocol):
@@ -46,11 +50,13 @@ def kv_dtype_bytes(quantization: Quantization | str) -> int:
     return 4 if parse_quantization(quantization) is Quantization.F32 else 2
 
 
-def estimate_weight_bytes(params: int | float, quantization: Quantization | str, shape: Any = None) -> int:
+def estimate_weight_bytes(params: int | float, quantization: Quantization | str, shape: Any = None,
+                          gguf: bool = False) -> int:
     """Bytes the weights take loaded at `quantization`: the embedding table apart where
-    `shape` gives its size (hidden_size and vocab_size; a ModelShape or a registry entry)."""
+    `shape` gives its size (hidden_size and vocab_size; a ModelShape or a registry entry);
+    `gguf`: loaded from a GGUF file of that quantization (q4k's groups of 32)."""
     quant = parse_quantization(quantization)
-    linear, table = LAYOUT_BYTES[quant]
+    linear, table = (GGUF_LAYOUT_BYTES if gguf else LAYOUT_BYTES)[quant]
     hidden, vocab = getattr(shape, "hidden_size", None), getattr(shape, "vocab_size", None)
     embedding = hidden * vocab if hidden and vocab else 0
     head_copy = embedding if quant is Quantization.F32 and getattr(shape, "tie_word_embeddings", False) else 0
@@ -67,16 +73,19 @@ def estimate_overhead_bytes(weight_bytes: int) -> int:
 
 
 def estimate_memory(params: int | float, quantization: Quantization | str, shape: KVShape | None = None,
-                    context: int = DEFAULT_CONTEXT, weight_bytes: int | None = None) -> dict[str, Any]:
+                    context: int = DEFAULT_CONTEXT, weight_bytes: int | None = None,
+                    gguf: bool = False) -> dict[str, Any]:
     """Weights + KV cache at `context` tokens + runtime overhead, in bytes (see module doc).
-    `weight_bytes`: the weights' size where it is known tensor by tensor (a GGUF file's)."""
+    `weight_bytes`: the weights' size where it is known tensor by tensor (a GGUF file's
+    header); `gguf`: the weights come from a GGUF file of that quantization."""
     quant = parse_quantization(quantization)
-    weights = estimate_weight_bytes(params, quant, shape) if weight_bytes is None else weight_bytes
+    weights = estimate_weight_bytes(params, quant, shape, gguf) if weight_bytes is None else weight_bytes
     kv = estimate_kv_bytes_per_token(shape, kv_dtype_bytes(quant)) * context if shape else None
     overhead = estimate_overhead_bytes(weights)
     return {
         "quantization": quant.value,
         "label": quant.label,
+        "weights_from": "gguf" if gguf or weight_bytes is not None else "safetensors",
         "context": context,
         "weights_bytes": weights,
         "kv_cache_bytes": kv,

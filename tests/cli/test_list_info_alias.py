@@ -85,7 +85,12 @@ def test_list_json_fields(ruvllm: Run) -> None:
                                    "q8": "qwen2.5-0.5b-instruct-q8_0.gguf",
                                    "f16": "qwen2.5-0.5b-instruct-fp16.gguf"}
     assert small["sampling"] == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}
-    assert small["memory_estimate"] == estimate_memory(entry.params, "q8", entry, 4096)
+    # not downloaded: estimated as the Q8_0 file `download` fetches loads (q8: the same bytes)
+    assert small["memory_estimate"] == estimate_memory(entry.params, "q8", entry, 4096, gguf=True)
+    assert small["memory_estimate"]["weights_from"] == "gguf"
+    qwen = next(m for m in data["models"] if m["alias"] == "qwen")["memory_estimate"]
+    # q4k from a GGUF file: groups of 32 everywhere, 0.625 bytes a weight (0.53 from safetensors)
+    assert qwen["weights_bytes"] == round(7_615_616_512 * 0.625)
 
 
 def test_list_long_shows_every_field(ruvllm: Run, cli_env: dict[str, str]) -> None:
@@ -107,6 +112,21 @@ def test_list_downloaded_when_empty(ruvllm: Run) -> None:
     assert "No models downloaded yet" in result.stderr
     data = json.loads(ruvllm("list", "-d", "--json").stdout)
     assert data == {"models": [], "count": 0, "total_bytes": 0}
+
+
+def test_an_alias_with_its_safetensors_downloaded_is_estimated_from_them(ruvllm: Run, isolated_env: Any,
+                                                                          tiny_model_dir: Path) -> None:
+    """What would load decides the layout: the safetensors once they are in the cache
+    (registry.locate prefers them), the registry's GGUF file before."""
+    def weights_from() -> tuple[str, str]:   # list (at q8, recommended), info at q4k
+        listed = json.loads(ruvllm("list", "--json").stdout)["models"]
+        small = next(m for m in listed if m["alias"] == "qwen-1.5b")
+        return small["memory_estimate"]["weights_from"], json.loads(
+            ruvllm("info", "qwen-1.5b", "--json").stdout)["memory"]["q4k"]["weights_from"]
+
+    assert weights_from() == ("gguf", "gguf")
+    fake_download(isolated_env.cache_dir, tiny_model_dir, repo_id="Qwen/Qwen2.5-1.5B-Instruct")
+    assert weights_from() == ("safetensors", "safetensors")
 
 
 def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any,
@@ -169,7 +189,10 @@ def test_info_registry_alias_json(ruvllm: Run) -> None:
     assert list(data["memory"]) == ["q4k", "q8", "f16", "none"]
     entry = builtin_entries()["qwen"]
     for quant, memory in data["memory"].items():
-        assert memory == estimate_memory(entry.params, quant, entry, 4096)
+        # the registry names GGUF files for q4k, q8 and f16: those are what would load
+        gguf = quant != "none"
+        assert memory == estimate_memory(entry.params, quant, entry, 4096, gguf=gguf)
+        assert memory["weights_from"] == ("gguf" if gguf else "safetensors")
 
 
 def test_info_registry_alias_table(ruvllm: Run, cli_env: dict[str, str]) -> None:
