@@ -184,9 +184,13 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
     from_gguf = frozenset(ref.entry.gguf_files) if ref.kind == "registry" and ref.entry and directory is None \
         else frozenset()
     memory = memory_table(params, kv_shape, from_gguf)
-    own = ggufs.get(ref.local_path) if ref.local_path is not None else None
-    if params is None and own is not None and not isinstance(own, ModelLoadError):
-        (params, memory), source = gguf_memory(own), "GGUF header"
+    if params is None:
+        # A GGUF file given by path, or a downloaded GGUF repo's first readable file: no
+        # config.json, but its header holds what the table needs.
+        own = ggufs.get(ref.local_path) if ref.local_path is not None else None
+        own = own or next((layout for layout in ggufs.values() if not isinstance(layout, ModelLoadError)), None)
+        if own is not None and not isinstance(own, ModelLoadError):
+            (params, memory), source = gguf_memory(own), "GGUF header"
     return {
         "model": name,
         "kind": ref.kind,

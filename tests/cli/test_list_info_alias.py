@@ -256,6 +256,21 @@ def test_info_gguf_file_memory_from_its_header(ruvllm: Run, cli_env: dict[str, s
     assert "Memory estimates" in shown and "from the GGUF header" in shown
 
 
+def test_info_downloaded_gguf_repo_memory_from_its_file(ruvllm: Run, isolated_env: Any, tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_gguf(tiny_model_dir, repo / "tiny-Q8_0.gguf")
+    fake_download(isolated_env.cache_dir, repo, repo_id="someone/Tiny-GGUF")
+    data = json.loads(ruvllm("info", "someone/Tiny-GGUF", "--json").stdout)
+    assert data["config"] is None and data["downloaded"] is True
+    assert (data["parameters"], data["parameter_source"]) == (count_parameters(read_model_config(tiny_model_dir)),
+                                                              "GGUF header")
+    assert data["memory"]["q8"]["weights_from"] == "gguf" and data["memory"]["q8"]["kv_cache_bytes"] > 0
+
+
 def test_info_local_gguf_file(ruvllm: Run, tmp_path: Path) -> None:
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 60)
