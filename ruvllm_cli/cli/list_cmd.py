@@ -15,8 +15,9 @@ from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, estimate_memory, format_bytes
 from ruvllm_cli.registry.registry import ModelEntry, load_registry
 
-MEMORY_CAPTION = ("Memory: weights at the recommended quantization, as ruvllm holds them on a CPU, + KV cache "
-                  f"for {DEFAULT_CONTEXT:,} tokens + runtime overhead.")
+MEMORY_CAPTION = ("Memory: weights at the recommended quantization as `ruvllm chat` would hold them on a CPU "
+                  "(from the GGUF file `ruvllm download` fetches where the registry names one, unless the "
+                  f"safetensors are downloaded) + KV cache for {DEFAULT_CONTEXT:,} tokens + runtime overhead.")
 
 
 def format_params(params_b: float | None) -> str:
