@@ -22,7 +22,7 @@ from ruvllm_cli.engine.gguf_check import GGUFLayout, check_gguf
 from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.registry.memory import LAYOUT_BYTES
+from ruvllm_cli.registry.memory import layout_bytes
 
 log = logging.getLogger(__name__)
 STREAM_ENV = "RUVLLM_STREAM_LOAD"  # "0": always load through transformers, then quantize
@@ -145,13 +145,11 @@ def memory_needed(path: Path, config: dict[str, Any] | None, device: torch.devic
     if quantization in (Quantization.Q8_0, Quantization.Q4_K_M):
         # registry.memory's layout sizes, which `info` shows: measured against
         # `weight_bytes` of the loaded 0.5B shape within 1% (docs/design.md, "Loading").
-        linear, table = LAYOUT_BYTES[quantization]
         # Streamed (stream_load): the quantized model, plus the one tensor being
         # converted; a tied head gets its own quantized copy unless it shares the
         # table. Norms take the activations' dtype; q8 counts a float32 scale per
         # output row in our kernel, fbgemm's scale and zero point (16 bytes) in its.
-        quantized = weights - embedding - norms
-        loaded = quantized * linear + embedding * table + head_copy * linear + norms * dtype.itemsize
+        loaded = layout_bytes(quantization, weights - norms, embedding, head_copy) + norms * dtype.itemsize
         if quantization is Quantization.Q8_0:
             loaded += rows * (4 if plan.own_int8 else 16)
     elif quantization is Quantization.F16 and dtype == torch.float32:

@@ -50,17 +50,25 @@ def kv_dtype_bytes(quantization: Quantization | str) -> int:
     return 4 if parse_quantization(quantization) is Quantization.F32 else 2
 
 
+def layout_bytes(quantization: Quantization, params: int | float, embedding: int | float = 0,
+                 head_copy: int | float = 0, gguf: bool = False) -> float:
+    """Bytes `params` weights take in our layouts at `quantization`, `embedding` of them
+    the embedding table's, plus a tied head's own copy of `head_copy` weights (a linear
+    layer's layout): the rule `info`'s estimates and the loader's memory check share."""
+    linear, table = (GGUF_LAYOUT_BYTES if gguf else LAYOUT_BYTES)[quantization]
+    return (params - embedding) * linear + embedding * table + head_copy * linear
+
+
 def estimate_weight_bytes(params: int | float, quantization: Quantization | str, shape: Any = None,
                           gguf: bool = False) -> int:
     """Bytes the weights take loaded at `quantization`: the embedding table apart where
     `shape` gives its size (hidden_size and vocab_size; a ModelShape or a registry entry);
     `gguf`: loaded from a GGUF file of that quantization (q4k's groups of 32)."""
     quant = parse_quantization(quantization)
-    linear, table = (GGUF_LAYOUT_BYTES if gguf else LAYOUT_BYTES)[quant]
     hidden, vocab = getattr(shape, "hidden_size", None), getattr(shape, "vocab_size", None)
     embedding = hidden * vocab if hidden and vocab else 0
     head_copy = embedding if quant is Quantization.F32 and getattr(shape, "tie_word_embeddings", False) else 0
-    return int(round((params - embedding) * linear + embedding * table + head_copy * linear))
+    return int(round(layout_bytes(quant, params, embedding, head_copy, gguf)))
 
 
 def estimate_kv_bytes_per_token(shape: KVShape, dtype_bytes: int = 2) -> int:
