@@ -23,6 +23,7 @@ from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, KVShape, estimate_memory, format_bytes
 from ruvllm_cli.registry.model_config import (ModelShape, count_parameters, count_parameters_from_safetensors,
                                               read_model_config)
+from ruvllm_cli.registry.locate import loads_gguf
 from ruvllm_cli.registry.registry import ModelRef, resolve_model
 
 if TYPE_CHECKING:
@@ -179,10 +180,7 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
     params, source = parameter_count(ref, shape, directory)
     kv_shape = shape or (ref.entry.kv_shape if ref.entry else None)
     ggufs = {path: read_gguf(path) for path in _gguf_files(ref, downloads)}
-    # An alias without its safetensors loads the registry's GGUF file of a quantization
-    # (registry.locate), which is what `download` fetches for it.
-    from_gguf = frozenset(ref.entry.gguf_files) if ref.kind == "registry" and ref.entry and directory is None \
-        else frozenset()
+    from_gguf = frozenset(q for q in Quantization if loads_gguf(ref, q, cache))
     memory = memory_table(params, kv_shape, from_gguf)
     if params is None:
         # A GGUF file given by path, or a downloaded GGUF repo's first readable file: no

@@ -13,7 +13,8 @@ from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.output import Output
 from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, estimate_memory, format_bytes
-from ruvllm_cli.registry.registry import ModelEntry, load_registry
+from ruvllm_cli.registry.locate import loads_gguf
+from ruvllm_cli.registry.registry import ModelEntry, ModelRef, load_registry
 
 MEMORY_CAPTION = ("Memory: weights at the recommended quantization as `ruvllm chat` would hold them on a CPU "
                   "(from the GGUF file `ruvllm download` fetches where the registry names one, unless the "
@@ -26,14 +27,13 @@ def format_params(params_b: float | None) -> str:
     return f"{params_b:.2f}B" if params_b >= 1 else f"{params_b * 1000:.0f}M"
 
 
-def entry_memory(entry: ModelEntry, safetensors: bool = False) -> dict[str, Any] | None:
-    """Memory estimate at the entry's recommended quantization, loaded from what the
-    engine would load: the GGUF file `download` fetches where the registry names one,
-    unless the safetensors are downloaded; None without a parameter count."""
+def entry_memory(entry: ModelEntry, cache: ModelCache) -> dict[str, Any] | None:
+    """Memory estimate at the entry's recommended quantization, from what `chat` would
+    load (registry.locate); None without a parameter count."""
     if entry.params is None:
         return None
     quantization = entry.recommended_quantization
-    gguf = quantization in entry.gguf_files and not safetensors
+    gguf = entry.path is None and loads_gguf(ModelRef("registry", entry.repo_id, entry=entry), quantization, cache)
     return estimate_memory(entry.params, quantization, entry.kv_shape, gguf=gguf)
 
 
@@ -43,11 +43,11 @@ def downloads_of(entry: ModelEntry, downloaded: list[DownloadedModel]) -> list[D
     return [model for model in downloaded if model.repo_id.lower() in repos]
 
 
-def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel]) -> dict[str, Any]:
+def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel], cache: ModelCache) -> dict[str, Any]:
     mine = downloads_of(entry, downloaded)
     return {
         **entry.to_dict(),
-        "memory_estimate": entry_memory(entry, any(m.repo_id.lower() == entry.repo_id.lower() for m in mine)),
+        "memory_estimate": entry_memory(entry, cache),
         "downloaded": bool(mine),
         "downloads": [{"repo_id": m.repo_id, "revision": m.revision, "commit": m.commit,
                        "stored_as": m.stored_as, "path": str(m.path)} for m in mine],
@@ -161,7 +161,8 @@ def command(downloaded: bool, long_: bool, as_json: bool) -> None:
     app = app_context()
     out = app.output()
     registry = load_registry()
-    cached = ModelCache(app.cache_dir).downloaded()
+    cache = ModelCache(app.cache_dir)
+    cached = cache.downloaded()
     if downloaded:
         index = _aliases_by_repo(registry)
         records = [downloaded_record(model, index) for model in cached]
@@ -171,7 +172,7 @@ def command(downloaded: bool, long_: bool, as_json: bool) -> None:
         else:
             render_downloaded(out, records, long_)
         return
-    records = [registry_record(entry, cached) for entry in registry.values()]
+    records = [registry_record(entry, cached, cache) for entry in registry.values()]
     if as_json:
         out.json({"models": records, "context": DEFAULT_CONTEXT})
     elif long_:

@@ -28,6 +28,14 @@ def gguf_variant(ref: ModelRef, quantization: Quantization) -> tuple[ModelRef, s
     return (ModelRef(kind="hub", repo_id=entry.gguf_repo, entry=entry), name) if name else None
 
 
+def loads_gguf(ref: ModelRef, quantization: Quantization, cache: ModelCache) -> bool:
+    """Whether `locate_model` gives, or once downloaded would give, the registry's GGUF
+    file for `quantization` (what `download` fetches) rather than safetensors: the
+    registry names one and the safetensors are not in the cache."""
+    return (not ref.revision and gguf_variant(ref, quantization) is not None
+            and cache.find(ref.repo_id, ref.revision) is None)   # type: ignore[arg-type]
+
+
 def locate_model(name: str, cache_dir: Path, quantization: Quantization | None = None) -> LocatedModel:
     """Resolve `name` (path, alias or HF id) and find its files: a local path as is;
     else the downloaded safetensors, or for an alias its downloaded GGUF variant (of
