@@ -182,13 +182,11 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
     ggufs = {path: read_gguf(path) for path in _gguf_files(ref, downloads)}
     from_gguf = frozenset(q for q in Quantization if loads_gguf(ref, q, cache))
     memory = memory_table(params, kv_shape, from_gguf)
-    if params is None:
-        # A GGUF file given by path, or a downloaded GGUF repo's first readable file: no
-        # config.json, but its header holds what the table needs.
-        own = ggufs.get(ref.local_path) if ref.local_path is not None else None
-        own = own or next((layout for layout in ggufs.values() if not isinstance(layout, ModelLoadError)), None)
-        if own is not None and not isinstance(own, ModelLoadError):
-            (params, memory), source = gguf_memory(own), "GGUF header"
+    readable = [layout for layout in ggufs.values() if not isinstance(layout, ModelLoadError)]
+    if params is None and readable:
+        # A GGUF file given by path (the only one then), or a downloaded GGUF repo's first
+        # readable file: no config.json, but its header holds what the table needs.
+        (params, memory), source = gguf_memory(readable[0]), "GGUF header"
     return {
         "model": name,
         "kind": ref.kind,
