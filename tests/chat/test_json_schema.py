@@ -150,5 +150,6 @@ def test_repl_replies_are_valid_json(spawn_chat: Callable[..., Any], person_file
     assert len(replies) == 2
     for reply in replies:
         jsonschema.validate(json.loads(reply), PERSON)
+    child.expect("You>")   # Ctrl+D typed before the prompt reads is lost in the pty's cooked mode
     child.sendeof()
     child.expect("Goodbye.")
