@@ -9,7 +9,7 @@ and q4k's; with --half, float16 weights in ruvllm's own
 kernel, engine/half.py), the 16-row / 1-row cost ratio (which bounds the
 aggregate/single-stream decode ratio), and one layer's GFLOP/s with its weight
 resident in cache, for the compute ceiling. --dtype float32 runs the plain and packed
-layers in float32 (the only packed path on a CPU without bfloat16 kernels).
+layers in float32 (the only packed path on a CPU without oneDNN bfloat16 kernels).
 
     .venv/bin/python scripts/bench_linear_shapes.py [--threads 2] [--quantized] [--half] [--dtype float32]
 """

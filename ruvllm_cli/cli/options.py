@@ -39,8 +39,8 @@ DEVICE = click.Choice(["auto", "cpu", "cuda", "mps"], case_sensitive=False)
 
 # What chat, serve and benchmark load when -q is not given (cli/engine_setup.py decides).
 LOAD_DEFAULT = ("what the files are: a GGUF file keeps its type (Q4_K_M as q4k, Q8_0 as q8, F16 as none); "
-                "safetensors load as f16 (on a CPU without bfloat16 kernels: float16 weights in ruvllm's "
-                "kernel, or none where no C compiler builds it)")
+                "safetensors load as f16 (on a CPU without AVX-512 BF16: float16 weights in ruvllm's "
+                "kernel; with no C compiler to build it, bfloat16 where oneDNN emulates it, else none)")
 
 
 def quantization_option(help_text: str, default_text: str) -> Any:

@@ -1,11 +1,14 @@
-"""float16 weights with float32 arithmetic, for CPUs without bfloat16 kernels.
+"""float16 weights with float32 arithmetic, for CPUs without AVX-512 BF16.
 
-On such a CPU (every AVX2-only x86-64: most laptops) oneDNN cannot pack bfloat16,
-so a 16-bit model ran float32: twice the memory and a quarter of the speed of
-llama.cpp's F16. Here the weights stay float16 (a bfloat16 checkpoint converts
+On such a CPU (every AVX2-only x86-64, most laptops among them) oneDNN cannot pack
+bfloat16, so a 16-bit model ran float32: twice the memory and a quarter of the speed
+of llama.cpp's F16; on AVX-512 CPUs without BF16 its bfloat16 is emulated (0.7x of
+this path's decode). Here the weights stay float16 (a bfloat16 checkpoint converts
 exactly, its 7-bit mantissa fitting in float16's 10, except for values below
 float16's normal range) and `kernels.half_kernel()` widens them in registers, so
-every sum is float32 as in `-q none` (docs/design.md, section 5a).
+every sum is float32 as in `-q none`; prompt chunks of GEMM_ROWS rows and more run
+MKL's float32 GEMM on the weights widened a block at a time (docs/design.md, sections
+5a and 19).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from torch.nn import functional as F
 from ruvllm_cli.engine.kernels import HalfKernel, half_kernel
 
 _scratch = threading.local()   # engines of a multi-model server step in threads of their own
+# Rows from which a call takes dense_gemm's blockwise GEMM (MKL's float32 GEMM on the
+# weights widened a block at a time): the kernel took 0.76-0.79x its time at 16 rows,
+# 0.99-1.19x at 32, 1.14x at 48, 1.30x at 64, 2.6x at 512 (docs/design.md, section 19).
+GEMM_ROWS = 48
 
 
 def scratch_buffer(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -73,6 +80,8 @@ class HalfLinear(nn.Module):
         # (60 -> 52 us a call for a small layer here; docs/design.md, section 20).
         rows = kernel_rows(x, self.in_features, torch.float32)
         count = rows.shape[0]
+        if count >= GEMM_ROWS:
+            return self._gemm(rows).view(*x.shape[:-1], self.out_features)
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         threads = torch.get_num_threads()
         room = scratch_floats(count, self.in_features, threads)
@@ -81,6 +90,18 @@ class HalfLinear(nn.Module):
                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
                             out.data_ptr(), scratch, threads)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """Many rows (prompt chunks): float32 GEMM over the weights widened a block of
+        rows at a time."""
+        from ruvllm_cli.engine.dense_gemm import blockwise_gemm   # it imports this module
+
+        weight = self._buffers["weight16"]
+        out = blockwise_gemm(rows, self.out_features,
+                             lambda start, count, room: room.copy_(weight[start:start + count]))
+        if self.bias is not None:
+            out += self.bias
+        return out
 
 
 class HalfEmbedding(nn.Module):

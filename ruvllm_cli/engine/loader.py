@@ -66,9 +66,9 @@ def select_device(name: str = "auto") -> torch.device:
 
 def dtype_for(quantization: Quantization, device: torch.device) -> torch.dtype:
     """The activations' dtype. `none` is float32; `f16` is float16 on accelerators and
-    bfloat16 on a CPU with bfloat16 kernels, while on one without them it keeps float16
-    weights with float32 activations where our own kernel runs (engine/half.py); the
-    quantized types keep 16-bit activations."""
+    bfloat16 on a CPU, except where it keeps float16 weights with float32 activations in
+    our own kernel (half_weights_here; engine/half.py); the quantized types keep 16-bit
+    activations."""
     if quantization is Quantization.F32:
         return torch.float32
     if device.type != "cpu":
@@ -84,12 +84,17 @@ def dtype_for(quantization: Quantization, device: torch.device) -> torch.dtype:
 
 
 def half_weights_here() -> bool:
-    """Whether `f16` on this CPU means float16 weights in our kernel: no bfloat16
-    kernels (AVX-512) for oneDNN, and the kernel builds and loads."""
+    """Whether `f16` on this CPU means float16 weights in our kernel: our bfloat16
+    kernel does not run here, and the float16 one builds and loads. That is every CPU
+    without AVX-512 BF16: those without bfloat16 kernels for oneDNN (AVX2), and AVX-512
+    ones where oneDNN's bfloat16 is emulated, which ran a 0.5B decode at 0.7x, 16
+    streams at 0.6x of float16 in our kernel, with a second copy of a tied head
+    (docs/design.md, section 19)."""
     from ruvllm_cli.engine.kernels import half_kernel
-    from ruvllm_cli.engine.quantize import cpu_has_bf16_kernels
+    from ruvllm_cli.engine.quantize import bf16_weights_here, cpu_has_bf16_kernels
 
-    return not cpu_has_bf16_kernels() and half_kernel() is not None
+    own_bf16 = cpu_has_bf16_kernels() and bf16_weights_here()
+    return not own_bf16 and half_kernel() is not None
 
 
 def _read_config(path: Path) -> dict[str, Any]:

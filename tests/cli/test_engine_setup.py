@@ -14,13 +14,16 @@ from ruvllm_cli.quantization import Quantization
 
 def opened_dtype(model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *,
                  bf16_kernels: bool, quantization: Quantization | None = None,
-                 half_kernel: bool = False) -> tuple[torch.dtype, list[str]]:
-    """Open the engine on CPU as if the CPU had (or lacked) oneDNN's bfloat16 kernels
-    and our float16 kernel: (the loaded dtype, the stderr lines)."""
+                 half_kernel: bool = False, bf16_kernel: bool | None = None) -> tuple[torch.dtype, list[str]]:
+    """Open the engine on CPU as if the CPU had (or lacked) oneDNN's bfloat16 kernels,
+    our float16 kernel and (`bf16_kernel`, unless None) our bfloat16 kernel: (the loaded
+    dtype, the stderr lines)."""
     import ruvllm_cli.engine.kernels as kernels
     import ruvllm_cli.engine.quantize as quantize
 
     monkeypatch.setattr(quantize, "cpu_has_bf16_kernels", lambda: bf16_kernels)
+    if bf16_kernel is not None:
+        monkeypatch.setattr(quantize, "bf16_weights_here", lambda: bf16_kernel)
     if not half_kernel:
         monkeypatch.setattr(kernels, "half_kernel", lambda: None)
     monkeypatch.setenv("COLUMNS", "400")
@@ -43,6 +46,21 @@ def test_no_bf16_kernels_default_is_float16_weights_in_our_kernel(
         pytest.skip("no C compiler or no AVX2/F16C here")
     capsys.readouterr()   # on a fresh machine the check above built the kernel, and said so
     dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False, half_kernel=True)
+    assert dtype == torch.float32
+    assert len(lines) == 1 and "float32 (F16)" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
+
+
+def test_emulated_bf16_default_is_float16_weights_in_our_kernel(
+        bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An AVX-512 CPU without AVX-512 BF16: oneDNN runs bfloat16 (emulated), our bfloat16
+    kernel does not; float16 in our kernel was faster and smaller there (design, section 19)."""
+    from ruvllm_cli.engine.kernels import half_kernel
+
+    if half_kernel() is None:
+        pytest.skip("no C compiler or no AVX2/F16C here")
+    capsys.readouterr()
+    dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=True, half_kernel=True,
+                                bf16_kernel=False)
     assert dtype == torch.float32
     assert len(lines) == 1 and "float32 (F16)" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
 

@@ -34,7 +34,7 @@ def fresh_kernel_dir(tmp_path, monkeypatch):
     kernels.half_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 23, 24, 33])   # x holds two sequences: 48 rows take the GEMM
 @pytest.mark.parametrize("out_features, in_features", [(64, 64), (37, 96), (6, 8), (130, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float32_arithmetic_on_the_float16_weights(rows, out_features, in_features, bias):
@@ -48,6 +48,28 @@ def test_matches_float32_arithmetic_on_the_float16_weights(rows, out_features, i
     got = layer(x)
     assert got.shape == (2, rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_chunks_take_the_blockwise_gemm_and_decode_batches_the_kernel():
+    """From GEMM_ROWS rows (prompt chunks) MKL's GEMM on widened blocks, where it was
+    faster; below, the kernel."""
+    from ruvllm_cli.engine.half import GEMM_ROWS
+
+    weight = torch.randn(40, 64)
+    layer = half_linear(weight, torch.randn(40))
+    calls = []
+    kernel = layer._kernel
+
+    class Counting:
+        def linear(self, *args):
+            calls.append(args[1])
+            return kernel.linear(*args)
+
+    layer._kernel = Counting()
+    for rows in (1, GEMM_ROWS - 1, GEMM_ROWS, 300):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, weight.half().float(), layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, GEMM_ROWS - 1]
 
 
 def test_other_activation_dtypes_are_widened_first():
