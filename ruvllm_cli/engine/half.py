@@ -94,14 +94,9 @@ class HalfLinear(nn.Module):
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows (prompt chunks): float32 GEMM over the weights widened a block of
         rows at a time."""
-        from ruvllm_cli.engine.dense_gemm import blockwise_gemm   # it imports this module
+        from ruvllm_cli.engine.dense_gemm import plain_weight_gemm   # it imports this module
 
-        weight = self._buffers["weight16"]
-        out = blockwise_gemm(rows, self.out_features,
-                             lambda start, count, room: room.copy_(weight[start:start + count]))
-        if self.bias is not None:
-            out += self.bias
-        return out
+        return plain_weight_gemm(rows, self._buffers["weight16"], self.bias)
 
 
 class HalfEmbedding(nn.Module):
