@@ -255,9 +255,7 @@ class LayerPlans:
                 need = max(need, 4 * bf16.scratch_floats(rows, width))
             elif kind == LINEAR_INT4:
                 need = max(need, 4 * int4_dense.scratch_floats(rows, width, group))
-            else:
-                need = max(need, 4 * half.scratch_floats(rows, width, threads))
-        return need
+        return need   # the float16 kernel works in registers
 
     def run(self, decoder: FusedDecoder, step: AttendStep, cache: PagedKVCache, x: torch.Tensor, h: torch.Tensor,
             attended: torch.Tensor) -> None:
@@ -297,7 +295,7 @@ def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, flo
         plan = LinearPlan(LINEAR_BF16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
         rows = bf16.GEMM_ROWS - 1
     elif kind is half.HalfLinear and dtype == torch.float32:
-        tensors = [buffers["weight16"]]
+        tensors = [buffers["blocks16"]]
         plan = LinearPlan(LINEAR_F16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
         rows = float("inf")
     elif kind is Int4Linear and dtype == torch.bfloat16:

@@ -6,9 +6,9 @@ of llama.cpp's F16; on AVX-512 CPUs without BF16 its bfloat16 is emulated (0.7x 
 this path's decode). Here the weights stay float16 (a bfloat16 checkpoint converts
 exactly, its 7-bit mantissa fitting in float16's 10, except for values below
 float16's normal range) and `kernels.half_kernel()` widens them in registers, so
-every sum is float32 as in `-q none`; prompt chunks of GEMM_ROWS rows and more run
-MKL's float32 GEMM on the weights widened a block at a time (docs/design.md, sections
-5a and 19).
+every sum is float32 as in `-q none`. They are stored in blocks of BLOCK output rows,
+k-major (`to_blocks`), which the kernel reads as a register-blocked GEMM for any
+number of rows, one decode row to a whole prompt chunk (docs/design.md, section 19).
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import threading
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ruvllm_cli.engine.kernels import HalfKernel, half_kernel
 
 _scratch = threading.local()   # engines of a multi-model server step in threads of their own
-# Rows from which a call takes dense_gemm's blockwise GEMM (MKL's float32 GEMM on the
-# weights widened a block at a time): the kernel took 0.76-0.79x its time at 16 rows,
-# 0.99-1.19x at 32, 1.14x at 48, 1.30x at 64, 2.6x at 512 (docs/design.md, section 19).
-GEMM_ROWS = 48
+BLOCK = 32   # output rows a block of the kernel's layout (half_gemm.c's BLOCK)
+CHUNK_ROWS = 4096   # rows converted at a time into that layout
 
 
 def scratch_buffer(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -52,26 +49,50 @@ def to_half(weight: torch.Tensor) -> torch.Tensor | None:
     """A float16 copy of `weight` in process memory, or None where float16 cannot hold
     it (values beyond its range would become infinities)."""
     copy = weight.to(torch.float16, copy=True).contiguous()
-    if bool(torch.isinf(copy).any()) and not bool(torch.isinf(weight).any()):
-        return None
-    return copy
+    return None if _overflows(copy, weight) else copy
 
 
-def scratch_floats(rows: int, width: int, threads: int) -> int:
-    """The room `ruvllm_f16_linear` works in: a widened block of weights a thread, none
-    for one row."""
-    return threads * 4 * width if rows > 1 else 0
+def _overflows(half: torch.Tensor, source: torch.Tensor) -> bool:
+    return bool(torch.isinf(half).any()) and not bool(torch.isinf(source).any())
+
+
+def to_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [N, K] (any float dtype) as float16 in the kernel's layout, or None where
+    float16 cannot hold it: [ceil(N / BLOCK), K, BLOCK], block b's [k, j] holding
+    weight[BLOCK * b + j, k], rows past N zeros. Converted CHUNK_ROWS rows at a time, so
+    no second whole copy exists on the way."""
+    n, k = weight.shape
+    count = -(-n // BLOCK)
+    blocks = torch.empty(count, k, BLOCK, dtype=torch.float16)
+    for first in range(0, count, CHUNK_ROWS // BLOCK):
+        last = min(count, first + CHUNK_ROWS // BLOCK)
+        rows = weight[first * BLOCK:min(n, last * BLOCK)]
+        half = rows.to(torch.float16)
+        if _overflows(half, rows):
+            return None
+        if half.shape[0] < (last - first) * BLOCK:   # the last block's padding
+            half = torch.cat([half, half.new_zeros((last - first) * BLOCK - half.shape[0], k)])
+        blocks[first:last] = half.view(last - first, BLOCK, k).transpose(1, 2)
+    return blocks
+
+
+def block_rows(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [N, K] weight that `blocks` (to_blocks' layout) holds: [*ids.shape, K]."""
+    flat = ids.reshape(-1)
+    return blocks[flat // BLOCK, :, flat % BLOCK].view(*ids.shape, blocks.shape[1])
 
 
 class HalfLinear(nn.Module):
-    """A linear layer whose [out, in] weight is float16 and whose inputs, outputs and
-    bias are float32; the product runs in ruvllm's C kernel."""
+    """A linear layer whose weight is float16 in the kernel's blocks (`to_blocks`) and
+    whose inputs, outputs and bias are float32; every call runs ruvllm's C kernel."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: HalfKernel) -> None:
+    def __init__(self, blocks: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                 kernel: HalfKernel) -> None:
         super().__init__()
-        assert weight.dtype == torch.float16 and weight.is_contiguous()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight16", weight)
+        assert blocks.dtype == torch.float16 and blocks.is_contiguous() and blocks.shape[2] == BLOCK
+        assert blocks.shape[0] == -(-out_features // BLOCK)
+        self.out_features, self.in_features = out_features, blocks.shape[1]
+        self.register_buffer("blocks16", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.float().clone(), requires_grad=False)
         self._kernel = kernel
 
@@ -80,43 +101,34 @@ class HalfLinear(nn.Module):
         # (60 -> 52 us a call for a small layer here; docs/design.md, section 20).
         rows = kernel_rows(x, self.in_features, torch.float32)
         count = rows.shape[0]
-        if count >= GEMM_ROWS:
-            return self._gemm(rows).view(*x.shape[:-1], self.out_features)
         out = torch.empty(count, self.out_features, dtype=torch.float32)
-        threads = torch.get_num_threads()
-        room = scratch_floats(count, self.in_features, threads)
-        scratch = scratch_buffer(room).data_ptr() if room else None   # one row: the kernel takes none
-        self._kernel.linear(rows.data_ptr(), count, self.in_features, self._buffers["weight16"].data_ptr(),
+        self._kernel.linear(rows.data_ptr(), count, self.in_features, self._buffers["blocks16"].data_ptr(),
                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                            out.data_ptr(), scratch, threads)
+                            out.data_ptr(), None, torch.get_num_threads())
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
-        """Many rows (prompt chunks): float32 GEMM over the weights widened a block of
-        rows at a time."""
-        from ruvllm_cli.engine.dense_gemm import plain_weight_gemm   # it imports this module
-
-        return plain_weight_gemm(rows, self._buffers["weight16"], self.bias)
 
 
 class HalfEmbedding(nn.Module):
-    """An embedding table kept in float16; looked-up rows come out float32."""
+    """An embedding table kept in float16 in the kernel's blocks (a tied head's own
+    table); looked-up rows come out float32."""
 
-    def __init__(self, weight: torch.Tensor, padding_idx: int | None) -> None:
+    def __init__(self, blocks: torch.Tensor, num_embeddings: int, padding_idx: int | None) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.shape
+        self.num_embeddings, self.embedding_dim = num_embeddings, blocks.shape[1]
         self.padding_idx = padding_idx
-        self.register_buffer("weight16", weight)
+        self.register_buffer("blocks16", blocks)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight16).float()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        return block_rows(self._buffers["blocks16"], ids).float()
 
 
 def half_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> HalfLinear | None:
     """A HalfLinear for `weight` (any float dtype), or None where the kernel cannot take
-    it: no kernel here, an input width not a multiple of 8, or values float16 cannot hold."""
+    it: no kernel here, or values float16 cannot hold."""
     kernel = half_kernel()
-    if kernel is None or weight.shape[1] % 8:
+    if kernel is None:
         return None
-    half = weight if weight.dtype == torch.float16 else to_half(weight)
-    return None if half is None else HalfLinear(half, bias, kernel)
+    blocks = to_blocks(weight)
+    return None if blocks is None else HalfLinear(blocks, weight.shape[0], bias, kernel)

@@ -479,15 +479,20 @@ class Int4TiedEmbedding(nn.Module):
 
 
 def kernel_note(model: nn.Module) -> str:
-    """Which kernels a model's int4 and int8 layers run on this machine, for the load
+    """Which kernels a model's float16, int4 and int8 layers run on this machine, for the load
     line: a property of the machine, not of the weights, so not part of the description
     a weight cache keeps (the same bytes serve every kernel)."""
     from ruvllm_cli.engine.int4_dense import own_runs
     from ruvllm_cli.engine.int8 import Int8Linear
     from ruvllm_cli.engine.kernels import int8_kernel
 
+    from ruvllm_cli.engine.half import HalfLinear
+    from ruvllm_cli.engine.kernels import cpu_has
+
     kinds = {type(module) for module in model.modules()}
     note = ""
+    if HalfLinear in kinds:   # half_gemm.c picks its form by the CPU
+        note += "; its AVX-512 form" if cpu_has(("avx512f",)) else "; its AVX2 form"
     if Int4Linear in kinds:
         note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
@@ -622,8 +627,9 @@ class WeightPlan:
         if self.half:
             from ruvllm_cli.engine.half import HalfEmbedding
 
-            table = self._half_copy(_whole(weight))
-            return None if table is None else HalfEmbedding(table, padding_idx)
+            whole = _whole(weight)
+            table = self._half_copy(whole)
+            return None if table is None else HalfEmbedding(table, whole.shape[0], padding_idx)
         head = self._tied_head(weight)
         if head is not None and self.own_bf16:
             self.shared_table = True
@@ -645,26 +651,28 @@ class WeightPlan:
         from ruvllm_cli.engine.half import HalfLinear
         from ruvllm_cli.engine.kernels import half_kernel
 
-        kernel, half = half_kernel(), self._half_copy(weight)
-        if kernel is None or half is None or weight.shape[1] % 8:
+        kernel = half_kernel()
+        blocks = None if kernel is None else self._half_copy(weight)
+        if blocks is None:
             return None
         self.linears += 1
-        return HalfLinear(half, None if bias is None else bias.float(), kernel)
+        return HalfLinear(blocks, weight.shape[0], None if bias is None else bias.float(), kernel)
 
     def _half_copy(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The float16 copy of `weight`, made once: a tied head and the embedding it
-        shares a matrix with take the same copy (asked one after the other)."""
-        from ruvllm_cli.engine.half import to_half
+        """The float16 copy of `weight` in the kernel's blocks (half.to_blocks), made once:
+        a tied head and the embedding it shares a matrix with take the same copy (asked
+        one after the other)."""
+        from ruvllm_cli.engine.half import to_blocks
 
         # The source is held until the next call, so no other tensor can take its address.
         last = self._last_half
         if last is None or last[0].data_ptr() != weight.data_ptr() or last[0].shape != weight.shape:
-            self._last_half = last = (weight, to_half(weight))
+            self._last_half = last = (weight, to_blocks(weight))
         return last[1]
 
     def describe(self) -> str:
         if self.half:
-            return (f"float16 weights with float32 arithmetic (ruvllm's AVX2 kernel), {self.linears} linear "
+            return (f"float16 weights with float32 arithmetic (ruvllm's kernel), {self.linears} linear "
                     "layers incl. LM head; float16 embeddings")
         if self.own_int8:
             shared = " sharing the tied LM head's table" if self.shared_table else ""

@@ -9,7 +9,8 @@ import torch
 from torch.nn import functional as F
 
 from ruvllm_cli.engine import kernels
-from ruvllm_cli.engine.half import HalfEmbedding, half_linear, to_half
+from ruvllm_cli.engine import half
+from ruvllm_cli.engine.half import BLOCK, HalfEmbedding, half_linear, to_blocks, to_half
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_has(kernels.CPU_FLAGS), reason="needs AVX2, FMA and F16C")
 
@@ -34,8 +35,8 @@ def fresh_kernel_dir(tmp_path, monkeypatch):
     kernels.half_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 23, 24, 33])   # x holds two sequences: 48 rows take the GEMM
-@pytest.mark.parametrize("out_features, in_features", [(64, 64), (37, 96), (6, 8), (130, 1024)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 23, 24, 33])   # x holds two sequences: 2 to 66 rows
+@pytest.mark.parametrize("out_features, in_features", [(64, 64), (37, 96), (6, 8), (130, 1024), (33, 12)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float32_arithmetic_on_the_float16_weights(rows, out_features, in_features, bias):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -50,26 +51,34 @@ def test_matches_float32_arithmetic_on_the_float16_weights(rows, out_features, i
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_prompt_chunks_take_the_blockwise_gemm_and_decode_batches_the_kernel():
-    """From GEMM_ROWS rows (prompt chunks) MKL's GEMM on widened blocks, where it was
-    faster; below, the kernel."""
-    from ruvllm_cli.engine.half import GEMM_ROWS
+def test_a_rows_result_is_the_same_bits_alone_in_a_batch_in_a_prompt_chunk_and_under_avx2():
+    """Every output is one chain of FMAs over k in order: the row count, the tile a row
+    falls in and the vector width change nothing (half_gemm.c)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 96, generator=generator)   # 200: the last block padded
+    bias = torch.randn(200, generator=generator)
+    layer = half_linear(weight, bias)
+    x = torch.randn(300, 96, generator=generator)
+    batched = layer(x)
+    for index in (0, 7, 8, 9, 299):
+        assert torch.equal(layer(x[index:index + 1])[0], batched[index])
+    assert torch.equal(layer(x[5:21]), batched[5:21])
+    avx2 = torch.empty(300, 200)
+    layer._kernel.linear_avx2(x.data_ptr(), 300, 96, layer.blocks16.data_ptr(), 200, layer.bias.data_ptr(),
+                              avx2.data_ptr(), 2)
+    assert torch.equal(avx2, batched)
+    torch.testing.assert_close(batched, F.linear(x, weight.half().float(), bias), rtol=1e-5, atol=1e-5)
 
-    weight = torch.randn(40, 64)
-    layer = half_linear(weight, torch.randn(40))
-    calls = []
-    kernel = layer._kernel
 
-    class Counting:
-        def linear(self, *args):
-            calls.append(args[1])
-            return kernel.linear(*args)
-
-    layer._kernel = Counting()
-    for rows in (1, GEMM_ROWS - 1, GEMM_ROWS, 300):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(layer(x), F.linear(x, weight.half().float(), layer.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, GEMM_ROWS - 1]
+def test_blocks_hold_each_weight_row_k_major_with_the_last_block_padded(monkeypatch):
+    monkeypatch.setattr(half, "CHUNK_ROWS", 64)   # several chunks, the last one short
+    weight = torch.randn(150, 24)
+    blocks = to_blocks(weight)
+    assert blocks.shape == (5, 24, BLOCK) and blocks.dtype == torch.float16
+    assert torch.equal(blocks[1, :, 3], weight[BLOCK + 3].half())
+    assert torch.equal(blocks[4, :, 150 - 4 * BLOCK:], torch.zeros(24, 5 * BLOCK - 150, dtype=torch.float16))
+    ids = torch.tensor([[0, 149, 33], [64, 31, 1]])
+    assert torch.equal(half.block_rows(blocks, ids), weight[ids].half())
 
 
 def test_other_activation_dtypes_are_widened_first():
@@ -79,9 +88,9 @@ def test_other_activation_dtypes_are_widened_first():
     torch.testing.assert_close(layer(x), F.linear(x.float(), weight.half().float()), rtol=1e-5, atol=1e-5)
 
 
-def test_widths_the_kernel_cannot_take_and_values_beyond_float16_are_refused():
-    assert half_linear(torch.randn(8, 12), None) is None             # in_features % 8
+def test_values_beyond_float16_are_refused():
     assert half_linear(torch.full((8, 16), 1e6), None) is None        # float16 overflows
+    assert to_blocks(torch.cat([torch.zeros(40, 4), torch.full((1, 4), 1e6)])) is None   # in the last chunk
     assert to_half(torch.tensor([1.0, float("inf")])) is not None     # an infinity that was there stays
 
 
@@ -94,10 +103,12 @@ def test_a_bfloat16_weight_converts_exactly_within_float16s_normal_range():
 
 
 def test_embedding_rows_come_out_float32():
-    table = torch.randn(10, 8).half()
-    embedding = HalfEmbedding(table, padding_idx=None)
+    table = torch.randn(10, 8)
+    embedding = HalfEmbedding(to_blocks(table), 10, padding_idx=None)
     out = embedding(torch.tensor([[3, 1, 3]]))
-    assert out.dtype == torch.float32 and torch.equal(out[0, 0], table[3].float())
+    assert out.dtype == torch.float32 and torch.equal(out[0, 0], table[3].half().float())
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([10]))   # a padding row of the last block is no token
 
 
 def test_built_once_into_the_cache_and_loaded_after(fresh_kernel_dir, capfd):
@@ -146,7 +157,7 @@ def test_f16_without_bfloat16_kernels_streams_float16_weights_and_matches_float3
     assert isinstance(loaded.model.get_input_embeddings(), HalfEmbedding)
     # A tied head shares the embedding's float16 table (weight_bytes counts it once).
     tied = json.loads((engine_model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
-    shared = loaded.model.get_output_embeddings().weight16 is loaded.model.get_input_embeddings().weight16
+    shared = loaded.model.get_output_embeddings().blocks16 is loaded.model.get_input_embeddings().blocks16
     assert shared == tied
     engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F16))
     prompts = [[5, 6, 7, 8, 9], [100, 200, 300], [7] * 20]

@@ -1,12 +1,21 @@
 /* Linear layers with float16 weights and float32 activations, for x86-64 CPUs with
  * AVX2, FMA and F16C (every such CPU since 2013) but no bfloat16 arithmetic.
  *
- * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): w is read as float16 and widened
- * in registers, so a decode step streams half the bytes of float32 weights while the
- * sums stay float32. One activation row reads the weights a row at a time (the decode
- * GEMV, bandwidth-bound); several rows widen four weight rows once into a float32
- * scratch and run two activation rows at a time against it (docs/design.md, 5a).
- * Threads split the output columns (OpenMP: the runtime torch already loaded). */
+ * out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]). The weights come in blocks of 32
+ * output rows stored k-major (half.py's `to_blocks`): block b holds w[32 b + j, k] at
+ * [b][k][j], so one k of a block is 64 contiguous bytes, 32 float16 values widened by
+ * two `vcvtph2ps` into two 16-lane vectors (four 8-lane ones under AVX2). A tile of up
+ * to eight activation rows runs down a block's k: each row's x[m, k] broadcast against
+ * those vectors into its own sums (16 sums of 16 lanes: the rows' 32 outputs). The
+ * weights are read once per eight rows, straight from memory, widened in registers,
+ * with no scratch and no horizontal sums: the register-blocked form of a GEMM, where
+ * the previous kernel (dot products of two rows against four widened weight rows)
+ * reached a third of this CPU's FMA rate at 16 rows (docs/design.md, section 19).
+ *
+ * Every output is one chain of FMAs over k in order, whatever the number of rows, the
+ * tile a row falls in, or the vector width: a row's result is the same bits alone, in
+ * a decode batch, in a prompt chunk, under AVX2 or AVX-512.
+ * Threads split the blocks (OpenMP: the runtime torch already loaded). */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -14,91 +23,131 @@
 
 #include "common.h"
 
-#define ROWS 4
-/* Software prefetch distance, in bytes, along the weight rows (a thread's rows are
+#define BLOCK 32   /* output rows a block; half.py's BLOCK */
+#define TILE 8     /* activation rows a pass down a block */
+/* Software prefetch distance, in bytes, along a block (a thread's blocks are
  * contiguous, so it runs on into the next): as in int8_gemm.c (design.md, 19 and 20). */
 #define AHEAD 4096
 
-static inline __m256 load_half(const uint16_t *p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+typedef int64_t i64;
+
+/* Rows [m0, m0 + G) of x against block b, into out's 32 columns of the block (the
+ * columns past N, padding, are not written). AVX-512: two 16-lane vectors a k. */
+#define TILE512(G) tile512_##G(x, K, blocks, b, m0, N, bias, out)
+#define DEFINE_TILE512(G)                                                                              \
+__attribute__((target("avx512f,f16c,fma"), always_inline)) static inline void tile512_##G(               \
+        const float *x, i64 K, const uint16_t *blocks, i64 b, i64 m0, i64 N, const float *bias, float *out) { \
+    const uint16_t *w = blocks + b * K * BLOCK;                                                          \
+    const float *row = x + m0 * K;                                                                       \
+    __m512 lo[G], hi[G];                                                                                 \
+    for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm512_setzero_ps();                                     \
+    for (i64 k = 0; k < K; ++k) {                                                                        \
+        _mm_prefetch((const char *)(w + k * BLOCK) + AHEAD, _MM_HINT_T0);                                \
+        const __m512 w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + k * BLOCK)));         \
+        const __m512 w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + k * BLOCK + 16)));    \
+        for (int g = 0; g < G; ++g) {                                                                    \
+            const __m512 v = _mm512_set1_ps(row[g * K + k]);                                             \
+            lo[g] = _mm512_fmadd_ps(v, w0, lo[g]);                                                       \
+            hi[g] = _mm512_fmadd_ps(v, w1, hi[g]);                                                       \
+        }                                                                                                \
+    }                                                                                                    \
+    store_tile(lo, hi, G, 16, b, m0, N, bias, out);                                                      \
 }
 
-/* One activation row against one weight row read as float16: eight independent sums
- * over 64 weights a step. One row at a time keeps each thread on a single forward
- * stream (the prefetcher's best case); four rows read side by side, as this kernel
- * first did, streamed 1.35x slower (docs/design.md, section 19). */
-static float dot_row(const float *x, const uint16_t *r, int64_t K) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {   /* 128 bytes of weights: two cache lines, fetched AHEAD on */
-        _mm_prefetch((const char *)(r + k) + AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)(r + k) + AHEAD + 64, _MM_HINT_T0);
-        a0 = _mm256_fmadd_ps(load_half(r + k), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(load_half(r + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-        a2 = _mm256_fmadd_ps(load_half(r + k + 16), _mm256_loadu_ps(x + k + 16), a2);
-        a3 = _mm256_fmadd_ps(load_half(r + k + 24), _mm256_loadu_ps(x + k + 24), a3);
-        a4 = _mm256_fmadd_ps(load_half(r + k + 32), _mm256_loadu_ps(x + k + 32), a4);
-        a5 = _mm256_fmadd_ps(load_half(r + k + 40), _mm256_loadu_ps(x + k + 40), a5);
-        a6 = _mm256_fmadd_ps(load_half(r + k + 48), _mm256_loadu_ps(x + k + 48), a6);
-        a7 = _mm256_fmadd_ps(load_half(r + k + 56), _mm256_loadu_ps(x + k + 56), a7);
-    }
-    for (; k < K; k += 8) a0 = _mm256_fmadd_ps(load_half(r + k), _mm256_loadu_ps(x + k), a0);
-    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
-                             _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
-    return hsum(s);
+/* The same under AVX2: four 8-lane vectors a k, in two passes of 16 columns (the
+ * sixteen registers hold a pass's sums for up to six rows: tiles of six). */
+#define TILE256(G) tile256_##G(x, K, blocks, b, m0, N, bias, out)
+#define DEFINE_TILE256(G)                                                                              \
+__attribute__((always_inline)) static inline void tile256_##G(                                          \
+        const float *x, i64 K, const uint16_t *blocks, i64 b, i64 m0, i64 N, const float *bias, float *out) { \
+    const uint16_t *w = blocks + b * K * BLOCK;                                                          \
+    const float *row = x + m0 * K;                                                                       \
+    for (int half = 0; half < 2; ++half) {                                                               \
+        __m256 lo[G], hi[G];                                                                             \
+        for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_ps();                                 \
+        for (i64 k = 0; k < K; ++k) {                                                                    \
+            const uint16_t *at = w + k * BLOCK + 16 * half;                                              \
+            _mm_prefetch((const char *)at + AHEAD, _MM_HINT_T0);                                         \
+            const __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at));                     \
+            const __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 8)));               \
+            for (int g = 0; g < G; ++g) {                                                                \
+                const __m256 v = _mm256_set1_ps(row[g * K + k]);                                         \
+                lo[g] = _mm256_fmadd_ps(v, w0, lo[g]);                                                   \
+                hi[g] = _mm256_fmadd_ps(v, w1, hi[g]);                                                   \
+            }                                                                                            \
+        }                                                                                                \
+        float sums[2 * 8 * 6];                                                                           \
+        for (int g = 0; g < G; ++g) {                                                                    \
+            _mm256_storeu_ps(sums + g * 16, lo[g]);                                                      \
+            _mm256_storeu_ps(sums + g * 16 + 8, hi[g]);                                                  \
+        }                                                                                                \
+        write_sums(sums, G, 16, b * BLOCK + 16 * half, m0, N, bias, out);                                \
+    }                                                                                                    \
 }
 
-/* Two activation rows against four weight rows already widened into `s`. */
-static void gemm_block2(const float *x0, const float *x1, int64_t K, const float *s, float *o0, float *o1) {
-    const float *s1 = s + K, *s2 = s1 + K, *s3 = s2 + K;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);
-        __m256 w0 = _mm256_loadu_ps(s + k), w1 = _mm256_loadu_ps(s1 + k);
-        a0 = _mm256_fmadd_ps(w0, u, a0); b0 = _mm256_fmadd_ps(w0, v, b0);
-        a1 = _mm256_fmadd_ps(w1, u, a1); b1 = _mm256_fmadd_ps(w1, v, b1);
-        __m256 w2 = _mm256_loadu_ps(s2 + k), w3 = _mm256_loadu_ps(s3 + k);
-        a2 = _mm256_fmadd_ps(w2, u, a2); b2 = _mm256_fmadd_ps(w2, v, b2);
-        a3 = _mm256_fmadd_ps(w3, u, a3); b3 = _mm256_fmadd_ps(w3, v, b3);
-    }
-    o0[0] = hsum(a0); o0[1] = hsum(a1); o0[2] = hsum(a2); o0[3] = hsum(a3);
-    o1[0] = hsum(b0); o1[1] = hsum(b1); o1[2] = hsum(b2); o1[3] = hsum(b3);
+/* sums [G][width]: rows m0.. and columns n0.. of out, plus the bias, past N dropped. */
+static inline void write_sums(const float *sums, int G, int width, i64 n0, i64 m0, i64 N, const float *bias,
+                              float *out) {
+    const int columns = N - n0 < width ? (int)(N - n0) : width;
+    for (int g = 0; g < G; ++g)
+        for (int j = 0; j < columns; ++j)
+            out[(m0 + g) * N + n0 + j] = bias != NULL ? sums[g * width + j] + bias[n0 + j] : sums[g * width + j];
 }
 
-/* Output columns n0..n0+4 for every activation row. */
-static void block_all_rows(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
-                           int64_t n0, float *scratch, float *out) {
-    float t0[ROWS], t1[ROWS];
-    const uint16_t *rows = w + n0 * K;
-    for (int64_t i = 0; i < ROWS * K; i += 8) _mm256_storeu_ps(scratch + i, load_half(rows + i));
-    int64_t m = 0;
-    for (; m + 1 < M; m += 2) {
-        gemm_block2(x + m * K, x + (m + 1) * K, K, scratch, t0, t1);
-        for (int j = 0; j < ROWS; ++j) { out[m * N + n0 + j] = t0[j]; out[(m + 1) * N + n0 + j] = t1[j]; }
+__attribute__((target("avx512f"), always_inline)) static inline void store_tile(
+        const __m512 *lo, const __m512 *hi, int G, int lanes, i64 b, i64 m0, i64 N, const float *bias, float *out) {
+    float sums[BLOCK * TILE];
+    for (int g = 0; g < G; ++g) {
+        _mm512_storeu_ps(sums + g * BLOCK, lo[g]);
+        _mm512_storeu_ps(sums + g * BLOCK + lanes, hi[g]);
     }
-    if (m < M) {
-        gemm_block2(x + m * K, x + m * K, K, scratch, t0, t1);
-        for (int j = 0; j < ROWS; ++j) out[m * N + n0 + j] = t0[j];
+    write_sums(sums, G, BLOCK, b * BLOCK, m0, N, bias, out);
+}
+
+DEFINE_TILE512(1) DEFINE_TILE512(2) DEFINE_TILE512(3) DEFINE_TILE512(4)
+DEFINE_TILE512(5) DEFINE_TILE512(6) DEFINE_TILE512(7) DEFINE_TILE512(8)
+DEFINE_TILE256(1) DEFINE_TILE256(2) DEFINE_TILE256(3) DEFINE_TILE256(4) DEFINE_TILE256(5) DEFINE_TILE256(6)
+
+__attribute__((target("avx512f,f16c,fma")))
+static void block512(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 b, i64 N, const float *bias,
+                     float *out) {
+    for (i64 m0 = 0; m0 < M; m0 += TILE) {
+        const i64 rows = M - m0;
+        BY_GROUP(rows, TILE512)
     }
 }
 
-/* x [M, K] float32, w [N, K] float16 bits, bias [N] or NULL, out [M, N]; K % 8 == 0.
- * `scratch` holds threads * 4 * K floats (one widened block per thread; unused at M == 1). */
-void ruvllm_f16_linear(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t N,
-                       const float *bias, float *out, float *scratch, int threads) {
-    if (M == 1) {
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; ++n) out[n] = dot_row(x, w + n * K, K);
-    } else {
-        const int64_t blocks = N / ROWS;
-        #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; ++b)
-            block_all_rows(x, M, K, w, N, b * ROWS, scratch + (int64_t)omp_get_thread_num() * ROWS * K, out);
-        for (int64_t n = blocks * ROWS; n < N; ++n)
-            for (int64_t m = 0; m < M; ++m) out[m * N + n] = dot_row(x + m * K, w + n * K, K);
+static void block256(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 b, i64 N, const float *bias,
+                     float *out) {
+    for (i64 m0 = 0; m0 < M; m0 += 6) {
+        switch (M - m0 < 6 ? M - m0 : 6) {
+            case 1: TILE256(1); break; case 2: TILE256(2); break; case 3: TILE256(3); break;
+            case 4: TILE256(4); break; case 5: TILE256(5); break; default: TILE256(6); break;
+        }
     }
-    if (bias != NULL)
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = 0; n < N; ++n) out[m * N + n] += bias[n];
+}
+
+static void linear(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, const float *bias, float *out,
+                   int threads, int wide) {
+    const i64 count = (N + BLOCK - 1) / BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (i64 b = 0; b < count; ++b) {
+        if (wide) block512(x, M, K, blocks, b, N, bias, out);
+        else block256(x, M, K, blocks, b, N, bias, out);
+    }
+}
+
+/* x [M, K] float32; blocks [ceil(N / 32)][K][32] float16 bits (rows past N zeros);
+ * bias [N] or NULL; out [M, N]. `scratch` is not used (the signature decode_step.c's
+ * table holds for every kernel). AVX-512 where the CPU has it. */
+void ruvllm_f16_linear(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, const float *bias, float *out,
+                       float *scratch, int threads) {
+    (void)scratch;
+    linear(x, M, K, blocks, N, bias, out, threads, __builtin_cpu_supports("avx512f"));
+}
+
+/* The AVX2 form on any CPU (tests compare the two: the same bits). */
+void ruvllm_f16_linear_avx2(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, const float *bias,
+                            float *out, int threads) {
+    linear(x, M, K, blocks, N, bias, out, threads, 0);
 }
