@@ -6,7 +6,7 @@ per activation row: one row of a whole model read its weights at about 12 GB/s h
 rows cost 7 times one, and a 512-token prompt prefilled 1.5x slower under q4k than
 under f16 (docs/design.md, sections 22 and 23). On AVX-512 CPUs, `kernels/int4_gemm.c`
 takes every call: each group's sum keeps the scale and zero out of the inner loop, up
-to six rows take the codes straight from memory, more pass four at a time over a
+to six rows take the codes straight from memory, more pass up to six at a time over a
 float32 tile of one group's codes in L1; a row's result is the same bits alone, in any
 batch, or in a prompt chunk. Elsewhere, for 64 rows and more, `Int4Linear` unpacks its
 codes a block of output rows at a time into float32 (w = (q - 8) * scale + zero,

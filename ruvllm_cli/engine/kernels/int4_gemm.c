@@ -12,7 +12,7 @@
  *
  * so a weight costs its conversion to float32 (a table lookup) and one FMA a row. Up to
  * six rows take the codes straight from memory, prefetched ahead, into their sums in
- * registers (`direct`); more pass four at a time over a float32 tile of one group's
+ * registers (`direct`); more pass up to six at a time over a float32 tile of one group's
  * codes in L1 (`tiled`), so the codes are converted once for all of them. Both compute
  * each row with the same operations in the same order, so a row's result is the same
  * bits alone, in a decode step of any size, or in a prompt chunk.
@@ -32,6 +32,7 @@
 #define BLOCK 64       /* weight rows a block (torch's layout) */
 #define MAX_GROUP 128  /* the tile holds one group: 32 KiB of float32 at most */
 #define STRIP 64       /* activation rows a pass over a block's tile takes at most */
+#define PASS 6         /* activation rows a pass over the tile takes (24 sums in registers) */
 #define DIRECT 6       /* rows up to which the codes go straight from memory to the FMAs (24 sums) */
 #define AHEAD 4096     /* software prefetch distance along a block's codes: one row of a whole model's
                           layers 1.4x faster with it than without (1,024: 1.2x; 8,192 as 4,096) */
@@ -119,12 +120,12 @@ static inline __attribute__((always_inline)) void direct(const float *xf, const 
     for (int r = 0; r < R; ++r) store(acc + r * BLOCK, b, bias, out + r * N);
 }
 
-/* R rows (1..4) over the tile of one group's codes ([count][64] float32): their sums
+/* R rows (1..PASS) over the tile of one group's codes ([count][64] float32): their sums
  * (in registers), then the group's part added into acc [R][64]. */
 static inline __attribute__((always_inline)) void pass(const float *const *x, const float *const *totals, const int R,
                                                        const float *tile, int64_t count, const __m512 *scale,
                                                        const __m512 *zero, float *acc) {
-    __m512 s[4][4];
+    __m512 s[PASS][4];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < count; ++i) {
@@ -157,15 +158,19 @@ static void tiled(const float *xf, const float *totals, int64_t first, int64_t r
         }
         __m512 scale[4], zero[4];
         group_params(sz + g * N * 2, scale, zero);
-        for (int64_t m = 0; m < rows; m += 4) {
-            const int R = rows - m < 4 ? (int)(rows - m) : 4;
-            const float *xs[4], *ts[4];
-            for (int r = 0; r < 4; ++r) {
+        /* The fewest passes, as even as they go: 8 rows as 4 + 4 (6 + 2 was slower), 16 as 6 + 6 + 4. */
+        const int64_t passes = (rows + PASS - 1) / PASS, step = (rows + passes - 1) / passes;
+        for (int64_t m = 0; m < rows; m += step) {
+            const int R = rows - m < step ? (int)(rows - m) : (int)step;
+            const float *xs[PASS], *ts[PASS];
+            for (int r = 0; r < PASS; ++r) {
                 const int64_t row = first + m + (r < R ? r : 0);
                 xs[r] = xf + row * K + g * group;
                 ts[r] = totals + row * groups + g;
             }
             switch (R) {
+                case 6: pass(xs, ts, 6, tile, group, scale, zero, acc + m * BLOCK); break;
+                case 5: pass(xs, ts, 5, tile, group, scale, zero, acc + m * BLOCK); break;
                 case 4: pass(xs, ts, 4, tile, group, scale, zero, acc + m * BLOCK); break;
                 case 3: pass(xs, ts, 3, tile, group, scale, zero, acc + m * BLOCK); break;
                 case 2: pass(xs, ts, 2, tile, group, scale, zero, acc + m * BLOCK); break;
