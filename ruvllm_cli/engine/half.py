@@ -22,7 +22,7 @@ from ruvllm_cli.engine.kernels import HalfKernel, half_kernel
 
 _scratch = threading.local()   # engines of a multi-model server step in threads of their own
 BLOCK = 32   # output rows a block of the kernel's layout (half_gemm.c's BLOCK)
-CHUNK_ROWS = 4096   # rows converted at a time into that layout
+CHUNK_ROWS = 1024   # rows converted at a time into that layout (a 7B down_proj's: 37 MiB)
 
 
 def scratch_buffer(size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
