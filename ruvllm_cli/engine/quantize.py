@@ -492,7 +492,7 @@ def kernel_note(model: nn.Module) -> str:
     kinds = {type(module) for module in model.modules()}
     note = ""
     if HalfLinear in kinds:   # half_gemm.c picks its form by the CPU
-        note += "; its AVX-512 form" if cpu_has(("avx512f",)) else "; its AVX2 form"
+        note += f"; the float16 kernel in its {'AVX-512' if cpu_has(('avx512f',)) else 'AVX2'} form"
     if Int4Linear in kinds:
         note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
