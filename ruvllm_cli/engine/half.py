@@ -45,14 +45,8 @@ def kernel_rows(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor
     return rows
 
 
-def to_half(weight: torch.Tensor) -> torch.Tensor | None:
-    """A float16 copy of `weight` in process memory, or None where float16 cannot hold
-    it (values beyond its range would become infinities)."""
-    copy = weight.to(torch.float16, copy=True).contiguous()
-    return None if _overflows(copy, weight) else copy
-
-
 def _overflows(half: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether float16 made infinities of values `source` holds as finite ones."""
     return bool(torch.isinf(half).any()) and not bool(torch.isinf(source).any())
 
 

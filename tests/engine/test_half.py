@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from ruvllm_cli.engine import kernels
 from ruvllm_cli.engine import half
-from ruvllm_cli.engine.half import BLOCK, HalfEmbedding, half_linear, to_blocks, to_half
+from ruvllm_cli.engine.half import BLOCK, HalfEmbedding, block_rows, half_linear, to_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_has(kernels.CPU_FLAGS), reason="needs AVX2, FMA and F16C")
 
@@ -78,7 +78,7 @@ def test_blocks_hold_each_weight_row_k_major_with_the_last_block_padded(monkeypa
     assert torch.equal(blocks[1, :, 3], weight[BLOCK + 3].half())
     assert torch.equal(blocks[4, :, 150 - 4 * BLOCK:], torch.zeros(24, 5 * BLOCK - 150, dtype=torch.float16))
     ids = torch.tensor([[0, 149, 33], [64, 31, 1]])
-    assert torch.equal(half.block_rows(blocks, ids), weight[ids].half())
+    assert torch.equal(block_rows(blocks, ids), weight[ids].half())
 
 
 def test_other_activation_dtypes_are_widened_first():
@@ -91,12 +91,12 @@ def test_other_activation_dtypes_are_widened_first():
 def test_values_beyond_float16_are_refused():
     assert half_linear(torch.full((8, 16), 1e6), None) is None        # float16 overflows
     assert to_blocks(torch.cat([torch.zeros(40, 4), torch.full((1, 4), 1e6)])) is None   # in the last chunk
-    assert to_half(torch.tensor([1.0, float("inf")])) is not None     # an infinity that was there stays
+    assert to_blocks(torch.tensor([[1.0, float("inf")]])) is not None   # an infinity that was there stays
 
 
 def test_a_bfloat16_weight_converts_exactly_within_float16s_normal_range():
     weight = (torch.randn(64, 64) * 0.05).bfloat16().float()
-    half = to_half(weight).float()
+    half = block_rows(to_blocks(weight), torch.arange(64)).float()
     normal = weight.abs() >= 2.0 ** -14
     assert torch.equal(half[normal], weight[normal])
     assert (half - weight).abs().max() <= 2.0 ** -25                # below it: float16's subnormal step
