@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.dense_gemm import plain_weight_gemm
+from ruvllm_cli.engine.dense_gemm import blockwise_gemm
 from ruvllm_cli.engine.half import kernel_rows, scratch_buffer
 from ruvllm_cli.engine.kernels import Bf16Kernel, bf16_kernel
 
@@ -57,7 +57,12 @@ class Bf16Linear(nn.Module):
 
     def _gemm(self, rows: torch.Tensor) -> torch.Tensor:
         """Many rows: float32 GEMM over the weights widened a block of rows at a time."""
-        return plain_weight_gemm(rows, self._buffers["weight"], self.bias).to(torch.bfloat16)
+        weight = self._buffers["weight"]
+        out = blockwise_gemm(rows, self.out_features,
+                             lambda start, count, room: room.copy_(weight[start:start + count]))
+        if self.bias is not None:
+            out += self.bias
+        return out.to(torch.bfloat16)
 
 
 def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Bf16Linear | None:

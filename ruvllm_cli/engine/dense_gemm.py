@@ -34,12 +34,3 @@ def blockwise_gemm(rows: torch.Tensor, out_features: int, fill: Fill, block: int
         count = min(step, out_features - start)
         out[:, start:start + count] = wide @ fill(start, count, room[:count * k].view(count, k)).t()
     return out
-
-
-def plain_weight_gemm(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """blockwise_gemm over a plain 16-bit [out, in] weight (bfloat16 or float16, widened by
-    a copy), plus a float32 bias: float32 [M, out]."""
-    out = blockwise_gemm(rows, weight.shape[0], lambda start, count, room: room.copy_(weight[start:start + count]))
-    if bias is not None:
-        out += bias
-    return out
