@@ -244,7 +244,7 @@ class LayerPlans:
             table[kind] = ctypes.cast(function, ctypes.c_void_p).value
         return table
 
-    def room_bytes(self, rows: int, threads: int) -> int:
+    def room_bytes(self, rows: int) -> int:
         """The largest scratch any of the kernels asks for `rows` rows (what the modules
         ask of scratch_buffer, by the same functions)."""
         need = 0
@@ -272,7 +272,7 @@ class LayerPlans:
         q, k, v = (make(rows, size) for size in (q_size, kv_size, kv_size))
         o, down = make(rows, decoder.hidden), make(rows, decoder.hidden)
         gate, up = (make(rows, decoder.intermediate) for _ in range(2))
-        room = torch.empty(self.room_bytes(rows, step.threads), dtype=torch.int8)
+        room = torch.empty(self.room_bytes(rows), dtype=torch.int8)
         table = self.kernel_table(decoder.zero_linears)
         decoder.kernel.decode_layers(step, self.array, len(self.array), table, x.data_ptr(),
                                      h.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),

@@ -482,17 +482,15 @@ def kernel_note(model: nn.Module) -> str:
     """Which kernels a model's float16, int4 and int8 layers run on this machine, for the load
     line: a property of the machine, not of the weights, so not part of the description
     a weight cache keeps (the same bytes serve every kernel)."""
+    from ruvllm_cli.engine.half import HalfLinear
     from ruvllm_cli.engine.int4_dense import own_runs
     from ruvllm_cli.engine.int8 import Int8Linear
-    from ruvllm_cli.engine.kernels import int8_kernel
-
-    from ruvllm_cli.engine.half import HalfLinear
-    from ruvllm_cli.engine.kernels import cpu_has
+    from ruvllm_cli.engine.kernels import half_kernel, int8_kernel
 
     kinds = {type(module) for module in model.modules()}
     note = ""
-    if HalfLinear in kinds:   # half_gemm.c picks its form by the CPU
-        note += f"; the float16 kernel in its {'AVX-512' if cpu_has(('avx512f',)) else 'AVX2'} form"
+    if HalfLinear in kinds and (half := half_kernel()) is not None:
+        note += f"; the float16 kernel in its {'AVX-512' if half.wide else 'AVX2'} form"
     if Int4Linear in kinds:
         note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:

@@ -41,15 +41,16 @@ _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
 class HalfKernel:
-    """half_gemm.c: `linear` (float32 activations times float16 weights in the kernel's
-    blocks, AVX-512 where the CPU has it) and `linear_avx2` (its AVX2 form anywhere:
-    the same bits, which the tests check)."""
+    """half_gemm.c: float32 activations times float16 weights in the kernel's blocks.
+    `linear` is its AVX-512 form (`wide`) where the CPU has it, else `linear_avx2`,
+    which runs anywhere: the same bits, which the tests check."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.linear = _bind(library.ruvllm_f16_linear, [_pointer, _size, _size, _pointer, _size, _pointer, _pointer,
-                                                        _pointer, ctypes.c_int])
-        self.linear_avx2 = _bind(library.ruvllm_f16_linear_avx2, [_pointer, _size, _size, _pointer, _size, _pointer,
-                                                                  _pointer, ctypes.c_int])
+        arguments = [_pointer, _size, _size, _pointer, _size, _pointer, _pointer, _pointer, ctypes.c_int]
+        self.linear_avx2 = _bind(library.ruvllm_f16_linear_avx2, arguments)
+        self.linear_avx512 = _bind(library.ruvllm_f16_linear_avx512, list(arguments))
+        self.wide = cpu_has(AVX512_CPU_FLAGS)
+        self.linear = self.linear_avx512 if self.wide else self.linear_avx2
 
 
 class Int8Kernel:

@@ -51,7 +51,7 @@ __attribute__((target("avx512f,f16c,fma"), always_inline)) static inline void ti
             hi[g] = _mm512_fmadd_ps(v, w1, hi[g]);                                                       \
         }                                                                                                \
     }                                                                                                    \
-    store_tile(lo, hi, G, 16, b, m0, N, bias, out);                                                      \
+    store_tile(lo, hi, G, b, m0, N, bias, out);                                                      \
 }
 
 /* The same under AVX2: four 8-lane vectors a k. One or two rows take all four in one
@@ -96,11 +96,11 @@ static inline void write_sums(const float *sums, int G, int width, i64 n0, i64 m
 }
 
 __attribute__((target("avx512f"), always_inline)) static inline void store_tile(
-        const __m512 *lo, const __m512 *hi, int G, int lanes, i64 b, i64 m0, i64 N, const float *bias, float *out) {
+        const __m512 *lo, const __m512 *hi, int G, i64 b, i64 m0, i64 N, const float *bias, float *out) {
     float sums[BLOCK * TILE];
     for (int g = 0; g < G; ++g) {
         _mm512_storeu_ps(sums + g * BLOCK, lo[g]);
-        _mm512_storeu_ps(sums + g * BLOCK + lanes, hi[g]);
+        _mm512_storeu_ps(sums + g * BLOCK + 16, hi[g]);
     }
     write_sums(sums, G, BLOCK, b * BLOCK, m0, N, bias, out);
 }
@@ -140,15 +140,16 @@ static void linear(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, 
 
 /* x [M, K] float32; blocks [ceil(N / 32)][K][32] float16 bits (rows past N zeros);
  * bias [N] or NULL; out [M, N]. `scratch` is not used (the signature decode_step.c's
- * table holds for every kernel). AVX-512 where the CPU has it. */
-void ruvllm_f16_linear(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, const float *bias, float *out,
-                       float *scratch, int threads) {
+ * table holds for every kernel). kernels/__init__.py's HalfKernel picks the AVX-512 form
+ * where the CPU has it; the two give the same bits, which the tests check. */
+void ruvllm_f16_linear_avx512(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, const float *bias,
+                              float *out, float *scratch, int threads) {
     (void)scratch;
-    linear(x, M, K, blocks, N, bias, out, threads, __builtin_cpu_supports("avx512f"));
+    linear(x, M, K, blocks, N, bias, out, threads, 1);
 }
 
-/* The AVX2 form on any CPU (tests compare the two: the same bits). */
 void ruvllm_f16_linear_avx2(const float *x, i64 M, i64 K, const uint16_t *blocks, i64 N, const float *bias,
-                            float *out, int threads) {
+                            float *out, float *scratch, int threads) {
+    (void)scratch;
     linear(x, M, K, blocks, N, bias, out, threads, 0);
 }
