@@ -22,6 +22,7 @@ then equal what the kernel computes against the identity, or the dense path stay
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,18 @@ def _natural_layout() -> bool:
 def _unpacked(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, layout: PackedLayout,
               start: int, rows: int, room: torch.Tensor) -> torch.Tensor:
     return dense_weight(packed, scales_and_zeros, group, start, rows, layout, room)
+
+
+@functools.cache
+def pack_signature(inner_k_tiles: int) -> str:
+    """A short hash of how torch packs int4 codes in this process: the packed bytes of
+    a fixed matrix. They depend on the CPU capability torch dispatched to (blocks of
+    64 rows under AVX-512, 32 under AVX2, another order without either; and
+    ATEN_CPU_CAPABILITY picks it), so packed weights saved by one process are read
+    right only by a process whose signature is the same (weight_cache's key)."""
+    codes = (torch.arange(128).view(-1, 1) * 7 + torch.arange(64).view(1, -1) * 3).remainder(16).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, inner_k_tiles)
+    return hashlib.sha256(packed.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 @functools.cache

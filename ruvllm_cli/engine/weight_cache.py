@@ -58,18 +58,33 @@ def enabled(quantization: Quantization, device: torch.device) -> bool:
 
 def cache_file(model_path: Path, quantization: Quantization) -> Path:
     """Where this checkpoint's (a model directory's or a GGUF file's) weights at
-    `quantization` are cached."""
+    `quantization` are cached. q4k's key holds how torch packs int4 codes here
+    (`int4_dense.pack_signature`): torch's packed bytes differ by CPU capability, so a
+    model directory shared by an AVX-512 and an AVX2 machine (or a process under
+    another ATEN_CPU_CAPABILITY) never reads the other's file as its own."""
+    packing = _packing(quantization)
     if model_path.suffix == ".gguf":
         stat = model_path.stat()
-        key = hashlib.sha256(f"{model_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+        key = hashlib.sha256(f"{model_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}{packing}".encode()).hexdigest()
         file_tag = hashlib.sha256(model_path.name.encode()).hexdigest()[:8]   # no "-": save() globs by prefix
         return model_path.parent / CACHE_DIR / f"{quantization.value}.gguf{file_tag}-layout{LAYOUT}-{key[:16]}.safetensors"
     digest = hashlib.sha256()
     for file in sorted(model_path.glob("*.safetensors")) + [model_path / "config.json"]:
         stat = file.stat()
         digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-    digest.update((model_path / "config.json").read_bytes())
+    digest.update((model_path / "config.json").read_bytes() + packing.encode())
     return model_path / CACHE_DIR / f"{quantization.value}-layout{LAYOUT}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def _packing(quantization: Quantization) -> str:
+    """What, beyond the checkpoint, a quantization's cached tensors depend on: q4k's
+    packed int4 layout ("" for the others: int8 codes are plain rows)."""
+    if quantization is not Quantization.Q4_K_M:
+        return ""
+    from ruvllm_cli.engine.int4_dense import pack_signature
+    from ruvllm_cli.engine.quantize import INT4_INNER_K_TILES
+
+    return f"\0int4pack {pack_signature(INT4_INNER_K_TILES)}"
 
 
 def tokenizer_dir(gguf_path: Path) -> Path:

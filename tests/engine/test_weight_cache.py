@@ -1,6 +1,7 @@
 """The quantized-weight cache (engine/weight_cache.py): a q8/q4k load writes it, the
-next load reads it and builds the very same model; a changed checkpoint or layout
-is never read; a killed write never leaves a file a load would use."""
+next load reads it and builds the very same model; a changed checkpoint or layout,
+or q4k weights torch packed for another CPU, is never read; a killed write never
+leaves a file a load would use."""
 
 from __future__ import annotations
 
@@ -66,6 +67,32 @@ def test_a_changed_checkpoint_or_layout_is_not_read(model_copy, monkeypatch):
     monkeypatch.setattr(weight_cache, "LAYOUT", weight_cache.LAYOUT + 1)  # ruvllm changed its layout
     assert not load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
     assert load_model(model_copy, "cpu", Q.Q8_0).from_weight_cache
+
+
+FOREIGN_PACKING = r"""
+import sys
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.quantization import Quantization
+load_model(sys.argv[1], "cpu", Quantization.Q4_K_M)
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="torch packs as the other process")
+def test_q4k_weights_packed_under_another_cpu_capability_are_not_read(model_copy, monkeypatch):
+    """torch's packed int4 bytes follow the CPU capability it dispatched to (AVX-512's
+    blocks of 64 rows, AVX2's of 32): a model directory shared with another machine, here
+    a process under ATEN_CPU_CAPABILITY=default, must not hand its q4k file to this one."""
+    env = dict(os.environ, RUVLLM_WEIGHT_CACHE="1", ATEN_CPU_CAPABILITY="default")
+    subprocess.run([sys.executable, "-c", FOREIGN_PACKING, str(model_copy)], env=env, capture_output=True,
+                   timeout=300, check=True)
+    (foreign,) = _cache_files(model_copy)
+    assert foreign != weight_cache.cache_file(model_copy, Q.Q4_K_M).name
+    loaded = load_model(model_copy, "cpu", Q.Q4_K_M)
+    assert not loaded.from_weight_cache
+    assert load_model(model_copy, "cpu", Q.Q4_K_M).from_weight_cache   # its own file, written anew
+    assert _cache_files(model_copy) == [weight_cache.cache_file(model_copy, Q.Q4_K_M).name]
+    monkeypatch.setenv(weight_cache.ENV, "0")
+    assert torch.equal(_logits(loaded.model), _logits(load_model(model_copy, "cpu", Q.Q4_K_M).model))
 
 
 def test_the_cache_can_be_turned_off(model_copy, monkeypatch):
