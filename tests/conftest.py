@@ -83,10 +83,10 @@ def _kernels_built() -> None:
     """ruvllm's C kernels built before any test runs: on a fresh machine the first load
     would build them and say so on stderr, in whichever test came first (the build
     itself is tested with a directory of its own, tests/engine/test_half.py)."""
-    from ruvllm_cli.engine.kernels import (bf16_kernel, decode_kernel, half_kernel, int4_kernel, int4_unpack_kernel,
-                                           int8_kernel)
+    from ruvllm_cli.engine.kernels import LOADERS
 
-    half_kernel(), int8_kernel(), bf16_kernel(), int4_unpack_kernel(), int4_kernel(), decode_kernel()
+    for loader in LOADERS:
+        loader()
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from torch import nn
 from ruvllm_cli.engine import bf16, half, int4_dense, int8, native
 from ruvllm_cli.engine.attention import PagedKVCache
 from ruvllm_cli.engine.kernels import (LINEAR_BF16, LINEAR_F16, LINEAR_INT4, LINEAR_Q8, AttendStep, DecodeKernel,
-                                       LayerPlan, LinearPlan, decode_kernel, int4_kernel)
+                                       LayerPlan, LinearPlan, decode_kernel)
 from ruvllm_cli.engine.quantize import Int4Linear
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
@@ -239,7 +239,7 @@ class LayerPlans:
         given (bench_fused.py's zeros)."""
         table = (ctypes.c_void_p * 4)()
         for kind, kernel in ({} if zero else self.kernels).items():
-            function = int4_kernel().linear if kind == LINEAR_INT4 else kernel.linear_few if kind == LINEAR_Q8 \
+            function = int4_dense.own_kernel().linear if kind == LINEAR_INT4 else kernel.linear_few if kind == LINEAR_Q8 \
                 else kernel.linear
             table[kind] = ctypes.cast(function, ctypes.c_void_p).value
         return table

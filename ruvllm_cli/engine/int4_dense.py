@@ -29,7 +29,7 @@ import torch
 
 from ruvllm_cli.engine.dense_gemm import blockwise_gemm
 from ruvllm_cli.engine.half import scratch_buffer
-from ruvllm_cli.engine.kernels import int4_kernel, int4_unpack_kernel
+from ruvllm_cli.engine.kernels import Int4Kernel, int4_avx2_kernel, int4_kernel, int4_unpack_kernel
 
 
 @dataclass(frozen=True)
@@ -104,25 +104,25 @@ def dense_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.
 
 
 def own_takes(packed: torch.Tensor, group: int) -> bool:
-    """Whether int4_gemm.c takes this packed weight's shape (blocks of 64 rows, groups of
-    32, 64 or 128 that divide K)."""
+    """Whether our int4 kernel takes this packed weight's shape (whole blocks of torch's
+    rows here, 64 or 32; groups of 32, 64 or 128 that divide K)."""
     n, half_k = packed.shape
-    return n % 64 == 0 and group in (32, 64, 128) and (2 * half_k) % group == 0
+    return n % (_natural_block() or 64) == 0 and group in (32, 64, 128) and (2 * half_k) % group == 0
 
 
 def scratch_floats(rows: int, k: int, group: int) -> int:
-    """The room `ruvllm_int4_linear` works in: the rows widened, and their group sums."""
+    """The room the int4 kernels work in: the rows widened, and their group sums."""
     return rows * (k + k // group)
 
 
 def own_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
                bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [M, K] bfloat16 (contiguous) times the int4 weight (+ the bfloat16 bias, added
-    as torch adds it), bfloat16 [M, N], through int4_gemm.c; None where that kernel
-    cannot take it (none here, another packed layout, other shapes)."""
-    if not own_runs() or not own_takes(packed, group):
+    as torch adds it), bfloat16 [M, N], through int4_gemm.c or int4_gemm_avx2.c; None
+    where neither can take it (none here, another packed layout, other shapes)."""
+    kernel = own_kernel()
+    if kernel is None or not own_takes(packed, group):
         return None
-    kernel = int4_kernel()
     rows, k = x.shape
     n = packed.shape[0]
     out = torch.empty(rows, n, dtype=torch.bfloat16)
@@ -132,20 +132,33 @@ def own_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Te
     return out
 
 
+def own_kernel() -> Int4Kernel | None:
+    """The int4 kernel that reads torch's packed layout here: int4_gemm.c where torch packs
+    blocks of 64 rows (its AVX-512 layout; the kernel needs AVX-512), int4_gemm_avx2.c
+    where it packs blocks of 32 (its AVX2 one); None elsewhere. Asked at each call
+    (`--no-compile` turns the kernels off)."""
+    block = _natural_block()
+    return int4_kernel() if block == 64 else int4_avx2_kernel() if block == 32 else None
+
+
 def own_runs() -> bool:
-    """Whether q4k layers take int4_gemm.c here (for the load line)."""
-    return int4_kernel() is not None and _natural_layout()
+    """Whether q4k layers take one of our int4 kernels here (for the load line)."""
+    return own_kernel() is not None
 
 
 @functools.cache
-def _natural_layout() -> bool:
-    """Whether torch packs blocks of 64 rows with row j in the low nibble of byte j and
-    row 32 + j in its high one: the layout int4_gemm.c reads."""
+def _natural_block() -> int | None:
+    """The rows of a block where torch packs row j of it in the low nibble of byte j and
+    row block / 2 + j in the high one, the layout our kernels read; None where it packs
+    otherwise."""
     from ruvllm_cli.engine.quantize import INT4_INNER_K_TILES
 
     layout = packed_layout(INT4_INNER_K_TILES)
-    return (layout is not None and layout.block == 64 and torch.equal(layout.low, torch.arange(32))
-            and torch.equal(layout.high, torch.arange(32, 64)))
+    if layout is None or layout.block not in (32, 64):
+        return None
+    half = layout.block // 2
+    natural = torch.equal(layout.low, torch.arange(half)) and torch.equal(layout.high, torch.arange(half, 2 * half))
+    return layout.block if natural else None
 
 
 def _unpacked(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int, layout: PackedLayout,

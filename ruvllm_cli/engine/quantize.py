@@ -483,7 +483,7 @@ def kernel_note(model: nn.Module) -> str:
     line: a property of the machine, not of the weights, so not part of the description
     a weight cache keeps (the same bytes serve every kernel)."""
     from ruvllm_cli.engine.half import HalfLinear
-    from ruvllm_cli.engine.int4_dense import own_runs
+    from ruvllm_cli.engine.int4_dense import own_kernel
     from ruvllm_cli.engine.int8 import Int8Linear
     from ruvllm_cli.engine.kernels import half_kernel, int8_kernel
 
@@ -492,7 +492,9 @@ def kernel_note(model: nn.Module) -> str:
     if HalfLinear in kinds and (half := half_kernel()) is not None:
         note += f"; the float16 kernel in its {'AVX-512' if half.wide else 'AVX2'} form"
     if Int4Linear in kinds:
-        note += "; int4 layers in ruvllm's AVX-512 kernel" if own_runs() else "; int4 layers in torch's int4pack kernel"
+        int4 = own_kernel()
+        note += ("; int4 layers in torch's int4pack kernel" if int4 is None else
+                 f"; int4 layers in ruvllm's {'AVX-512' if int4.block == 64 else 'AVX2'} kernel")
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
         note += ("; up to 32 rows in its AVX-512 VNNI GEMV and GEMM" if kernel.wide
                  else "; one to four rows in its AVX2 GEMV")

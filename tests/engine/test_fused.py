@@ -347,8 +347,7 @@ def test_the_c_layer_loop_survives_kernels_turned_off_under_it(make_tiny_model, 
         after = engine.generate(prompts(seed=3)[:1], GREEDY)[0].token_ids
     finally:
         monkeypatch.setenv(kernels.COMPILE_ENV, "1")
-        for loader in (kernels.half_kernel, kernels.int8_kernel, kernels.bf16_kernel, kernels.int4_unpack_kernel,
-                       kernels.int4_kernel, kernels.decode_kernel):
+        for loader in kernels.LOADERS:
             loader.cache_clear()
     assert after == before[0] or quantization == Quantization.Q4_K_M   # q4k then takes torch's int4 kernel
     assert len(after) == GREEDY.max_tokens

@@ -1,15 +1,21 @@
 """q4k layers beside torch's int4 kernel (engine/int4_dense.py): the layout read off
-torch; prompt chunks through float32 GEMM on weights unpacked in C and in torch (CPUs
-without AVX-512); every call through our own kernel (kernels/int4_gemm.c) where it runs."""
+torch; prompt chunks through float32 GEMM on weights unpacked in C and in torch (where
+no kernel of ours reads torch's layout); every call through our own kernel where it
+runs: kernels/int4_gemm.c on torch's AVX-512 layout, int4_gemm_avx2.c on its AVX2 one,
+the same bits."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from ruvllm_cli.engine import int4_dense
+from ruvllm_cli.engine import int4_dense, kernels
 from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
 from ruvllm_cli.engine.int4_dense import dense_weight, packed_layout
 from ruvllm_cli.engine.quantize import INT4_INNER_K_TILES, Int4Linear, int4_kernel_params
@@ -18,9 +24,9 @@ pytestmark = pytest.mark.skipif(packed_layout(INT4_INNER_K_TILES) is None,
                                 reason="torch's packed int4 layout here is not one int4_dense reads")
 
 
-def packed_matrix(n: int, k: int, group: int, seed: int = 0):
+def packed_matrix(n: int, k: int, group: int, seed: int = 0, codes_too: bool = False):
     """Random codes, scales and zeros; packed as Int4Linear packs them, and the float32
-    weight they stand for."""
+    weight they stand for (and the codes, with `codes_too`)."""
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
     scales = torch.rand(n, k // group, generator=generator) * 0.1
@@ -28,7 +34,26 @@ def packed_matrix(n: int, k: int, group: int, seed: int = 0):
     sz = int4_kernel_params(scales, lows)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, INT4_INNER_K_TILES)
     s, z = sz[..., 0].float().t().repeat_interleave(group, 1), sz[..., 1].float().t().repeat_interleave(group, 1)
-    return packed, sz, (codes.float() - 8) * s + z
+    return (packed, sz, (codes.float() - 8) * s + z) + ((codes,) if codes_too else ())
+
+
+def avx2_packed(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] as torch packs them under AVX2 (the layout int4_gemm_avx2.c reads):
+    [N / 32, K, 16] bytes, byte j of a k holding row j of the block in its low nibble and
+    row 16 + j in its high one."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).view(n // 32, 32, k).transpose(1, 2)
+    return (blocks[..., :16] | (blocks[..., 16:] << 4)).contiguous().view(n, k // 2)
+
+
+def kernel_linear(kernel, x, packed, sz, group, bias):
+    """One call of an int4 kernel (int4_dense.own_linear's, with the kernel named)."""
+    rows, k = x.shape
+    out = torch.empty(rows, packed.shape[0], dtype=torch.bfloat16)
+    room = torch.empty(int4_dense.scratch_floats(rows, k, group))
+    kernel.linear(x.data_ptr(), rows, k, packed.data_ptr(), packed.shape[0], sz.data_ptr(), group,
+                  None if bias is None else bias.data_ptr(), out.data_ptr(), room.data_ptr(), torch.get_num_threads())
+    return out
 
 
 @pytest.mark.parametrize("with_c", [True, False])
@@ -45,8 +70,8 @@ def test_unpacked_rows_are_the_weights_the_codes_stand_for(with_c, monkeypatch):
 
 @pytest.mark.parametrize("rows", [GEMM_ROWS, 130])
 def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
-    """Where our int4 kernel does not run (CPUs without AVX-512), the dense path."""
-    monkeypatch.setattr(int4_dense, "int4_kernel", lambda: None)
+    """Where no int4 kernel of ours reads torch's layout, the dense path."""
+    monkeypatch.setattr(int4_dense, "own_kernel", lambda: None)
     torch.manual_seed(rows)
     linear = torch.nn.Linear(512, 320, bias=True)
     layer = Int4Linear(linear, group_size=128)
@@ -65,14 +90,15 @@ def test_a_prompt_chunk_gives_what_torchs_int4_kernel_gives(rows, monkeypatch):
 
 own = pytest.mark.skipif(int4_dense.own_linear(torch.zeros(1, 64, dtype=torch.bfloat16), *packed_matrix(64, 64, 32)[:2],
                                                32, None) is None,
-                         reason="no int4 kernel of ours here (an AVX-512 CPU and a C compiler)")
+                         reason="no int4 kernel of ours here (AVX2 or AVX-512, torch's layout, a C compiler)")
 
 
 @own
 @pytest.mark.parametrize(("n", "k", "group", "bias"), [(320, 512, 128, True), (64, 896, 32, False),
                                                          (128, 256, 64, True), (192, 4864 // 2, 32, False)])
 def test_our_int4_kernel_gives_torchs_sums_and_each_row_the_same_bits_in_any_batch(n, k, group, bias):
-    """int4_gemm.c against the float64 sum of the weights the codes stand for (within a
+    """Our int4 kernel for torch's layout here (int4_gemm.c or int4_gemm_avx2.c) against
+    the float64 sum of the weights the codes stand for (within a
     bfloat16 step of torch's kernel), and each row's result the same bits alone as in a
     batch of any size: up to six rows straight from the codes, seven and more through the tile,
     strips of 64 rows and a cut one, groups of 32, 64 and 128."""
@@ -98,6 +124,74 @@ def test_our_int4_kernel_gives_torchs_sums_and_each_row_the_same_bits_in_any_bat
         assert (ours.float() - reference.float()).abs().max().item() <= 2.0 ** -7 * scale
 
 
+@pytest.mark.skipif(kernels.int4_avx2_kernel() is None, reason="no AVX2 kernel here (AVX2, FMA and a C compiler)")
+@pytest.mark.parametrize(("n", "k", "group", "bias"), [(320, 512, 128, True), (64, 896, 32, False),
+                                                         (96, 256, 64, True), (192, 4864 // 2, 32, False)])
+def test_the_avx2_kernel_gives_the_sums_and_the_avx512_kernels_bits(n, k, group, bias):
+    """int4_gemm_avx2.c on torch's AVX2 layout (packed here as torch packs it there):
+    against the float64 sum, each row the same bits alone as in a batch of any size
+    (both halves of a block straight from the codes, the tile, strips), and, where
+    int4_gemm.c runs on torch's AVX-512 layout, the same bits as it for the same weights."""
+    torch.manual_seed(n + k)
+    packed, sz, weight, codes = packed_matrix(n, k, group, seed=n, codes_too=True)
+    ours = avx2_packed(codes)
+    b = torch.randn(n).bfloat16() if bias else None
+    x = torch.randn(150, k).bfloat16() * 3
+    x[1, :7] = 0
+    kernel = kernels.int4_avx2_kernel()
+    alone = [kernel_linear(kernel, x[i:i + 1], ours, sz, group, b) for i in range(len(x))]
+    exact = x.double() @ weight.double().t()
+    if bias:
+        exact = exact.bfloat16().double() + b.double()
+    wide = int4_dense.own_kernel()
+    wide = wide if wide is not None and wide.block == 64 and n % 64 == 0 else None
+    for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16, 33, 63, 64, 150):
+        out = kernel_linear(kernel, x[:rows], ours, sz, group, b)
+        for i in range(rows):
+            assert torch.equal(out[i].view(torch.int16), alone[i][0].view(torch.int16)), (rows, i)
+        scale = exact[:rows].abs().max().item()
+        assert (out.double() - exact[:rows]).abs().max().item() <= 2.0 ** -8 * scale
+        if wide is not None:
+            assert torch.equal(out.view(torch.int16), kernel_linear(wide, x[:rows], packed, sz, group, b).view(
+                torch.int16)), rows
+
+
+AVX2_PROCESS = r"""
+import json, sys, torch
+from ruvllm_cli.engine import int4_dense
+from ruvllm_cli.engine.loader import load_model
+from ruvllm_cli.quantization import Quantization
+from tests.engine.test_int4_dense import avx2_packed
+from tests.engine.test_stream_load import _logits
+codes = torch.randint(0, 16, (64, 128), dtype=torch.int32)
+layout = torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2), avx2_packed(codes))
+loaded = load_model(sys.argv[1], "cpu", Quantization.Q4_K_M, use_cache=False)
+with torch.inference_mode():
+    ours = _logits(loaded.model)
+    int4_dense.own_kernel = lambda: None     # torch's int4pack kernel for every call
+    theirs = _logits(loaded.model)
+print(json.dumps({"layout": layout, "path": loaded.quantization_path,
+                  "error": (ours - theirs).abs().max().item() / theirs.abs().max().item()}))
+"""
+
+
+@pytest.mark.skipif(kernels.int4_avx2_kernel() is None, reason="no AVX2 kernel here (AVX2, FMA and a C compiler)")
+def test_a_process_where_torch_packs_for_avx2_runs_the_avx2_kernel(make_tiny_model):
+    """Under torch's AVX2 dispatch (an AVX2-only laptop's, or ATEN_CPU_CAPABILITY=avx2),
+    torch packs as `avx2_packed` does, the load line names the AVX2 kernel, and a q4k
+    model's logits through it agree with torch's own int4 kernel's."""
+    from tests.engine.test_stream_load import VARIANTS
+
+    path = make_tiny_model(**VARIANTS["untied-bias-bf16"])
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    done = subprocess.run([sys.executable, "-c", AVX2_PROCESS, str(path)], env=env, capture_output=True, text=True,
+                          timeout=300, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["layout"] is True
+    assert result["path"].endswith("; int4 layers in ruvllm's AVX2 kernel")
+    assert result["error"] <= 2.0 ** -6
+
+
 @own
 def test_int4_linear_takes_our_kernel_for_every_row_count(monkeypatch):
     layer = Int4Linear(torch.nn.Linear(128, 64, bias=True), group_size=32)
@@ -112,9 +206,9 @@ def test_int4_linear_takes_our_kernel_for_every_row_count(monkeypatch):
 
 @own
 def test_shapes_our_kernel_does_not_take_stay_with_torchs():
-    """Output widths that are not whole blocks of 64 rows fall back to torch's kernel."""
+    """Output widths that are not whole blocks of torch's rows fall back to its kernel."""
     torch.manual_seed(3)
-    layer = Int4Linear(torch.nn.Linear(128, 96, bias=True), group_size=32)   # 96 % 64 != 0
+    layer = Int4Linear(torch.nn.Linear(128, 80, bias=True), group_size=32)   # 80 % 64, 80 % 32 != 0
     x = torch.randn(8, 128).bfloat16()
     assert int4_dense.own_linear(x, layer.qweight, layer.scales_and_zeros, 32, None) is None
     reference = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.qweight, 32, layer.scales_and_zeros) + layer.bias
@@ -136,12 +230,13 @@ def test_the_load_line_names_the_kernels_this_machine_runs_not_the_cached_ones(m
     shutil.copytree(make_tiny_model(**VARIANTS["untied-bias-bf16"]), path)
     ours = int4_dense.own_runs()
     first = load_model(path, "cpu", Quantization.Q4_K_M)
-    kernel = "ruvllm's AVX-512 kernel" if ours else "torch's int4pack kernel"
+    kernel = (f"ruvllm's {'AVX-512' if int4_dense.own_kernel().block == 64 else 'AVX2'} kernel" if ours
+              else "torch's int4pack kernel")
     assert first.quantization_path.endswith(f"; int4 layers in {kernel}")
     assert "(torch's int4pack layout)" in first.quantization_path
     cached = weight_cache.cache_file(path, Quantization.Q4_K_M)
     assert b"int4 layers in" not in cached.read_bytes()[:100_000]
-    monkeypatch.setattr(int4_dense, "int4_kernel", lambda: None)     # a machine without ours
+    monkeypatch.setattr(int4_dense, "own_kernel", lambda: None)     # a machine without ours
     read = weight_cache.load
 
     def written_before(new: str, old: str) -> None:   # its cache written before the note

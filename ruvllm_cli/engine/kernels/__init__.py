@@ -32,7 +32,7 @@ CPU_FLAGS = ("avx2", "fma", "f16c")
 BF16_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 BF16_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 # decode_step.c's attention in AVX-512 (functions compiled for it by target attributes),
-# and int4_gemm.c (built for it whole).
+# and int4_gemm.c (built for it whole; int4_gemm_avx2.c serves other CPUs).
 AVX512_CPU_FLAGS = CPU_FLAGS + ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 AVX512_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # int8_gemm.c's GEMV in AVX-512 VNNI (target attributes, as the attention).
@@ -100,12 +100,15 @@ class Int4UnpackKernel:
 
 
 class Int4Kernel:
-    """`ruvllm_int4_linear` from int4_gemm.c: bfloat16 activations times torch's packed
-    int4 weights, any number of rows, each row's result the same bits in any batch."""
+    """bfloat16 activations times torch's packed int4 weights, any number of rows, each
+    row's result the same bits in any batch: `ruvllm_int4_linear` from int4_gemm.c
+    (AVX-512; torch's blocks of `block` = 64 rows there) or `ruvllm_int4_linear_avx2`
+    from int4_gemm_avx2.c (torch's blocks of 32 rows under AVX2); the same bits."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self.linear = _bind(library.ruvllm_int4_linear, [_pointer, _size, _size, _pointer, _size, _pointer, _size,
-                                                         _pointer, _pointer, _pointer, ctypes.c_int])
+    def __init__(self, library: ctypes.CDLL, symbol: str = "ruvllm_int4_linear", block: int = 64) -> None:
+        self.block = block
+        self.linear = _bind(getattr(library, symbol), [_pointer, _size, _size, _pointer, _size, _pointer, _size,
+                                                       _pointer, _pointer, _pointer, ctypes.c_int])
 
 
 class AttendStep(ctypes.Structure):
@@ -211,9 +214,20 @@ def int4_kernel() -> Int4Kernel | None:
 
 
 @functools.cache
+def int4_avx2_kernel() -> Int4Kernel | None:
+    """The int4-weight linear kernel for torch's AVX2 layout, built on first use."""
+    return _loaded(functools.partial(Int4Kernel, symbol="ruvllm_int4_linear_avx2", block=32), "int4_gemm_avx2",
+                   "int4 (AVX2)", "q4k layers take torch's int4 kernel")
+
+
+@functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The fused decode step's kernels, built on first use; None where they cannot run."""
     return _loaded(DecodeKernel, "decode_step", "decode step", "decode steps take transformers' layer code")
+
+
+# Every kernel's loader (turn_off clears their caches; the tests build them all first).
+LOADERS = (half_kernel, int8_kernel, bf16_kernel, int4_unpack_kernel, int4_kernel, int4_avx2_kernel, decode_kernel)
 
 
 def _loaded(wrapper: Callable[[ctypes.CDLL], K], name: str, what: str, fallback: str,
@@ -227,7 +241,7 @@ def turn_off() -> None:
     """No kernels of our own from here on, in this process and the ones it starts
     (`--no-compile`): as RUVLLM_COMPILE=0, including for kernels already loaded."""
     os.environ[COMPILE_ENV] = "0"
-    for loader in (half_kernel, int8_kernel, bf16_kernel, int4_unpack_kernel, int4_kernel, decode_kernel):
+    for loader in LOADERS:
         loader.cache_clear()
 
 

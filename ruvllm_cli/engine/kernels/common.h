@@ -42,6 +42,45 @@ RUVLLM_AVX512_INLINE __m256i bf16_pack16(__m512 held) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(held), 16));
 }
 
+/* bf16_held16 for eight lanes (AVX2). */
+static inline __m256 bf16_held8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), high);
+    const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* The int4 kernels' first step (int4_gemm.c, int4_gemm_avx2.c): x [M, K] bfloat16
+ * widened to float32 in xf, and each row's sum over each group of `group` values in
+ * totals [M][K / group]. A sum runs in sixteen lanes along the group, then adds the lanes
+ * in one written-out tree (the one GCC's _mm512_reduce_add_ps takes), so both kernels, by
+ * any compiler, hold the same totals. */
+static inline void int4_widen_rows(const uint16_t *x, int64_t M, int64_t K, int64_t group, float *xf,
+                                   float *totals, int threads) {
+    const int64_t groups = K / group;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 32768)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(x + m * K + k));
+                const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm256_castsi256_si128(raw)), 16));
+                const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm256_extracti128_si256(raw, 1)), 16));
+                _mm256_storeu_ps(xf + m * K + k, a);
+                _mm256_storeu_ps(xf + m * K + k + 8, b);
+                low = _mm256_add_ps(low, a);
+                high = _mm256_add_ps(high, b);
+            }
+            const __m256 eight = _mm256_add_ps(high, low);
+            const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+            const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+            totals[m * groups + g] = _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, 1));
+        }
+}
+
 /* call(G) for G = min(count, 8), a constant in each instance, so that the always-inline
  * function it names keeps its G rows' sums in registers (its loops' trip counts constant). */
 #define BY_GROUP(count, call) \

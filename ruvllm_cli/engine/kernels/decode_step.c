@@ -39,14 +39,7 @@ static void load_row(const void *src, i64 start, i64 n, int kind, float *dst) {
 }
 
 /* Eight values as the activation dtype holds them (`held`, vectorized). */
-static inline __m256 held8(__m256 v, int bf16) {
-    if (!bf16) return v;
-    const __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd), high);
-    const __m256i quiet = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
-    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
+static inline __m256 held8(__m256 v, int bf16) { return bf16 ? bf16_held8(v) : v; }
 
 /* n float32 values into an array of `kind` from `start`, rounded to nearest even, eight
  * at a time (held8's rounding, the same bits as bf16_round's; F16C's conversion). */

@@ -189,20 +189,8 @@ void ruvllm_int4_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
                         const uint16_t *scales_and_zeros, int64_t group, const uint16_t *bias, uint16_t *out,
                         float *scratch, int threads) {
     if (M == 0) return;
-    const int64_t groups = K / group;
     float *xf = scratch, *totals = scratch + M * K;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M * K >= 32768)
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < groups; ++g) {
-            __m512 total = _mm512_setzero_ps();
-            for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(x + m * K + k));
-                const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-                _mm512_storeu_ps(xf + m * K + k, f);
-                total = _mm512_add_ps(total, f);
-            }
-            totals[m * groups + g] = _mm512_reduce_add_ps(total);   /* one fixed order for every row */
-        }
+    int4_widen_rows(x, M, K, group, xf, totals, threads);
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     if (M <= DIRECT) {
         #pragma omp parallel for num_threads(threads) schedule(static)
