@@ -7,10 +7,12 @@
  * 16 rows cost 7 times one (docs/design.md, section 23). Here each group's sum leaves
  * the scale and zero out of the inner loop:
  *
- *     out[n] = sum over groups g of  scale[n,g] * (sum over k in g of x[k] * (q[n,k] - 8))
- *                                  + zero[n,g]  * (sum over k in g of x[k])
+ *     out[n] = sum over groups g of  scale[n,g] * (sum over k in g of x[k] * q[n,k])
+ *                                  + (zero[n,g] - 8 * scale[n,g]) * (sum over k in g of x[k])
  *
- * so a weight costs its conversion to float32 (a table lookup) and one FMA a row. Up to
+ * so a weight costs its conversion to float32 (a table lookup) and one FMA a row (the
+ * codes as they are, 0 to 15: int4_gemm_avx2.c, which computes the same bits, then
+ * converts them with no subtraction). Up to
  * six rows take the codes straight from memory, prefetched ahead, into their sums in
  * registers (`direct`); more pass up to six at a time over a float32 tile of one group's
  * codes in L1 (`tiled`), so the codes are converted once for all of them. Both compute
@@ -39,7 +41,7 @@
 #define AHEAD_GROUPS 2 /* groups ahead whose scales `direct` fetches: a group's sit N * 4 bytes after
                           the last's (a tied head's 1.5x faster than without, one row) */
 
-/* The codes of one k for the block's 64 rows, minus 8, as float32 in four vectors (rows
+/* The codes of one k for the block's 64 rows as float32 in four vectors (rows
  * 0-15, 16-31, 32-47, 48-63): each byte widened to a lane, whose low four bits pick the
  * value out of a 16-entry table (vpermps reads only those bits); the high nibble the same
  * after a shift. */
@@ -52,13 +54,14 @@ static inline __attribute__((always_inline)) void codes(const uint8_t *bytes, __
     q[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(second, 4), table);
 }
 
-/* The group's 64 scales and zeros (bfloat16 pairs) as four float32 vectors each. */
+/* The group's 64 scales and zeros (bfloat16 pairs) as four float32 vectors each, each
+ * zero less 8 scales (one rounding: the codes are taken as 0 to 15). */
 static inline __attribute__((always_inline)) void group_params(const uint16_t *sz, __m512 *scale, __m512 *zero) {
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
     for (int i = 0; i < 4; ++i) {
         const __m512i v = _mm512_loadu_si512((const void *)(sz + 32 * i));
         scale[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        zero[i] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        zero[i] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale[i], _mm512_castsi512_ps(_mm512_and_si512(v, high)));
     }
 }
 
@@ -191,7 +194,7 @@ void ruvllm_int4_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *
     if (M == 0) return;
     float *xf = scratch, *totals = scratch + M * K;
     int4_widen_rows(x, M, K, group, xf, totals, threads);
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (M <= DIRECT) {
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < N / BLOCK; ++b) {

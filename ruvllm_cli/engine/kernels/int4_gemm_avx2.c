@@ -10,10 +10,13 @@
  *
  * torch's AVX2 layout: [N / 32, K, 16] bytes, byte j of a k holding row j of the block
  * in its low nibble and row 16 + j in its high one (engine/int4_dense.py reads it off
- * torch; callers check it is this one). A k's 16 bytes are widened, as codes minus 8,
- * into four vectors of eight rows. Up to two rows take all four in one pass straight
- * from memory; three to six take the block's two halves (rows 0-15, the low nibbles;
- * 16-31, the high ones) one after the other, a group at a time, so their sums fit the
+ * torch; callers check it is this one). A k's 16 bytes are widened into two vectors of
+ * eight lanes (one shuffle each, straight from memory); a mask leaves the low nibbles,
+ * rows 0-15, and another the high ones, rows 16-31, as 16 times their code: those rows'
+ * scales are taken a sixteenth (exact, as the product of the sum by it), so no shift and
+ * no subtraction is spent on a weight: a mask, a conversion and its FMAs. Up to two
+ * rows take all four vectors in one pass straight from memory; three to six take the
+ * block's two halves one after the other, a group at a time, so their sums fit the
  * sixteen registers; more rows pass up to six at a time over a float32 tile of one
  * group's codes in L1, converted once for all of them. */
 
@@ -34,30 +37,28 @@
 
 typedef int64_t i64;
 
-/* A k's codes minus 8 as int8: the low nibbles (rows 0-15) and the high ones (16-31). */
-static inline __attribute__((always_inline)) __m128i low_codes(__m128i bytes) {
-    return _mm_sub_epi8(_mm_and_si128(bytes, _mm_set1_epi8(15)), _mm_set1_epi8(8));
-}
-
-static inline __attribute__((always_inline)) __m128i high_codes(__m128i bytes) {
-    return _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15)), _mm_set1_epi8(8));
-}
-
-/* Sixteen such codes as float32 in two vectors (rows 0-7 and 8-15 of their half). */
-static inline __attribute__((always_inline)) void widen(__m128i codes, __m256 *q) {
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(codes, codes)));
+/* One k's codes for the block's 32 rows as float32 in four vectors: rows 0-7 and 8-15
+ * (their codes), 16-23 and 24-31 (16 times theirs); `first` and `count` pick which. */
+static inline __attribute__((always_inline)) void codes(const uint8_t *bytes, int first, int count, __m256 *q) {
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)));
+    for (int j = first; j < first + count; ++j) {
+        const __m256i mask = _mm256_set1_epi32(j < 2 ? 0x0F : 0xF0);
+        q[j - first] = _mm256_cvtepi32_ps(_mm256_and_si256(j % 2 == 0 ? a : b, mask));
+    }
 }
 
 /* The scales and zeros of the block's rows [8 j, 8 j + 8), j in [first, first + count),
- * as float32 vectors (bfloat16 pairs, the scale in the low half). */
+ * as float32 vectors (bfloat16 pairs, the scale in the low half): each zero less 8
+ * scales, as int4_gemm.c's, and the scales of rows 16-31 a sixteenth (`codes`). */
 static inline __attribute__((always_inline)) void group_params(const uint16_t *sz, int first, int count,
                                                                __m256 *scale, __m256 *zero) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int i = 0; i < count; ++i) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(sz + 16 * (first + i)));
-        scale[i] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        zero[i] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        zero[i] = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+        scale[i] = first + i < 2 ? s : _mm256_mul_ps(s, _mm256_set1_ps(0.0625f));
     }
 }
 
@@ -109,14 +110,8 @@ static inline __attribute__((always_inline)) void direct(const float *xf, const 
             for (i64 k = g * group; k < (g + 1) * group; ++k) {
                 if ((k & 3) == 0 && part == 0)   /* a line holds four k */
                     _mm_prefetch((const char *)(bytes + k * 16) + AHEAD, _MM_HINT_T0);
-                const __m128i raw = _mm_loadu_si128((const __m128i *)(bytes + k * 16));
                 __m256 q[WHOLE];
-                if (vectors == WHOLE) {
-                    widen(low_codes(raw), q);
-                    widen(high_codes(raw), q + 2);
-                } else {
-                    widen(part == 0 ? low_codes(raw) : high_codes(raw), q);
-                }
+                codes(bytes + k * 16, vectors * part, vectors, q);
                 for (int r = 0; r < R; ++r) {
                     const __m256 x = _mm256_set1_ps(xf[r * K + k]);
                     for (int j = 0; j < vectors; ++j) sums[r][j] = _mm256_fmadd_ps(x, q[j], sums[r][j]);
@@ -163,10 +158,8 @@ static void tiled(const float *xf, const float *totals, i64 first, i64 rows, i64
             const i64 k = g * group + i;
             if ((i & 3) == 0)   /* a line holds four k */
                 _mm_prefetch((const char *)(bytes + k * 16) + AHEAD, _MM_HINT_T0);
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(bytes + k * 16));
             __m256 q[4];
-            widen(low_codes(raw), q);
-            widen(high_codes(raw), q + 2);
+            codes(bytes + k * 16, 0, 4, q);
             for (int j = 0; j < 4; ++j) _mm256_store_ps(tile + i * BLOCK + 8 * j, q[j]);
         }
         __m256 scale[4], zero[4];
