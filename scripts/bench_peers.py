@@ -17,8 +17,14 @@ llama.cpp's tools are not a dependency: `../shared/tools/llamacpp.sh WORKDIR MOD
 builds them from source and converts the model (f16.gguf, Q8_0.gguf, Q4_K_M.gguf in
 WORKDIR); pass WORKDIR as --llamacpp.
 
+`--isa avx2` measures an AVX2 laptop's paths on an AVX-512 machine: ruvllm runs with
+torch, oneDNN, MKL and its own kernels capped at AVX2 (ATEN_CPU_CAPABILITY,
+ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, RUVLLM_MAX_CPU_ISA); give it a llama.cpp
+built the same way (cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+-DGGML_AVX512=OFF, its llbuild/ and the GGUF files in the --llamacpp directory).
+
     .venv/bin/python scripts/bench_peers.py --llamacpp ~/.cache/llamacpp [--model DIR]
-        [--quantizations f16,q8,q4k] [--figures decode,prefill,streams,deep] [--format json]
+        [--quantizations f16,q8,q4k] [--figures decode,prefill,streams,deep] [--isa avx2] [--format json]
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ruvllm_cli.bench.harness import BENCH_MODEL_CACHE  # noqa: E402
 
 GGUF = {"f16": "f16.gguf", "q8": "Q8_0.gguf", "q4k": "Q4_K_M.gguf"}
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "RUVLLM_MAX_CPU_ISA": "avx2"}
 FIGURES = ("decode", "prefill", "streams", "deep")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +58,8 @@ def ruvllm(model: Path, quantization: str, threads: int, args: argparse.Namespac
     command = [sys.executable, "-m", "ruvllm_cli", "benchmark", str(model), "-q", quantization, "--format", "json",
                "--prompt-length", str(prompt), "--gen-length", str(gen), "--concurrency", str(concurrency),
                "--warmup", str(args.warmup), "-i", str(args.iterations), "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}   # torch's intra-op threads
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads),   # torch's intra-op threads
+           **(AVX2_ONLY if args.isa == "avx2" else {})}
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=3600)
     if done.returncode != 0:
         raise SystemExit(f"bench_peers: ruvllm benchmark failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -126,7 +135,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     labels = {"decode": "batch-1 decode tok/s", "prefill": f"prefill tok/s ({args.prefill_length})",
               "streams": f"{args.streams} streams decode tok/s", "deep": f"decode tok/s after {args.depth}",
               "peak_rss_mb": "peak RSS MB"}
-    print(f"threads {args.threads}; ratio = ruvllm / llama.cpp")
+    capped = "; ruvllm capped at AVX2 (--isa avx2)" if args.isa == "avx2" else ""
+    print(f"threads {args.threads}; ratio = ruvllm / llama.cpp{capped}")
     for row in rows:
         print(f"\n{row['quantization']} (llama.cpp {row['gguf']}; ruvllm: {row.get('path', '?')})")
         for key, label in labels.items():
@@ -152,6 +162,8 @@ def main() -> None:
     parser.add_argument("--prefill-length", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: ruvllm's torch, oneDNN, MKL and kernels capped at AVX2 (an AVX2 laptop's paths)")
     parser.add_argument("--format", choices=["table", "json"], default="table")
     args = parser.parse_args()
     args.figures = set(args.figures.split(","))

@@ -158,7 +158,7 @@ def test_the_avx2_kernel_gives_the_sums_and_the_avx512_kernels_bits(n, k, group,
 
 AVX2_PROCESS = r"""
 import json, sys, torch
-from ruvllm_cli.engine import int4_dense
+from ruvllm_cli.engine import int4_dense, kernels
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.quantization import Quantization
 from tests.engine.test_int4_dense import avx2_packed
@@ -170,7 +170,7 @@ with torch.inference_mode():
     ours = _logits(loaded.model)
     int4_dense.own_kernel = lambda: None     # torch's int4pack kernel for every call
     theirs = _logits(loaded.model)
-print(json.dumps({"layout": layout, "path": loaded.quantization_path,
+print(json.dumps({"layout": layout, "path": loaded.quantization_path, "wide": kernels.decode_kernel().wide,
                   "error": (ours - theirs).abs().max().item() / theirs.abs().max().item()}))
 """
 
@@ -179,15 +179,16 @@ print(json.dumps({"layout": layout, "path": loaded.quantization_path,
 def test_a_process_where_torch_packs_for_avx2_runs_the_avx2_kernel(make_tiny_model):
     """Under torch's AVX2 dispatch (an AVX2-only laptop's, or ATEN_CPU_CAPABILITY=avx2),
     torch packs as `avx2_packed` does, the load line names the AVX2 kernel, and a q4k
-    model's logits through it agree with torch's own int4 kernel's."""
+    model's logits through it agree with torch's own int4 kernel's; our other kernels
+    take their AVX2 forms under RUVLLM_MAX_CPU_ISA=avx2."""
     from tests.engine.test_stream_load import VARIANTS
 
     path = make_tiny_model(**VARIANTS["untied-bias-bf16"])
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", **{kernels.ISA_ENV: "avx2"})
     done = subprocess.run([sys.executable, "-c", AVX2_PROCESS, str(path)], env=env, capture_output=True, text=True,
                           timeout=300, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["layout"] is True
+    assert result["layout"] is True and result["wide"] == 0
     assert result["path"].endswith("; int4 layers in ruvllm's AVX2 kernel")
     assert result["error"] <= 2.0 ** -6
 

@@ -24,6 +24,9 @@ from typing import Any, Callable, TypeVar
 
 K = TypeVar("K")
 COMPILE_ENV = "RUVLLM_COMPILE"   # "0": no kernels of our own
+# "avx2": our kernels take their AVX2 forms on an AVX-512 CPU too, as oneDNN's
+# ONEDNN_MAX_CPU_ISA caps its own (an AVX2 laptop's paths measured or tested here).
+ISA_ENV = "RUVLLM_MAX_CPU_ISA"
 HEADER = "common.h"   # included by every kernel file: built beside it, hashed with it
 # No contraction of a * b + c into one FMA: the int8 epilogue must round as torch does.
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -270,8 +273,11 @@ def _library(name: str, what: str, fallback: str, flags: tuple[str, ...] = FLAGS
 
 
 def cpu_has(flags: tuple[str, ...]) -> bool:
-    """Whether this is an x86-64 CPU whose /proc/cpuinfo lists every flag."""
+    """Whether this is an x86-64 CPU whose /proc/cpuinfo lists every flag (AVX-512 ones
+    never under RUVLLM_MAX_CPU_ISA=avx2)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if os.environ.get(ISA_ENV, "").lower() == "avx2" and any(flag.startswith("avx512") for flag in flags):
         return False
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
