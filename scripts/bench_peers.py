@@ -21,7 +21,9 @@ WORKDIR); pass WORKDIR as --llamacpp.
 torch, oneDNN, MKL and its own kernels capped at AVX2 (ATEN_CPU_CAPABILITY,
 ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS, RUVLLM_MAX_CPU_ISA); give it a llama.cpp
 built the same way (cmake -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
--DGGML_AVX512=OFF, its llbuild/ and the GGUF files in the --llamacpp directory).
+-DGGML_AVX512=OFF, its llbuild/ and the GGUF files in the --llamacpp directory). On a
+CPU with AVX-512 VNNI, torch's int8 GEMM (`_int_mm`, q8 past 32 rows) returns wrong sums
+under that capping: q8's prefill figure there is not an AVX2 laptop's (design section 20).
 
     .venv/bin/python scripts/bench_peers.py --llamacpp ~/.cache/llamacpp [--model DIR]
         [--quantizations f16,q8,q4k] [--figures decode,prefill,streams,deep] [--isa avx2] [--format json]

@@ -497,7 +497,7 @@ def kernel_note(model: nn.Module) -> str:
                  f"; int4 layers in ruvllm's {'AVX-512' if int4.block == 64 else 'AVX2'} kernel")
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
         note += ("; up to 32 rows in its AVX-512 VNNI GEMV and GEMM" if kernel.wide
-                 else "; one to four rows in its AVX2 GEMV")
+                 else "; up to 32 rows in its AVX2 GEMV")
     return note
 
 

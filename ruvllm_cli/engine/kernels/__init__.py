@@ -59,15 +59,11 @@ class HalfKernel:
 class Int8Kernel:
     """int8_gemm.c: `linear_few` (up to `rows` float32 rows times int8 weights with a
     float32 scale per row, each weight read once: in AVX-512 VNNI where the CPU has it,
-    `wide`, up to 32 rows, else in AVX2, `linear_few_avx2`, up to four; the same bits),
-    and for more rows `quantize` (float32 rows to int8 codes and a scale per row) and
-    `scale` (oneDNN's exact int32 sums to float32 outputs, rounded as `linear_few`
-    rounds)."""
+    `wide`, else in AVX2, `linear_few_avx2`; the same bits), and for more rows
+    `quantize` (float32 rows to int8 codes and a scale per row) and `scale` (oneDNN's
+    exact int32 sums to float32 outputs, rounded as `linear_few` rounds)."""
 
-    @property
-    def rows(self) -> int:
-        """The most rows `linear_few` takes (whichever GEMV it is now: tests swap it)."""
-        return 32 if self.linear_few is self.linear_few_wide else 4
+    rows = 32   # the most rows `linear_few` takes, either form (FEW_ROWS)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.quantize = _bind(library.ruvllm_q8_quantize, [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int])

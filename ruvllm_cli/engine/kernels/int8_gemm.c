@@ -3,9 +3,9 @@
  *
  * Activations are quantized per row, symmetrically to int8 (xs = absmax / 127), and
  * every product is summed exactly in int32; out[m, n] = float(acc) * (xs[m] * ws[n])
- * (+ bias[n]). This file has the quantizer, the product of up to four rows (decode
- * batches: a GEMV reading each weight once, bandwidth-bound; in AVX2, and in AVX-512
- * VNNI compiled by target attributes) and the scaling; more rows go to torch's `_int_mm`
+ * (+ bias[n]). This file has the quantizer, the product of up to 32 rows (decode
+ * batches: a GEMV reading each weight once, bandwidth-bound at a few rows; in AVX2, and
+ * in AVX-512 VNNI compiled by target attributes) and the scaling; more rows go to torch's `_int_mm`
  * (oneDNN's int8 GEMM) on the same codes. Every path's int32 sums are the very same
  * integers, so a row gives the same bits alone, in any batch, on either GEMV
  * (engine/int8.py; docs/design.md, section 20). */
@@ -75,7 +75,9 @@ void ruvllm_q8_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float 
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, xq + m * K, xs + m);
 }
 
-#define ROWS 4         /* activation rows the GEMV takes at once; more go to oneDNN */
+#define ROWS 4         /* activation rows dot_pair takes at once */
+#define FEW_ROWS 32    /* rows the GEMVs take (four at a time against a pair of weight rows in L1
+                          in AVX2); more go to oneDNN */
 
 /* Exact int32 dot products of `M` activation rows (|x| and x, 32 codes a step) with two
  * weight rows: maddubs(|x|, w signed by x) sums pairs within int16 (|x| <= 127). */
@@ -107,8 +109,10 @@ static void scale_rows(const int32_t *sums, int64_t M, int64_t N, const float *x
 void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs, const float *ws,
                      const float *bias, float *out, int threads);
 
-/* M <= 4 quantized rows (xq [M, K], scales xs [M]; xa room for M * K bytes) against
- * w [N, K] int8 with scales ws [N]: out [M, N] as ruvllm_q8_scale gives it. */
+/* M <= FEW_ROWS quantized rows (xq [M, K], scales xs [M]; xa room for M * K bytes)
+ * against w [N, K] int8 with scales ws [N]: out [M, N] as ruvllm_q8_scale gives it. Each
+ * pair of weight rows is read from memory once: four rows at a time go past it while it
+ * sits in L1. */
 static void q8_gemv(const int8_t *xq, const float *xs, int8_t *xa, int64_t M, int64_t K, const int8_t *w,
                     const float *ws, int64_t N, const float *bias, float *out, int32_t *sums, int threads) {
     for (int64_t k = 0; k < M * K; k += QK) _mm256_storeu_si256((__m256i *)(xa + k), _mm256_abs_epi8(load32(xq + k)));
@@ -116,16 +120,19 @@ static void q8_gemv(const int8_t *xq, const float *xs, int8_t *xa, int64_t M, in
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < pairs; ++p) {
         const int64_t n = 2 * p, n1 = n + 1 < N ? n + 1 : n;   /* an odd last row is read twice */
-        int32_t d[2][ROWS];
-        switch (M) {   /* a constant row count: the accumulators stay in registers */
-            case 1: dot_pair(xa, xq, 1, K, w + n * K, w + n1 * K, d); break;
-            case 2: dot_pair(xa, xq, 2, K, w + n * K, w + n1 * K, d); break;
-            case 3: dot_pair(xa, xq, 3, K, w + n * K, w + n1 * K, d); break;
-            default: dot_pair(xa, xq, 4, K, w + n * K, w + n1 * K, d); break;
-        }
-        for (int64_t m = 0; m < M; ++m) {
-            sums[m * N + n] = d[0][m];
-            sums[m * N + n1] = d[1][m];
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int8_t *a = xa + m0 * K, *x = xq + m0 * K;
+            int32_t d[2][ROWS];
+            switch (M - m0) {   /* a constant row count: the accumulators stay in registers */
+                case 1: dot_pair(a, x, 1, K, w + n * K, w + n1 * K, d); break;
+                case 2: dot_pair(a, x, 2, K, w + n * K, w + n1 * K, d); break;
+                case 3: dot_pair(a, x, 3, K, w + n * K, w + n1 * K, d); break;
+                default: dot_pair(a, x, 4, K, w + n * K, w + n1 * K, d); break;
+            }
+            for (int64_t m = m0; m < M && m < m0 + ROWS; ++m) {
+                sums[m * N + n] = d[0][m - m0];
+                sums[m * N + n1] = d[1][m - m0];
+            }
         }
     }
     scale_rows(sums, M, N, xs, ws, bias, out);
@@ -198,12 +205,11 @@ WIDE static void q8_gemv_wide(const int8_t *xq, const float *xs, uint8_t *xu, in
     else scale_rows(sums, M, N, xs, ws, bias, out);   /* a few rows: no parallel region */
 }
 
-/* Five to WIDE_ROWS rows in AVX-512 VNNI (a batch of decodes, where oneDNN's int8 GEMM
+/* Five to FEW_ROWS rows in AVX-512 VNNI (a batch of decodes, where oneDNN's int8 GEMM
  * took 43 ms for the 0.5B shape's layers at 8 rows against the GEMV's 20 at 4): each pair
  * of weight rows is read from memory once, for groups of up to eight activation rows (the
  * pair stays in L1 between groups), and 128 times each row's sum comes off as in
  * dot_pair_wide: the same exact integers. */
-#define WIDE_ROWS 32
 #define GROUP 8
 
 WIDE static inline __attribute__((always_inline)) void dot_pair_group(const uint8_t *xu, int G, int64_t K,
@@ -288,7 +294,7 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
     for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
 }
 
-/* Up to four rows (`wide`: up to WIDE_ROWS) end to end in one call (a decode step's
+/* Up to FEW_ROWS rows end to end in one call (a decode step's
  * layer): x [M, K] float32 -> out [M, N], through `scratch` (2 * M * K + 4 * (M + 8) +
  * 4 * M * N bytes, 32-byte aligned pieces): quantize, then the GEMV (`wide`: the VNNI
  * one, or the VNNI GEMM from five rows). One call instead of three saves the per-call
@@ -296,8 +302,8 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
 static void linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                        const float *bias, float *out, int8_t *scratch, int threads, int wide) {
     if (M == 0) return;   /* the GEMV's switch would take four rows */
-    if (M > (wide ? WIDE_ROWS : ROWS)) {   /* more than a caller should send: correct, a few rows at a time */
-        const int64_t step = wide ? WIDE_ROWS : ROWS;
+    if (M > FEW_ROWS) {   /* more than a caller should send: correct, a few rows at a time */
+        const int64_t step = FEW_ROWS;
         for (int64_t m = 0; m < M; m += step)
             linear_few(x + m * K, M - m < step ? M - m : step, K, w, ws, N, bias, out + m * N, scratch, threads, wide);
         return;
@@ -317,7 +323,7 @@ void ruvllm_q8_linear_few(const float *x, int64_t M, int64_t K, const int8_t *w,
     linear_few(x, M, K, w, ws, N, bias, out, scratch, threads, 0);
 }
 
-/* The same through the AVX-512 VNNI GEMV (and from five rows to WIDE_ROWS its GEMM):
+/* The same through the AVX-512 VNNI GEMV (and from five rows to FEW_ROWS its GEMM):
  * the same bits, for CPUs with it. */
 void ruvllm_q8_linear_few_wide(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                                const float *bias, float *out, int8_t *scratch, int threads) {
