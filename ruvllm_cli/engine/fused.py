@@ -161,7 +161,7 @@ class FusedDecoder:
             self._plans = LayerPlans.build(self, modules)
             self._module_attrs = [m.__dict__ for m in modules]
         plans = self._plans
-        if plans is None or rows > plans.most_rows() or (
+        if plans is None or rows > plans.max_rows or (
                 not self.zero_linears and any(map(operator.contains, self._module_attrs, repeat("forward")))):
             return None   # a forward replaced on an instance runs as replaced
         return plans if plans.kernels_run() else None
@@ -218,13 +218,6 @@ class LayerPlans:
         shapes = sorted({(p[0].kind, p[0].in_, p[0].out, p[0].group) for p in plans})
         kernels = {p[0].kind: getattr(m, "_kernel", None) for p, m in zip(plans, modules)}
         return cls(array, shapes, min(p[1] for p in plans), kernels, held)
-
-    def most_rows(self) -> float:
-        """The most rows every planned kernel takes now (the int8 GEMV's count depends on
-        which of its forms the kernel object holds: tests swap it)."""
-        if LINEAR_Q8 not in self.kinds:
-            return self.max_rows
-        return min(self.max_rows, self.kernels[LINEAR_Q8].rows)
 
     def kernels_run(self) -> bool:
         """Whether the int4 kernel still runs (q4k's layers ask at each call: not after
@@ -289,7 +282,7 @@ def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, flo
         tensors = [buffers["qweight"], buffers["scales"]]
         plan = LinearPlan(LINEAR_Q8, module.out_features, module.in_features, 0, tensors[0].data_ptr(),
                           tensors[1].data_ptr(), None)
-        rows: float = float("inf")   # the int8 GEMV's count is asked at each step (LayerPlans.most_rows)
+        rows: float = module._kernel.rows
     elif kind is bf16.Bf16Linear and dtype == torch.bfloat16:
         tensors = [buffers["weight"]]
         plan = LinearPlan(LINEAR_BF16, module.out_features, module.in_features, 0, tensors[0].data_ptr(), None, None)
