@@ -107,7 +107,8 @@ def own_takes(packed: torch.Tensor, group: int) -> bool:
     """Whether our int4 kernel takes this packed weight's shape (whole blocks of torch's
     rows here, 64 or 32; groups of 32, 64 or 128 that divide K)."""
     n, half_k = packed.shape
-    return n % (_natural_block() or 64) == 0 and group in (32, 64, 128) and (2 * half_k) % group == 0
+    block = _natural_block()
+    return block is not None and n % block == 0 and group in (32, 64, 128) and (2 * half_k) % group == 0
 
 
 def scratch_floats(rows: int, k: int, group: int) -> int:

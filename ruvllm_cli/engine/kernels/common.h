@@ -51,6 +51,12 @@ static inline __m256 bf16_held8(__m256 v) {
     return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
+/* bf16_pack16 for eight lanes: held values to their 16 bits. */
+static inline __m128i bf16_pack8(__m256 held) {
+    const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(held), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
 /* The int4 kernels' first step (int4_gemm.c, int4_gemm_avx2.c): x [M, K] bfloat16
  * widened to float32 in xf, and each row's sum over each group of `group` values in
  * totals [M][K / group]. A sum runs in sixteen lanes along the group, then adds the lanes

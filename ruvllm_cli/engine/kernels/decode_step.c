@@ -56,11 +56,7 @@ static void store_row(const float *src, i64 n, int kind, void *dst, i64 start) {
         for (; i < n; ++i) d[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
         return;
     }
-    for (; i + 8 <= n; i += 8) {
-        const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(held8(_mm256_loadu_ps(src + i), 1)), 16);
-        _mm_storeu_si128((__m128i *)(d + i), _mm_packus_epi32(_mm256_castsi256_si128(high),
-                                                              _mm256_extracti128_si256(high, 1)));
-    }
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(d + i), bf16_pack8(bf16_held8(_mm256_loadu_ps(src + i))));
     for (; i < n; ++i) d[i] = bf16_round(src[i]);
 }
 

@@ -82,9 +82,7 @@ static inline void store(const float *acc, i64 b, const uint16_t *bias, uint16_t
             const __m128i add = _mm_loadu_si128((const __m128i *)(bias + b * BLOCK + 8 * j));
             sum = bf16_held8(_mm256_add_ps(sum, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(add), 16))));
         }
-        const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(sum), 16);
-        _mm_storeu_si128((__m128i *)(out + b * BLOCK + 8 * j),
-                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+        _mm_storeu_si128((__m128i *)(out + b * BLOCK + 8 * j), bf16_pack8(sum));
     }
 }
 
