@@ -481,7 +481,8 @@ class Int4TiedEmbedding(nn.Module):
 def kernel_note(model: nn.Module) -> str:
     """Which kernels a model's float16, int4 and int8 layers run on this machine, for the load
     line: a property of the machine, not of the weights, so not part of the description
-    a weight cache keeps (the same bytes serve every kernel)."""
+    a weight cache keeps (the kernels read the cached bytes as they are; q4k's bytes
+    follow torch's packing, which the cache's key holds)."""
     from ruvllm_cli.engine.half import HalfLinear
     from ruvllm_cli.engine.int4_dense import own_kernel
     from ruvllm_cli.engine.int8 import Int8Linear
