@@ -104,7 +104,8 @@ def test_a_mixed_batch_matches_peft_for_every_adapter(loaded, adapters, peft_ref
         assert result.token_ids == peft_reference(adapter, prompt_index), (adapter, prompt_index)
     # The adapters really change the output, or the comparison above proves nothing.
     assert len({tuple(peft_reference(a, 0)) for a in (None, "attn", "mlp", "all")}) == 4
-    assert engine.runner.fused_steps > 0   # the decodes ran the fused step, adapters in its linears
+    # On a CPU the decodes ran the fused step, adapters in its linears; CUDA has none.
+    assert (engine.runner.fused_steps > 0) == (TEST_DEVICE == "cpu")
     engine.check_integrity()
 
 

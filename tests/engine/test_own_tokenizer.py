@@ -208,8 +208,10 @@ def test_structured_output_runs_on_ruvllms_tokenizer(model_copy):
 
 @pytest.mark.parametrize("kind", ["directory", "gguf"])
 def test_a_fresh_process_loads_and_replies_without_importing_transformers(model_copy, tmp_path, kind):
-    """The second start of a model: a directory at none (no weight cache), a GGUF file
-    at q8 (its weight cache keeps the config fields transformers' key table gave)."""
+    """The second start of a model on a CPU: a directory at none (no weight cache), a
+    GGUF file at q8 (its weight cache keeps the config fields transformers' key table
+    gave). On CUDA the model loads through transformers' classes (and a GGUF at q8 is
+    refused), so the process names the CPU, as the load that wrote the caches did."""
     path, quantization = model_copy, "F32"
     if kind == "gguf":
         from ruvllm_cli.testing.tiny_gguf import write_gguf
@@ -223,7 +225,8 @@ from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tokenizer import Tokenizer, warm_up
 from ruvllm_cli.quantization import Quantization
-engine = LLMEngine.from_path({str(path)!r}, EngineConfig(quantization=Quantization.{quantization}, max_model_len=256))
+engine = LLMEngine.from_path({str(path)!r}, EngineConfig(device="cpu", quantization=Quantization.{quantization},
+                                                        max_model_len=256))
 assert isinstance(engine.tokenizer, Tokenizer)
 out = engine.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0.0))
 assert len(out[0].token_ids) == 4
