@@ -106,7 +106,10 @@ class Tokenizer:
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call lets go of the GIL while it works (`encode` keeps it: a 3.6 MB
+        # prompt on a server's worker thread held every other request for 6 s), and
+        # leaves out the offsets nothing here reads (half the time).
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -80,6 +81,34 @@ def test_a_second_load_reads_the_checked_tokenizer_and_answers_as_transformers(m
     assert ours.get_added_vocab() == theirs.get_added_vocab() and "<tool_call>" in ours.get_added_vocab()
     assert ours.convert_tokens_to_ids(["<|im_end|>", "no-such-token"]) == \
         theirs.convert_tokens_to_ids(["<|im_end|>", "no-such-token"])
+
+
+def test_a_long_prompt_is_encoded_without_holding_the_gil(model_copy):
+    """A server encodes prompts on a worker thread: with tokenizers' `encode` (which
+    keeps the GIL) a 3.6 MB prompt held every other request, /health included, for 6 s."""
+    load_model(model_copy, "cpu", Q.F32)
+    ours = load_model(model_copy, "cpu", Q.F32).tokenizer
+    assert isinstance(ours, own.Tokenizer)
+    text = "a b " * 150_000
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.002)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    started = time.perf_counter()
+    ids = ours.encode(text, add_special_tokens=False)
+    ended = time.perf_counter()
+    stop.set()
+    ticker.join()
+    assert len(ids) >= 150_000
+    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if b >= started and a <= ended]
+    # Held, the other thread waits the whole encode; let go, it ticks on.
+    assert max(gaps) < (ended - started) / 2, (max(gaps), ended - started)
 
 
 def _tokenizer(tmp_path, template, name="tok"):
