@@ -53,9 +53,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         status = error.status
         return http_error(request, error).response(shape)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
+    except ConnectionResetError:
+        # The client left (before its body had arrived, say): nobody to answer, nothing
+        # to log beyond the access line. Re-raised, aiohttp logged a traceback and a 500.
+        status = CLIENT_CLOSED
+        return web.Response(status=CLIENT_CLOSED)
     except Exception as error:  # noqa: BLE001 - the last line of defence
         state = get_state(request.app)
         log.error("internal error on %s %s: %s: %s", request.method, request.path, type(error).__name__, error,

@@ -291,3 +291,33 @@ def test_a_body_that_trickles_in_is_a_408_within_the_idle_timeout(make_server):
                                           "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
     with httpx.Client(base_url=live.url, timeout=30) as http:
         assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("cut", ["mid-body", "whole-body"])
+def test_a_client_that_leaves_before_its_body_is_read_is_a_quiet_499(make_server, caplog, cut):
+    """No traceback in the log and no 500 in the access line: the client is gone, the
+    request is counted as 499, and the server goes on."""
+    live = make_server()
+    body = json.dumps(COMPLETION).encode()
+    length, sent = (100_000, body[:10]) if cut == "mid-body" else (len(body), body)
+    host, port = live.url.removeprefix("http://").split(":")
+    registry = live.state.metrics.registry
+    labels = {"endpoint": "/v1/completions", "status": "499"}
+    before = registry.get_sample_value("ruvllm_http_requests_total", labels) or 0
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % length + sent)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (registry.get_sample_value("ruvllm_http_requests_total", labels)
+                                               or 0) < before + 3 and cut == "mid-body":
+            time.sleep(0.05)
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            assert http.post("/v1/completions", json=COMPLETION).status_code == 200
+    if cut == "mid-body":
+        assert registry.get_sample_value("ruvllm_http_requests_total", labels) == before + 3
+    logged = [r for r in caplog.records if r.name.startswith(("aiohttp", "ruvllm"))]
+    assert not [r for r in logged if r.exc_info or r.levelno >= logging.ERROR], [r.getMessage() for r in logged]
+    assert not [r for r in logged if r.name == "aiohttp.access" and '" 500 ' in r.getMessage()]
