@@ -68,13 +68,13 @@ SCHEMAS: dict[str, JsonSchema] = {
                                "finish_reason": _FINISH}}},
                        "usage": {"$ref": "#/components/schemas/Usage"}}},
     "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-        "object": {"const": "list"}, "data": {"type": "array", "items": {
-            "type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
-                "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]},
-                "parent": {"type": ["string", "null"]},
-                "status": {"enum": ["loaded", "loading", "unloading", "unloaded", "failed"]},
-                "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}}}}},
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
+    "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+        "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]},
+        "parent": {"type": ["string", "null"]},
+        "status": {"enum": ["loaded", "loading", "unloading", "unloaded", "failed"]},
+        "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}},
     "AnthropicError": {"type": "object", "required": ["type", "error"], "additionalProperties": False,
                        "properties": {"type": {"const": "error"}, "error": {
                            "type": "object", "required": ["type", "message"], "additionalProperties": False,
@@ -107,6 +107,7 @@ class Operation:
     same_body: tuple[int, ...] = ()          # statuses answered with the 200's body
     streams: bool = False                    # `stream: true` answers in server-sent events
     error_schema: str = "Error"              # the errors' shape: OpenAI's, or AnthropicError
+    path_parameters: tuple[str, ...] = ()    # the `{name}` parts of the path, strings
 
 
 _GENERATION_ERRORS = (400, 404, 408, 413, 429, 503)
@@ -119,6 +120,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models"): Operation("The names this server answers to, with each model's `status` (a model "
                                      "loads on first use); a LoRA adapter's `parent` is its base model.",
                                      "ModelList", errors=(503,)),
+    ("GET", "/v1/models/{model}"): Operation("One model by the name /v1/models lists; 404 for any other.", "Model",
+                                             errors=(404, 503), path_parameters=("model",)),
     ("POST", "/v1/chat/completions"): Operation("A chat reply.", "ChatCompletion",
                                                 errors=_GENERATION_ERRORS, streams=True),
     ("POST", "/v1/completions"): Operation("A completion of a prompt.", "Completion",
@@ -182,6 +185,9 @@ def operation_object(operation: Operation, guarded: bool, request: Sequence[Fiel
         responses[str(status)] = _error_response(operation.error_schema)
     responses["default"] = _error_response(operation.error_schema)
     result: JsonSchema = {"summary": operation.summary, "responses": responses}
+    if operation.path_parameters:
+        result["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                for name in operation.path_parameters]
     if request:
         result["requestBody"] = {"required": True, "content": {"application/json": {"schema": object_schema(request)}}}
     if guarded:

@@ -1,4 +1,4 @@
-"""Request handlers: /health, /metrics, /openapi.json, /v1/models, /v1/chat/completions,
+"""Request handlers: /health, /metrics, /openapi.json, /v1/models[/{model}], /v1/chat/completions,
 /v1/completions, and on the chat path Anthropic's /v1/messages and OpenAI's /v1/responses."""
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)   # served names may hold "/"
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/messages", messages)
@@ -79,6 +80,20 @@ async def openapi(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     state = get_state(request.app)
     state.require_ready()
+    return json_response({"object": "list", "data": model_objects(state)})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One model object by name (OpenAI's `models.retrieve`); the 404 of a request
+    that names another."""
+    state = get_state(request.app)
+    state.require_ready()
+    name = request.match_info["model"]
+    state.models.find(name)
+    return json_response(next(model for model in model_objects(state) if model["id"] == name))
+
+
+def model_objects(state: ServerState) -> list[dict[str, Any]]:
     created = int(time.time() - (time.monotonic() - state.started))
     # Beyond OpenAI's fields: what a client needs to size its requests.
     defaults = {"/v1/chat/completions": state.config.chat_max_tokens, "/v1/completions": COMPLETION_MAX_TOKENS,
@@ -92,7 +107,7 @@ async def list_models(request: web.Request) -> web.Response:
         # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
         data += [{"id": name, **common, "parent": None} for name in entry.names]
         data += [{"id": name, **common, "parent": entry.name} for name in entry.adapter_names()]
-    return json_response({"object": "list", "data": data})
+    return data
 
 
 async def metrics(request: web.Request) -> web.Response:

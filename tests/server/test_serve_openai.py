@@ -29,6 +29,19 @@ def test_models_lists_every_served_name(client, server):
     assert all(m.owned_by == "ruvllm" for m in models.data)
 
 
+def test_a_model_is_retrieved_by_any_served_name(client, server):
+    listed = {m.id: m for m in client.models.list().data}
+    for name in ("tiny", "org/tiny-model"):   # a name with "/" too, as the SDK sends it
+        model = client.models.retrieve(name)
+        assert model.id == name and model == listed[name]
+        assert model.status == "loaded" and model.max_model_len == 1024
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("gpt-4o")
+    error = raised.value.body
+    assert error["code"] == "model_not_found" and error["param"] == "model" and "'gpt-4o' does not exist" in \
+        error["message"]
+
+
 def test_chat_returns_a_message_with_real_usage(client, server):
     reply = chat(client, server, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-")
