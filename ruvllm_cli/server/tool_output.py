@@ -1,5 +1,6 @@
 """Tool calls in chat responses: each choice's text parsed by the model family's
-parser, whole (`settle`) or as it streams (`feed` / `finish`), into OpenAI's shape."""
+parser, whole (`settle`) or as it streams (`feed` / `finish`), into OpenAI's shape;
+a reply comes out the same either way."""
 
 from __future__ import annotations
 
@@ -33,9 +34,16 @@ class ToolReplies:
     _streams: dict[int, StreamingToolParser] = field(default_factory=dict)
 
     def settle(self, choice: Choice) -> None:
-        """A whole reply: its calls come out of the text; unparseable text stays content."""
-        parsed = self.parser.parse(choice.text)
-        choice.text, choice.tool_calls = parsed.content, list(parsed.tool_calls)
+        """A whole reply, as the same reply streamed ends: a call whose name came out
+        is a call, with its arguments as far as the model wrote them (so not valid JSON
+        where max_tokens cut it, finish_reason "length", or the model broke it: OpenAI
+        answers a cut-off call so too); a call that never got its name out stays
+        content. `parse` gave such calls back as content, markup and all, where the
+        stream had sent them as calls."""
+        reply = self.parser.parse_partial(choice.text, final=True)
+        choice.text = reply.content.strip()
+        choice.tool_calls = [ToolCall(call.id or self.parser.new_call_id(), call.name, call.arguments)
+                             for call in reply.tool_calls]
 
     def feed(self, choice: Choice, text: str) -> StreamDelta:
         return self._stream(choice).feed(text) if text else StreamDelta()

@@ -103,6 +103,19 @@ def test_stream_matches_parse_however_cut(case: Case) -> None:
         check_ids(case.parser, [call.id for call in streamed.calls], case.ids)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case.parser}-{case.id}")
+def test_a_whole_reply_in_the_server_ends_as_its_stream(case: Case) -> None:
+    """What a client gets does not depend on `stream`: a call cut off (or broken) after
+    its name is a call in the whole reply too, not markup in its content."""
+    from ruvllm_cli.server.bridge import Choice
+    from ruvllm_cli.server.tool_output import ToolReplies
+
+    choice = Choice(0, 0, case.text)
+    ToolReplies(get_parser(case.parser)).settle(choice)
+    assert (choice.text, tuple((c.name, c.arguments) for c in choice.tool_calls)) == expected_stream(case)
+    check_ids(case.parser, [call.id for call in choice.tool_calls], case.ids)
+
+
 def test_table_covers_every_parser() -> None:
     assert len(CASES) >= 30
     assert {case.parser for case in CASES} == set(PARSERS)

@@ -85,6 +85,23 @@ def test_forced_calls_stream_in_openai_fragments(client, server):
             [(c["name"], c["arguments"]) for c in calls.values()]
 
 
+def test_a_call_cut_off_by_max_tokens_is_the_same_call_streamed_or_not(client, server):
+    """finish_reason "length" and the call as far as it went, in `tool_calls` both ways;
+    no call markup in the content."""
+    cut = 0
+    for seed in range(6):
+        ask = dict(model=server.model, messages=HELLO, tools=TOOLS, tool_choice="required", temperature=1.0,
+                   seed=seed, max_tokens=14)
+        whole = client.chat.completions.create(**ask).choices[0]
+        content, calls, finish = collect_stream(client.chat.completions.create(**ask, stream=True))
+        assert whole.finish_reason == finish and (whole.message.content or "") == content
+        assert [(c.id.startswith("call_"), c.function.name, c.function.arguments)
+                for c in whole.message.tool_calls or []] == [(True, c["name"], c["arguments"]) for c in calls.values()]
+        assert "<tool_call>" not in content
+        cut += finish == "length" and bool(calls)
+    assert cut >= 3   # most seeds are cut inside their call's arguments
+
+
 def test_parallel_calls_off_gives_exactly_one(client, server):
     for seed in range(8):
         reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, seed=seed,
