@@ -23,7 +23,9 @@ if TYPE_CHECKING:
                      "as they are, and -q on chat, serve and benchmark quantizes them when they load",
                      "the alias's recommended one (ruvllm list), else q4k")
 @click.option("-f", "--force", is_flag=True, help="Fetch every file again, even if complete.")
-@click.option("--revision", metavar="REV", help="Branch, tag or commit (also MODEL@REV).")
+@click.option("--revision", metavar="REV",
+              help="Branch, tag or commit (also MODEL@REV) of the repo fetched: an alias's GGUF repo, "
+                   "unless --safetensors.")
 @click.option("--safetensors", is_flag=True,
               help="Fetch the full-precision safetensors even where the registry names a GGUF file.")
 @global_options
@@ -35,7 +37,8 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     that is already complete, and keeps revisions apart. For an alias whose registry
     entry names a GGUF file of the chosen quantization (by default the one `ruvllm
     list` recommends), that one file is fetched; --safetensors fetches the
-    full-precision weights instead. The label printed says what the files are
+    full-precision weights instead. A revision (--revision, MODEL@REV) is one of the
+    repo fetched, the GGUF repo included. The label printed says what the files are
     ("GGUF Q8_0", "safetensors bf16"). Private and gated repos need HF_TOKEN;
     HF_ENDPOINT points at another hub.
 
@@ -66,13 +69,14 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     revision = _merge_revision(ref.revision, revision)
     _quiet_hub_logs(app.verbose)
     progress = DownloadProgress(out.err, verbose=app.verbose)
-    variant = None if safetensors or revision else gguf_variant(ref, quantization)
+    variant = None if safetensors else gguf_variant(ref, quantization)
     cache = ModelCache(app.cache_dir)
     if variant is not None:
         gguf_ref, file_name = variant
         try:
             with _interrupt_note(out):
-                download_model(gguf_ref, quantization, cache, force=force, progress=progress, file_name=file_name)
+                download_model(gguf_ref, quantization, cache, force=force, revision=revision, progress=progress,
+                               file_name=file_name)
         except RepoUnavailableError as error:
             # The alias's own safetensors repo is another way to get the model.
             raise RepoUnavailableError(error.message, f"fetch the safetensors from {ref.repo_id} instead: "

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
     """Remove MODEL (an alias or org/name) from the cache: its files and manifests.
 
-    Every downloaded revision goes, unless --revision names one.
+    For an alias, whatever `ruvllm download` fetched for it goes: its GGUF repo (every
+    quantization) and its safetensors repo. Every downloaded revision goes, unless
+    --revision names one.
 
     \b
     Examples:
@@ -35,6 +37,7 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
       ruvllm rm qwen-0.5b --dry-run
     """
     from ruvllm_cli.registry.cache import ModelCache
+    from ruvllm_cli.registry.locate import download_repos
     from ruvllm_cli.registry.registry import resolve_model
 
     app = app_context()
@@ -45,10 +48,10 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
                          "ruvllm rm removes only downloaded models; delete local files yourself")
     if ref.revision and revision and ref.revision != revision:
         raise UsageError(f"two revisions given: '{ref.revision}' and '{revision}'", "give only one")
-    plan = ModelCache(app.cache_dir).plan_removal(ref.repo_id, revision or ref.revision)
-    what = _describe(plan)
+    plans = ModelCache(app.cache_dir).plan_removals(download_repos(ref), revision or ref.revision)
+    what = " and ".join(_describe(plan) for plan in plans)
     if dry_run or app.verbose:
-        for path in plan.files:
+        for path in (path for plan in plans for path in plan.files):
             out.info(f"  {escape(str(path))}")
     if dry_run:
         out.info(f"Would remove {what}.")
@@ -56,7 +59,8 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
     if not yes and not _confirm(f"Remove {what}?"):
         out.info("Nothing removed.")
         return
-    plan.execute()
+    for plan in plans:
+        plan.execute()
     out.success(f"Removed {what}.")
 
 
@@ -68,7 +72,10 @@ def _describe(plan: RemovalPlan) -> str:
 def _confirm(question: str) -> bool:
     try:
         return click.confirm(question, default=False, err=True)
-    except click.exceptions.Abort:
-        # stdin closed (a script): refuse rather than guess.
+    except click.exceptions.Abort as abort:
         sys.stderr.write("\n")
+        # click raises Abort for Ctrl-C too: that one ends as every command's does ("Aborted.", 130).
+        if not isinstance(abort.__context__, EOFError):
+            raise
+        # stdin closed (a script): refuse rather than guess.
         raise RuvllmError("no confirmation (stdin is closed)", "pass -y to remove without asking") from None

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ruvllm_cli import __version__
 from ruvllm_cli.fsutil import write_text_atomic
@@ -219,16 +219,28 @@ class ModelCache:
 
         Raises NotDownloadedError when the cache holds nothing of it.
         """
+        (plan,) = self.plan_removals([repo_id], revision)
+        return plan
+
+    def plan_removals(self, repo_ids: Sequence[str], revision: str | None = None) -> list[RemovalPlan]:
+        """`plan_removal` for each of `repo_ids` the cache holds (an alias's GGUF and safetensors repos).
+
+        Raises NotDownloadedError when it holds none of them.
+        """
+        plans = [self._plan_repo(repo_id, revision) for repo_id in repo_ids]
+        held = [plan for plan in plans if plan.files or plan._paths]
+        if not held:
+            names = " nor ".join(repo_ids) + (f" at revision {revision}" if revision else "")
+            missing = f"{names} is not" if len(repo_ids) == 1 else f"neither {names} is"
+            raise NotDownloadedError(f"{missing} in the cache ({self.root})",
+                                     "see what is there with: ruvllm list --downloaded")
+        return held
+
+    def _plan_repo(self, repo_id: str, revision: str | None) -> RemovalPlan:
         scan, hub_repo = self._scan_repo(repo_id)
         if revision is None:
-            plan = self._plan_whole_repo(repo_id, scan, hub_repo)
-        else:
-            plan = self._plan_revision(repo_id, revision, scan, hub_repo)
-        if not plan.files and not plan._paths:
-            where = f" at revision {revision}" if revision else ""
-            raise NotDownloadedError(f"{repo_id}{where} is not in the cache ({self.root})",
-                                     "see what is there with: ruvllm list --downloaded")
-        return plan
+            return self._plan_whole_repo(repo_id, scan, hub_repo)
+        return self._plan_revision(repo_id, revision, scan, hub_repo)
 
     def _plan_whole_repo(self, repo_id: str, scan: Any, hub_repo: Any) -> RemovalPlan:
         manifest_dir, repo_dir = self._manifest_dir(repo_id), self.repo_dir(repo_id)

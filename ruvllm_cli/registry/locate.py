@@ -20,19 +20,29 @@ class LocatedModel:
 
 def gguf_variant(ref: ModelRef, quantization: Quantization) -> tuple[ModelRef, str] | None:
     """The registry's pre-quantized GGUF file for `quantization`, where it names one:
-    (a reference to the GGUF repo, the exact file name)."""
+    (a reference to the GGUF repo at the alias's revision, the exact file name)."""
     entry = ref.entry
     if ref.kind != "registry" or entry is None or not entry.gguf_repo:
         return None
     name = entry.gguf_files.get(quantization)
-    return (ModelRef(kind="hub", repo_id=entry.gguf_repo, entry=entry), name) if name else None
+    if not name:
+        return None
+    return ModelRef(kind="hub", repo_id=entry.gguf_repo, revision=ref.revision, entry=entry), name
+
+
+def download_repos(ref: ModelRef) -> list[str]:
+    """The repos `download` may have fetched for `ref`: an alias's GGUF repo (its default)
+    and its safetensors repo (--safetensors); a hub id's own repo only."""
+    entry = ref.entry
+    gguf = [entry.gguf_repo] if ref.kind == "registry" and entry is not None and entry.gguf_repo else []
+    return [*gguf, ref.repo_id] if ref.repo_id else gguf
 
 
 def loads_gguf(ref: ModelRef, quantization: Quantization, cache: ModelCache) -> bool:
     """Whether `locate_model` gives, or once downloaded would give, the registry's GGUF
     file for `quantization` (what `download` fetches) rather than safetensors: the
     registry names one and the safetensors are not in the cache."""
-    return (not ref.revision and gguf_variant(ref, quantization) is not None
+    return (gguf_variant(ref, quantization) is not None
             and cache.find(ref.repo_id, ref.revision) is None)   # type: ignore[arg-type]
 
 
@@ -51,7 +61,7 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     found = cache.find(ref.repo_id, ref.revision)
     if found is not None:
         return LocatedModel(ref, found.path, served)
-    gguf = None if ref.revision else _downloaded_gguf(ref, cache, quantization)
+    gguf = _downloaded_gguf(ref, cache, quantization)
     if gguf is not None:
         return LocatedModel(ref, gguf, served)
     target = name.split("@")[0] if ref.kind == "registry" else ref.repo_id
@@ -70,7 +80,7 @@ def _downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantizatio
         if variant is None:
             continue
         gguf_ref, file_name = variant
-        found = cache.find(gguf_ref.repo_id)  # type: ignore[arg-type]
+        found = cache.find(gguf_ref.repo_id, gguf_ref.revision)  # type: ignore[arg-type]
         if found is not None and any(f.name == file_name for f in found.files):
             return found.path / file_name
     return None

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -11,12 +16,15 @@ from pathlib import Path
 import pytest
 from rich.filesize import decimal as format_size
 
+from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.download import download_model
+from ruvllm_cli.registry.locate import gguf_variant
 from ruvllm_cli.registry.registry import resolve_model
 from ruvllm_cli.testing.fake_hub import FakeHub
 
 Run = Callable[..., subprocess.CompletedProcess]
+ALIAS_REPO, GGUF_REPO = "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct-GGUF"  # `qwen-0.5b`'s
 
 
 @pytest.fixture
@@ -30,6 +38,20 @@ def downloaded(fake_hub: FakeHub, tiny_model_dir: Path, cache: ModelCache) -> Do
     repo_id = f"ruvllm-tests/rm-{uuid.uuid4().hex[:8]}"
     fake_hub.add_model_dir(repo_id, tiny_model_dir)
     return download_model(resolve_model(repo_id), "q4k", cache)
+
+
+@pytest.fixture
+def alias_gguf(fake_hub: FakeHub, cache: ModelCache) -> DownloadedModel:
+    """What `ruvllm download qwen-0.5b` fetches: the registry's Q8_0 file of its GGUF repo."""
+    gguf_ref, name = gguf_variant(resolve_model("qwen-0.5b"), Quantization.Q8_0)
+    assert gguf_ref.repo_id == GGUF_REPO
+    fake_hub.add_repo(GGUF_REPO, {name: b"GGUF" + b"\0" * 60, "README.md": b"# GGUF"})
+    return download_model(gguf_ref, Quantization.Q8_0, cache, file_name=name)
+
+
+def alias_downloaded(ruvllm: Run) -> bool:
+    listed = json.loads(ruvllm("list", "--json").stdout)
+    return next(m for m in listed["models"] if m["alias"] == "qwen-0.5b")["downloaded"]
 
 
 def listed_count(ruvllm: Run) -> int:
@@ -80,6 +102,35 @@ def test_rm_without_confirmation_on_closed_stdin(ruvllm: Run, downloaded: Downlo
     assert cache.find(downloaded.repo_id) == downloaded
 
 
+def read_stderr_until(process: subprocess.Popen, text: bytes, timeout: float = 60) -> bytes:
+    """What the process wrote to stderr up to `text` (a prompt ends no line, so read raw bytes)."""
+    seen, deadline = b"", time.monotonic() + timeout
+    while text not in seen:
+        ready, _, _ = select.select([process.stderr], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no {text!r} on stderr, only {seen!r}"
+        chunk = os.read(process.stderr.fileno(), 4096)
+        assert chunk, f"stderr closed after {seen!r} (exit {process.wait()})"
+        seen += chunk
+    return seen
+
+
+def test_ctrl_c_at_the_prompt_aborts_with_130(downloaded: DownloadedModel, cli_env: dict[str, str],
+                                              cache: ModelCache) -> None:
+    """Ctrl-C is no closed stdin: it ends as on every other command, and removes nothing."""
+    process = subprocess.Popen([sys.executable, "-m", "ruvllm_cli", "rm", downloaded.repo_id], env=cli_env,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        prompt = read_stderr_until(process, b"[y/N]: ")
+        process.send_signal(signal.SIGINT)
+        stdout, rest = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 130, rest
+    assert stdout == b""
+    assert (prompt + rest).decode().splitlines() == [f"Remove {describe(downloaded, 7)}? [y/N]: ", "Aborted."]
+    assert cache.find(downloaded.repo_id) == downloaded
+
+
 def test_rm_dry_run_lists_the_plan_and_removes_nothing(ruvllm: Run, downloaded: DownloadedModel,
                                                        cache: ModelCache) -> None:
     result = ruvllm("rm", downloaded.repo_id, "--dry-run")
@@ -119,14 +170,68 @@ def test_rm_by_alias(ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path, cache
     assert cache.downloaded() == []
 
 
+def test_rm_by_alias_removes_the_gguf_download_fetched(ruvllm: Run, alias_gguf: DownloadedModel,
+                                                     cache: ModelCache) -> None:
+    """`download qwen-0.5b` fetches the GGUF repo, so `rm qwen-0.5b` removes that (it looked
+    only at the safetensors repo: "not in the cache" while `list` said downloaded)."""
+    assert alias_downloaded(ruvllm)
+    plan = describe(alias_gguf, 2)  # the GGUF file + the manifest
+    dry = ruvllm("rm", "qwen-0.5b", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    manifest = cache.manifest_path(GGUF_REPO, alias_gguf.commit)
+    assert dry.stderr.splitlines() == [f"  {alias_gguf.path / alias_gguf.files[0].name}", f"  {manifest}",
+                                       f"Would remove {plan}."]
+    assert cache.find(GGUF_REPO) == alias_gguf
+
+    result = ruvllm("rm", "qwen-0.5b", "-y")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"Removed {plan}."]
+    assert cache.downloaded() == [] and not cache.repo_dir(GGUF_REPO).exists()
+    assert not alias_downloaded(ruvllm)
+
+
+def test_rm_by_alias_removes_both_its_gguf_and_its_safetensors(
+        ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path, alias_gguf: DownloadedModel,
+        cache: ModelCache) -> None:
+    fake_hub.add_model_dir(ALIAS_REPO, tiny_model_dir)
+    safetensors = download_model(resolve_model("qwen-0.5b"), "q4k", cache)   # `download qwen-0.5b --safetensors`
+    both = f"{describe(alias_gguf, 2)} and {describe(safetensors, 7)}"
+    declined = ruvllm("rm", "qwen-0.5b", input="n\n")
+    assert declined.returncode == 0, declined.stderr
+    assert declined.stderr.splitlines() == [f"Remove {both}? [y/N]: Nothing removed."]
+    dry = ruvllm("rm", "qwen-0.5b", "--dry-run")
+    assert dry.stderr.splitlines()[-1] == f"Would remove {both}."
+    assert len(dry.stderr.splitlines()) == 1 + 2 + 7
+    assert sorted(m.repo_id for m in cache.downloaded()) == [ALIAS_REPO, GGUF_REPO]
+
+    result = ruvllm("rm", "qwen-0.5b", input="y\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"Remove {both}? [y/N]: Removed {both}."]
+    assert cache.downloaded() == []
+    assert not alias_downloaded(ruvllm)
+
+
+def test_rm_by_hub_id_removes_only_that_repo(ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path,
+                                             alias_gguf: DownloadedModel, cache: ModelCache) -> None:
+    fake_hub.add_model_dir(ALIAS_REPO, tiny_model_dir)
+    safetensors = download_model(resolve_model(ALIAS_REPO), "q4k", cache)
+    result = ruvllm("rm", ALIAS_REPO, "-y")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [f"Removed {describe(safetensors, 7)}."]
+    assert cache.downloaded() == [alias_gguf]
+
+
 def test_rm_of_a_model_not_downloaded(ruvllm: Run, isolated_env) -> None:
     result = ruvllm("rm", "qwen-0.5b", "-y")
     assert result.returncode == 1
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert result.stderr.splitlines() == [
-        f"Error: Qwen/Qwen2.5-0.5B-Instruct is not in the cache ({isolated_env.cache_dir})",
+        f"Error: neither {GGUF_REPO} nor {ALIAS_REPO} is in the cache ({isolated_env.cache_dir})",
         "Hint: see what is there with: ruvllm list --downloaded",
     ]
+    by_id = ruvllm("rm", ALIAS_REPO, "-y")
+    assert by_id.returncode == 1
+    assert by_id.stderr.splitlines()[0] == f"Error: {ALIAS_REPO} is not in the cache ({isolated_env.cache_dir})"
 
 
 def test_rm_of_an_unknown_revision(ruvllm: Run, downloaded: DownloadedModel, cache: ModelCache) -> None:
