@@ -138,6 +138,7 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
             file_name is None or any(f.name == file_name for f in existing.files)):
         progress.already_downloaded(existing)
         return existing
+    _make_cache_dir(cache)
     lost = sum(_size(path) for path in cache.orphaned_incomplete_files(repo_id))
     progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id), lost)
     with hub_errors(repo_id, revision, cache):
@@ -178,8 +179,10 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
     if earlier is not None and _gguf_names(f.name for f in earlier.files) and _gguf_names(names):
         # Another quantization of the same GGUF repo commit: one manifest lists both.
         records = _merge_gguf_downloads(earlier, records)
-    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit, files=records)
+    # The ref first: a download counts as complete once its manifest is written, so a
+    # failure between the two (disk full) leaves one that the next run finishes.
     cache.write_ref(repo_id, revision or DEFAULT_REVISION, commit)
+    model = cache.write_manifest(repo_id=repo_id, revision=revision, commit=commit, files=records)
     progress.finished(model)
     return model
 
@@ -243,6 +246,15 @@ def _present(path: Path, size: int) -> bool:
         return False
 
 
+def _make_cache_dir(cache: ModelCache) -> None:
+    """Before any transfer: a cache dir that cannot be made (a file in its path, under /proc)
+    is the cache dir's fault, whatever the errno (ENOTDIR, ENOENT)."""
+    try:
+        cache.hub_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _cache_write_error(error, cache) from None
+
+
 def _check_disk_space(cache: ModelCache, needed: int) -> None:
     cache.hub_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cache.hub_dir).free
@@ -296,12 +308,17 @@ def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return DownloadError(f"disk full while downloading {repo_id} into {cache.root}",
                              "free some space or choose another --cache-dir")
-    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return CacheError(f"cannot write to the cache dir {cache.root} ({error.strerror}: {error.filename})",
-                          "choose another --cache-dir (or RUVLLM_CACHE_DIR)")
+    if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
+        return _cache_write_error(error, cache)
     if isinstance(error, OSError):
         return DownloadError(f"download of {repo_id} failed: {error}", "run the download again")
     return None
+
+
+def _cache_write_error(error: OSError, cache: ModelCache) -> CacheError:
+    """A cache dir that cannot be written: another run would not help, another dir would."""
+    return CacheError(f"cannot write to the cache dir {cache.root} ({error.strerror}: {error.filename})",
+                      "choose another --cache-dir (or RUVLLM_CACHE_DIR)")
 
 
 def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:

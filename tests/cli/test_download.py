@@ -130,6 +130,39 @@ def test_alias_downloads_the_registry_gguf_variant_and_chat_loads_it(
         assert chat.returncode == 0 and name in chat.stderr, chat.stderr
 
 
+def test_a_revision_on_an_alias_applies_to_its_gguf_repo(ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path,
+                                                         isolated_env) -> None:
+    """`dl qwen-0.5b@main` and `--revision main -q q4k` switched to the safetensors repo and
+    ignored -q; the revision is one of the repo the alias downloads."""
+    from ruvllm_cli.quantization import Quantization
+    from ruvllm_cli.registry.locate import locate_model
+    from ruvllm_cli.registry.registry import builtin_entries
+
+    entry = builtin_entries()["qwen-0.5b"]
+    q8, q4 = entry.gguf_files[Quantization.Q8_0], entry.gguf_files[Quantization.Q4_K_M]
+    commit = fake_hub.add_repo(entry.gguf_repo, {q8: b"q8" * 50, q4: b"q4" * 40, "README.md": b"# GGUF"})
+    safetensors_commit = fake_hub.add_model_dir(ALIAS_REPO, tiny_model_dir)
+    cache = ModelCache(isolated_env.cache_dir)
+    snapshot = snapshot_of(isolated_env.cache_dir, entry.gguf_repo, commit)
+
+    result = ruvllm("dl", "qwen-0.5b@main")
+    assert result.returncode == 0, result.stderr
+    assert resolve_gets(fake_hub) == [q8] and [p.name for p in snapshot.iterdir()] == [q8]
+    fake_hub.reset()
+    result = ruvllm("download", "qwen-0.5b", "--revision", "main", "-q", "q4k")
+    assert result.returncode == 0, result.stderr
+    assert resolve_gets(fake_hub) == [q4] and sorted(p.name for p in snapshot.iterdir()) == sorted([q4, q8])
+    assert cache.find(ALIAS_REPO) is None
+    # What was fetched at a revision is found at that revision.
+    assert locate_model("qwen-0.5b@main", cache.root, Quantization.Q4_K_M).path == snapshot / q4
+    assert locate_model("qwen-0.5b@main", cache.root).path == snapshot / q8
+    assert (cache.repo_dir(entry.gguf_repo) / "refs" / "main").read_text() == commit
+
+    result = ruvllm("download", "qwen-0.5b@main", "--safetensors")
+    assert result.returncode == 0, result.stderr
+    assert cache.find(ALIAS_REPO, "main").commit == safetensors_commit
+
+
 def test_labels_say_what_the_files_are_and_q_applies_at_load(ruvllm: Run, fake_hub: FakeHub, repo,
                                                               tiny_model_dir: Path, isolated_env,
                                                               cli_env: dict[str, str]) -> None:
@@ -390,6 +423,75 @@ def test_unwritable_cache_maps_to_one_line(tmp_path: Path) -> None:
     assert error is not None
     assert error.message == f"cannot write to the cache dir {tmp_path} (Permission denied: {tmp_path}/hub)"
     assert error.hint == "choose another --cache-dir (or RUVLLM_CACHE_DIR)"
+
+
+@pytest.mark.parametrize("where", ["under a file", "under /proc"])
+def test_a_cache_dir_that_cannot_be_made_says_so(ruvllm: Run, fake_hub: FakeHub, repo, tmp_path: Path,
+                                                  where: str) -> None:
+    """A file in the cache path (ENOTDIR) or /proc (ENOENT) said "download failed" and
+    "run the download again", which cannot help."""
+    repo_id, _ = repo
+    if where == "under a file":
+        (tmp_path / "afile").write_text("")
+        cache_dir = tmp_path / "afile" / "sub"
+    else:
+        cache_dir = Path(f"/proc/ruvllm-{uuid.uuid4().hex[:8]}/cache")
+    with pytest.raises(OSError) as refused:  # what the system says (ENOTDIR; ENOENT or EACCES)
+        (cache_dir / "hub").mkdir(parents=True)
+    reason, culprit = refused.value.strerror, refused.value.filename
+    result = ruvllm("--cache-dir", str(cache_dir), "download", repo_id)
+    assert_one_error(result, f"cannot write to the cache dir {cache_dir} ({reason}: {culprit})",
+                     "choose another --cache-dir (or RUVLLM_CACHE_DIR)")
+    assert fake_hub.requests == []
+
+
+def test_a_file_in_the_cache_maps_to_one_line(tmp_path: Path) -> None:
+    in_the_way = NotADirectoryError(errno.ENOTDIR, "Not a directory", str(tmp_path / "hub"))
+    error = map_hub_error(in_the_way, "org/x", None, ModelCache(tmp_path))
+    assert error is not None
+    assert error.message == f"cannot write to the cache dir {tmp_path} (Not a directory: {tmp_path}/hub)"
+    assert error.hint == "choose another --cache-dir (or RUVLLM_CACHE_DIR)"
+
+
+# The disk fills up after the download's first bookkeeping write (the manifest or the
+# ref, whichever comes first); every file of the model is complete by then.
+_DISK_FULL_AT_THE_END = """
+import errno, sys
+from ruvllm_cli.registry import cache
+from ruvllm_cli.cli.main import main
+real, written = cache.write_text_atomic, []
+def write_text_atomic(path, text):
+    if written:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    written.append(path)
+    real(path, text)
+cache.write_text_atomic = write_text_atomic
+sys.argv = ["ruvllm", *sys.argv[1:]]
+main()
+"""
+
+
+def test_disk_full_at_the_end_leaves_a_download_the_next_run_finishes(
+        ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path, cli_env: dict[str, str], isolated_env) -> None:
+    """The manifest came before refs/main: a run that failed then still counted as complete."""
+    repo_id, commit = repo
+    failed = subprocess.run([sys.executable, "-c", _DISK_FULL_AT_THE_END, "download", repo_id], env=cli_env,
+                            capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr.splitlines()[-2:] == [
+        f"Error: disk full while downloading {repo_id} into {isolated_env.cache_dir}",
+        "Hint: free some space or choose another --cache-dir"]
+    cache = ModelCache(isolated_env.cache_dir)
+    assert cache.find(repo_id) is None
+    assert json.loads(ruvllm("list", "--downloaded", "--json").stdout)["count"] == 0
+
+    fake_hub.reset()
+    again = ruvllm("download", repo_id)
+    assert again.returncode == 0, again.stderr
+    assert resolve_gets(fake_hub) == []   # every file was complete: only the records were missing
+    assert cache.find(repo_id).commit == commit
+    assert (cache.repo_dir(repo_id) / "refs" / "main").read_text() == commit
+    assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
 
 
 # -- interrupted runs ---------------------------------------------------------------------------
