@@ -12,14 +12,24 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Turns one token at a time into text deltas, holding back incomplete characters."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+                 kept_special_tokens: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Special tokens skipped one by one where some must stay (a tool-call format's
+        # markers reach its parser; <|im_start|> and the like do not reach the reply).
+        self.dropped: frozenset[int] | None = None
+        if skip_special_tokens and kept_special_tokens:
+            kept = set(kept_special_tokens)
+            self.dropped = frozenset(index for index, token in tokenizer.added_tokens_decoder.items()
+                                     if token.special and token.content not in kept)
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self.dropped is not None:
+            return self.tokenizer.decode([i for i in ids if i not in self.dropped], skip_special_tokens=False)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:

@@ -32,7 +32,7 @@ class OutputProcessor:
         """Give a new request its per-sequence state (text, stop strings, seed)."""
         params = request.params
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
-                                                     params.skip_special_tokens)
+                                                     params.skip_special_tokens, params.kept_special_tokens)
         request.stop_matcher = StopMatcher(params.stop)
         if params.seed is not None:
             request.generator = torch.Generator(device="cpu").manual_seed(params.seed)

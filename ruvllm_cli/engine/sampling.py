@@ -44,7 +44,8 @@ class SamplingParams(SamplingKnobs):
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]), OpenAI's semantics
     structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
-    skip_special_tokens: bool = True                # False: special tokens (tool-call markers) reach the text
+    skip_special_tokens: bool = True                # False: special tokens reach the text
+    kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
     logits_processors: list[LogitsProcessor] = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
+from ruvllm_cli.engine.tool_parsers import get_parser
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.fields import invalid_value
@@ -60,8 +61,9 @@ def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) ->
 
 def tool_sampling(tokenizer: Any, tools: ToolRequest, parser_name: str, sampling: SamplingFields) -> SamplingFields:
     """Sampling for a reply that may call tools: markers that are special tokens reach
-    the parser, and a forced tool_choice becomes the grammar of its calls."""
-    sampling = replace(sampling, skip_special_tokens=False)
+    the parser (other special tokens are still skipped), and a forced tool_choice
+    becomes the grammar of its calls."""
+    sampling = replace(sampling, kept_special_tokens=get_parser(parser_name).markers)
     try:
         spec = forced_call_grammar(tools, parser_name, tokenizer)
     except UsageError as error:

@@ -56,7 +56,7 @@ class SamplingFields(SamplingKnobs):
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
-    skip_special_tokens: bool = True       # False while tool-call markers must reach the parser
+    kept_special_tokens: tuple[str, ...] = ()   # a tool-call format's markers, for its parser
 
     def params(self, max_tokens: int, copy: int) -> SamplingParams:
         """Engine parameters for copy `copy` of `n`."""
@@ -66,7 +66,7 @@ class SamplingFields(SamplingKnobs):
         try:
             return SamplingParams(**{**self.knobs(), "seed": seed}, max_tokens=max_tokens, stop=self.stop,
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs,
-                                  logit_bias=self.logit_bias, skip_special_tokens=self.skip_special_tokens,
+                                  logit_bias=self.logit_bias, kept_special_tokens=self.kept_special_tokens,
                                   structured=self.structured.spec if self.structured else None)
         except UsageError as error:
             name = error.message.split(" ", 1)[0]

@@ -13,6 +13,22 @@ def test_stream_equals_full_decode_including_multibyte(loaded):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_kept_special_tokens_stay_and_the_other_special_tokens_go(loaded):
+    """A tool-call format's markers reach its parser as text; <|im_start|> and the
+    like still do not reach the reply."""
+    tok = loaded.tokenizer
+    special = {t.content: i for i, t in tok.added_tokens_decoder.items() if t.special}
+    kept, dropped = "<|im_end|>", ("<|pad|>", "<|im_start|>")
+    ids = [*tok.encode("Hi", add_special_tokens=False), special["<|pad|>"], special[kept],
+           *tok.encode(" there", add_special_tokens=False), special["<|im_start|>"]]
+    for skip, keep, shown, hidden in ((True, (kept,), (kept,), dropped), (True, (), (), (kept, *dropped)),
+                                      (False, (kept,), (kept, *dropped), ())):
+        detok = IncrementalDetokenizer(tok, prompt_ids=[], skip_special_tokens=skip, kept_special_tokens=keep)
+        text = "".join(detok.add(i) for i in ids) + detok.flush()
+        assert text.startswith("Hi") and "there" in text
+        assert all(s in text for s in shown) and not any(s in text for s in hidden), (skip, keep, text)
+
+
 def test_stop_matcher_holds_back_a_partial_stop():
     m = StopMatcher(["END"])
     assert m.feed("abc E") == ("abc ", False)

@@ -102,6 +102,23 @@ def test_a_call_cut_off_by_max_tokens_is_the_same_call_streamed_or_not(client, s
     assert cut >= 3   # most seeds are cut inside their call's arguments
 
 
+def test_special_tokens_other_than_the_markers_stay_out_of_a_reply_with_tools(client, server):
+    """With tools the markers must reach the parser, yet <|pad|>, <|im_start|> and the
+    like are still skipped, as in a reply without tools."""
+    ids = server.engine(lambda e: e.tokenizer.convert_tokens_to_ids(["<|pad|>", "<|im_start|>"]))
+    bias = {str(i): 8 for i in ids}
+    for stream in (False, True):
+        for seed in range(3):
+            ask = dict(model=server.model, messages=HELLO, tools=TOOLS, max_tokens=12, seed=seed,
+                       logit_bias=bias, temperature=1.0)
+            if stream:
+                content, calls, _ = collect_stream(client.chat.completions.create(**ask, stream=True))
+            else:
+                message = client.chat.completions.create(**ask).choices[0].message
+                content, calls = message.content or "", message.tool_calls or []
+            assert "<|pad|>" not in content and "<|im_start|>" not in content, content
+
+
 def test_parallel_calls_off_gives_exactly_one(client, server):
     for seed in range(8):
         reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, seed=seed,

@@ -93,6 +93,7 @@ class ToolParser(Protocol):
 
     name: str
     start_markers: tuple[str, ...]
+    markers: tuple[str, ...]   # every marker the format writes, kept in the text as special tokens
 
     def parse(self, text: str) -> ParsedReply: ...
 

@@ -80,4 +80,5 @@ def _broken_block_end(text: str, bad: int) -> int | None:
 class Parser(ScanningParser):
     name = NAME
     start_markers = START_MARKERS
+    markers = (START, END)
     scan = staticmethod(scan)

@@ -63,4 +63,5 @@ def _scan_calls(text: str, first: int) -> list[Piece]:
 class Parser(ScanningParser):
     name = NAME
     start_markers = START_MARKERS
+    markers = (PYTHON_TAG,)
     scan = staticmethod(scan)

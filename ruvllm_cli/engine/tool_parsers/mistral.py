@@ -107,6 +107,7 @@ def _could_be_header(text: str, name_end: int) -> bool:
 class Parser(ScanningParser):
     name = NAME
     start_markers = START_MARKERS
+    markers = (START, ARGS, CALL_ID)
     id_length = 9
     id_prefix = ""
     scan = staticmethod(scan)
