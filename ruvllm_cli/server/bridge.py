@@ -38,10 +38,15 @@ class Choice:
     queue_wait: float | None = None   # seconds from reaching the engine to its first step
     repaired: bool = False           # json-repair closed a truncated JSON reply
     tool_calls: list[Any] = field(default_factory=list)   # parsed ToolCalls (chat with tools)
+    # The span of `text` each token of `logprobs` came with: the text of its step (a
+    # skipped special token brings none, and a step may bring text held back earlier:
+    # a character's first bytes, a tail that could have been a stop string).
+    token_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, output: RequestOutput) -> None:
         if output.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        self.token_spans += [(len(self.text), len(self.text) + len(output.text))] * len(output.logprobs)
         self.text += output.text
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs

@@ -171,7 +171,7 @@ class CompletionFormat(OpenAIStreamEnd):
     def body(self, choices: Sequence[Choice]) -> dict[str, Any]:
         return {**self.meta.head("text_completion"),
                 "choices": [{"index": c.index, "text": self._echo(c) + c.text,
-                             "logprobs": self._logprobs(c.logprobs, len(self._echo(c))),
+                             "logprobs": self._logprobs(c.logprobs, len(self._echo(c)), c.token_spans),
                              "finish_reason": finish_reason(c)} for c in choices],
                 "usage": usage(choices)}
 
@@ -183,8 +183,9 @@ class CompletionFormat(OpenAIStreamEnd):
         if not output.text and not (output.logprobs and self.logprobs is not None):
             return []
         # `choice` already holds this output: its text so far ends with this delta.
-        offset = len(self._echo(choice)) + len(choice.text) - len(output.text)
-        return [self._chunk(choice.index, output.text, logprobs=self._logprobs(output.logprobs, offset))]
+        spans = choice.token_spans[len(choice.token_spans) - len(output.logprobs):]
+        logprobs = self._logprobs(output.logprobs, len(self._echo(choice)), spans)
+        return [self._chunk(choice.index, output.text, logprobs=logprobs)]
 
     def flush(self, choice: Choice) -> list[dict[str, Any]]:
         return []
@@ -206,18 +207,21 @@ class CompletionFormat(OpenAIStreamEnd):
             chunk["usage"] = None
         return chunk
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
-        """The legacy format: parallel arrays, `text_offset` counted from `offset`."""
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], echo: int,
+                  spans: Sequence[tuple[int, int]]) -> dict[str, Any] | None:
+        """The legacy format: parallel arrays, `text_offset` where each token shows in
+        the text after `echo` characters of echoed prompt: at the end of its step's span
+        (`Choice.token_spans`), or the span's start where its own text is longer (a
+        skipped special token, a character's last bytes)."""
         if self.logprobs is None:
             return None
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for lp in logprobs:
+        for lp, (start, end) in zip(logprobs, spans):
             text = self.texts.text(lp.token_id)
             alternatives = {self.texts.text(t): p for t, p in lp.top[:self.logprobs]}
             alternatives.setdefault(text, lp.logprob)
             tokens.append(text)
             token_logprobs.append(lp.logprob)
             tops.append(alternatives)
-            offsets.append(offset)
-            offset += len(text)
+            offsets.append(echo + max(start, end - len(text)))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

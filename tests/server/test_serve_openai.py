@@ -181,6 +181,24 @@ def test_completion_logprobs_and_echo(client, server):
     assert echoed.choices[0].text == "Bread needs flour" + done.choices[0].text
 
 
+def test_completion_text_offsets_point_into_the_text_streamed_or_not(client, server):
+    """A skipped special token takes no room in the text, a token that ends a character
+    sits where the character begins, and the stream gives the same offsets."""
+    pad = server.engine(lambda e: e.tokenizer.convert_tokens_to_ids("<|pad|>"))
+    for seed in range(4):
+        ask = dict(model=server.model, prompt="Bread needs flour", max_tokens=12, temperature=1.0, seed=seed,
+                   logprobs=0, logit_bias={str(pad): 4}, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**ask).choices[0]
+        text, lp = whole.text, whole.logprobs
+        assert lp.text_offset == sorted(lp.text_offset) and all(o <= len(text) for o in lp.text_offset)
+        for token, offset in zip(lp.tokens, lp.text_offset):
+            if not (token.startswith("<|") and token.endswith("|>")) and "\ufffd" not in token:   # skipped
+                assert text.startswith(token, offset), (token, offset, text)
+        streamed = [o for chunk in client.completions.create(**ask, stream=True) for c in chunk.choices
+                    if c.logprobs for o in c.logprobs.text_offset]
+        assert streamed == lp.text_offset
+
+
 def test_repeated_long_prompt_reports_cached_tokens(client, server):
     unique = uuid.uuid4().hex
     long_prompt = f"{unique} " + "Computers store numbers in binary. A byte has eight bits. " * 20
