@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
+from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
@@ -68,7 +69,11 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser_name: str, sampling
         spec = forced_call_grammar(tools, parser_name, tokenizer)
     except UsageError as error:
         raise bad_request(error.message, "tool_choice") from error
-    return replace(sampling, structured=Structured(spec, "tools")) if spec is not None else sampling
+    if spec is None:
+        return sampling
+    parts = tuple((f"the parameters schema of tool '{tool.name}'", GrammarSpec.json_schema(tool.parameters))
+                  for tool in tools.offered())
+    return replace(sampling, structured=Structured(spec, "tools", parts=parts))
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:

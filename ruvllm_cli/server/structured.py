@@ -34,6 +34,9 @@ class Structured:
     param: str
     strict: bool = True           # json_schema's `strict`; json_object and the rest count as strict
     json_repair: bool = False     # close a truncated JSON reply with json-repair ("ruvllm" extension)
+    # What the grammar is made of, each part on its own (a forced call's tools' schemas):
+    # the one the library refuses is named in the 400, not a line of the whole grammar.
+    parts: tuple[tuple[str, GrammarSpec], ...] = ()
 
     @property
     def repairable(self) -> bool:
@@ -136,6 +139,11 @@ def check_grammar(structured: Structured | None, engine: Any) -> None:
     try:
         engine.grammar_compiler.validate(structured.spec)
     except GrammarError as error:
+        for label, part in structured.parts:
+            try:
+                engine.grammar_compiler.validate(part)
+            except GrammarError as refused:
+                raise bad_request(f"{label} cannot be enforced: {refused.message}", structured.param) from error
         raise ApiError.from_ruvllm(error, structured.param) from error
 
 

@@ -194,6 +194,18 @@ def test_a_hundred_tools_in_one_request(long_context_server):
     jsonschema.validate(json.loads(call.function.arguments), ADD)
 
 
+def test_a_tool_schema_the_grammar_cannot_take_is_named_in_the_400(server):
+    import httpx
+
+    tools = [*TOOLS, {"type": "function", "function": {"name": "odd", "parameters": {"type": "bogus"}}}]
+    response = httpx.post(f"{server.base_url}/chat/completions", timeout=30, json={
+        "model": server.model, "messages": HELLO, "max_tokens": 5, "tools": tools, "tool_choice": "required"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "Lark" not in error["message"], error
+    assert error["message"].startswith("the parameters schema of tool 'odd' cannot be enforced: "), error
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
