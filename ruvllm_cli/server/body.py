@@ -50,7 +50,9 @@ def parse_json(raw: bytes) -> Any:
     except RecursionError as error:
         raise _too_deep() from error
     except (ValueError, UnicodeDecodeError) as error:
-        raise bad_request(f"We could not parse the JSON body of your request: {error}", code="invalid_json") \
+        # Python's own advice (sys.set_int_max_str_digits) is not for an API client.
+        detail = "a number has more digits than the 4300 we read" if "int_max_str_digits" in str(error) else error
+        raise bad_request(f"We could not parse the JSON body of your request: {detail}", code="invalid_json") \
             from error
 
 

@@ -33,6 +33,13 @@ def test_malformed_json_is_400(http):
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_number_too_long_to_read_is_400_without_pythons_advice(http):
+    body = b'{"model": "tiny", "prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    error = assert_error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
+                         400, code="invalid_json", contains="a number has more digits than the 4300 we read")
+    assert "sys." not in error["message"]
+
+
 @pytest.mark.parametrize("body, message", [(b"", "empty"), (b"[1, 2]", "must be a JSON object")])
 def test_body_must_be_an_object(http, body, message):
     assert_error(http.post("/v1/completions", content=body), 400, contains=message)
