@@ -27,6 +27,7 @@ from ruvllm_cli.registry.weights import weights_label
 
 DEFAULT_REVISION = "main"
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+SHORT_COMMIT_RE = re.compile(r"^[0-9a-fA-F]{7,39}$")   # a commit as `download` and `list` print it
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,9 @@ class ModelCache:
         """The complete download of `repo_id` at `revision`, or None.
 
         None means the default branch (main); a branch or tag resolves through
-        `hub/models--*/refs/<name>`; a 40-hex commit is looked up directly.
+        `hub/models--*/refs/<name>`; a 40-hex commit is looked up directly, and a
+        shorter one (7 hex digits and up, as `download` and `list` print them) names
+        the one downloaded commit it begins.
         """
         commit = self.resolve_commit(repo_id, revision)
         if commit is None:
@@ -141,12 +144,19 @@ class ModelCache:
             commit = ref.read_text().strip()
             if is_commit(commit):
                 return commit
-        return self._commit_from_manifests(repo_id, revision)
+        return self._commit_from_manifests(repo_id, revision) or self._commit_from_prefix(repo_id, revision)
 
     def _commit_from_manifests(self, repo_id: str, revision: str) -> str | None:
         matches = [m for m in self._manifests(repo_id) if m.get("revision") == revision]
         matches.sort(key=lambda m: str(m.get("downloaded_at", "")))
         return str(matches[-1]["commit"]) if matches else None
+
+    def _commit_from_prefix(self, repo_id: str, revision: str) -> str | None:
+        if not SHORT_COMMIT_RE.match(revision):
+            return None
+        commits = {str(m.get("commit")) for m in self._manifests(repo_id)}
+        found = [commit for commit in commits if commit.startswith(revision.lower())]
+        return found[0] if len(found) == 1 else None
 
     def _manifests(self, repo_id: str) -> list[dict[str, Any]]:
         directory = self._manifest_dir(repo_id)

@@ -170,6 +170,25 @@ def test_revision_resolves_through_manifest_without_ref(cache: ModelCache) -> No
     assert cache.find(REPO) is None
 
 
+def test_a_short_commit_names_the_one_downloaded_commit_it_begins(cache: ModelCache) -> None:
+    """`download` and `list` print 7 hex digits; those (or more) find the download."""
+    main = record(cache, C1)
+    v2 = record(cache, C2, revision="v2", ref="v2", files={**FILES, "config.json": b'{"a": 22}'})
+    assert cache.find(REPO, C1[:7]) == main and cache.find(REPO, C2[:12].upper()) == v2
+    assert cache.resolve_commit(REPO, C2[:7]) == C2
+    assert cache.find(REPO, C1[:6]) is None            # too short to be a commit
+    assert cache.find(REPO, "f" * 7) is None           # begins none
+    assert cache.plan_removal(REPO, C2[:7]).files     # rm --revision takes it too
+
+
+def test_a_short_commit_that_begins_two_downloads_names_neither(cache: ModelCache) -> None:
+    one, two = "abcdef01" + "1" * 32, "abcdef02" + "2" * 32
+    record(cache, one)
+    record(cache, two, revision="v2", ref="v2")
+    assert cache.resolve_commit(REPO, "abcdef0") is None
+    assert cache.resolve_commit(REPO, "abcdef02") == two
+
+
 def test_write_ref(cache: ModelCache) -> None:
     cache.write_ref(REPO, "main", C1)
     cache.write_ref(REPO, C2, C2)  # a commit is no ref
