@@ -6,12 +6,15 @@ Data (tables, JSON, CSV) goes to stdout; progress, notices and errors go to stde
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Iterable, Sequence
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+PIPED_WIDTH = 1000   # a table's width when stdout is no terminal
 
 
 class Output:
@@ -29,9 +32,14 @@ class Output:
               caption: str | None = None) -> None:
         table = Table(title=title, caption=caption, header_style="bold")
         for column in columns:
-            table.add_column(column)
+            # Folded, never cut with an ellipsis: a repo id or path is only worth
+            # printing whole (a pipe gets 80 columns).
+            table.add_column(column, overflow="fold")
         for row in rows:
             table.add_row(*("" if cell is None else str(cell) for cell in row))
+        # Piped (no terminal, no COLUMNS), a row is as long as its cells need, for grep and cut.
+        if not self.out.is_terminal and "COLUMNS" not in os.environ:
+            self.out.width = PIPED_WIDTH
         self.out.print(table)
 
     def print(self, *objects: Any, **kwargs: Any) -> None:

@@ -158,6 +158,18 @@ def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str
     assert "downloaded" in row
 
 
+def test_list_downloaded_piped_keeps_every_cell_whole(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any,
+                                                       tiny_model_dir: Path) -> None:
+    """No terminal and no COLUMNS (a pipe, a script): a row as long as its cells, never
+    a repo id or path cut with an ellipsis at 80 columns."""
+    snapshot = fake_download(isolated_env.cache_dir, tiny_model_dir, repo_id="Qwen/Qwen2.5-0.5B-Instruct-GGUF")
+    env = {k: v for k, v in cli_env.items() if k != "COLUMNS"}
+    table = ruvllm("list", "-d", env=env)
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if "Qwen/Qwen2.5-0.5B-Instruct-GGUF" in line)
+    assert str(snapshot) in row and "…" not in table.stdout
+
+
 def _python_importtime() -> list[str]:
     return [sys.executable, "-X", "importtime", "-m", "ruvllm_cli"]
 
