@@ -205,6 +205,24 @@ def test_a_forced_tool_streams_input_json_deltas(client, server):
         jsonschema.validate(call.input, WEATHER)
 
 
+def test_a_forced_tool_that_max_tokens_cuts_is_a_tool_use_block_streamed_or_not(client, server):
+    """stop_reason "max_tokens" and a tool_use block whose input is an object (what the
+    arguments so far repair to), never a 500; the stream as Anthropic's SDK reads it."""
+    cut = 0
+    for seed in range(4):
+        ask = dict(model=server.model, messages=HELLO, max_tokens=12, tools=TOOLS,
+                   tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 1, "seed": seed})
+        whole = client.messages.create(**ask)
+        with client.messages.stream(**ask) as stream:
+            final = stream.get_final_message()
+        for message in (whole, final):
+            assert message.stop_reason in ("max_tokens", "tool_use")
+            assert all(isinstance(call.input, dict) and call.name == "get_weather" for call in tool_uses(message))
+        assert [c.name for c in tool_uses(whole)] == [c.name for c in tool_uses(final)]
+        cut += whole.stop_reason == "max_tokens" and bool(tool_uses(whole))
+    assert cut >= 2
+
+
 def test_tool_use_and_tool_result_blocks_render_through_the_template(client, chat_client, server):
     call = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}}
     conversation = [

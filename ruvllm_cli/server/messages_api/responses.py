@@ -53,8 +53,18 @@ def tool_use_id(call_id: str) -> str:
 
 
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
-    # A parsed (complete) call's arguments are always a JSON object (tool_parsers.json_scan).
-    return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": json.loads(call.arguments)}
+    """A complete call's arguments are a JSON object (tool_parsers.json_scan); one that
+    max_tokens cut (stop_reason "max_tokens") has them as far as the model wrote them,
+    and its `input` is what json-repair makes of that: an object always, as a client's
+    own parse of the streamed `partial_json` gives one."""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        import json_repair
+
+        value = json_repair.repair_json(call.arguments, return_objects=True)
+    return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+            "input": value if isinstance(value, dict) else {}}
 
 
 def event(data: dict[str, Any]) -> Event:
