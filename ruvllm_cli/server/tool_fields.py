@@ -48,11 +48,22 @@ def _tool(item: Any, where: str) -> Tool:
     parameters = function.raw("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid_type(f"{where}.function.parameters", "an object (a JSON schema)", parameters)
+    check_object_schema(parameters, f"{where}.function.parameters")
     try:
         tool = Tool(name, parameters or {"type": "object", "properties": {}}, function.string("description"))
     except UsageError as error:
         raise invalid_value(f"{where}.function.name", error.message, name) from error
     return tool
+
+
+def check_object_schema(schema: dict[str, Any] | None, param: str) -> None:
+    """A tool's arguments are an object (OpenAI's `parameters` and Anthropic's
+    `input_schema` say so): a schema of another type is a 400 here, where it used to
+    give calls whose arguments were lost ("" or a 500)."""
+    kind = (schema or {}).get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise invalid_value(f"{param}.type", "a tool's arguments are an object: its schema's type must be 'object'",
+                            kind)
 
 
 def _choice(value: Any) -> ToolChoice:

@@ -310,6 +310,8 @@ def test_errors_are_in_anthropics_shape(client, server):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "add"}]}, "tools[0].input_schema"),
     ({"tools": [{"name": "bad name!", "input_schema": {}}]}, "tools[0].name"),
+    ({"tools": [{"name": "n", "input_schema": {"type": "integer"}}]}, "tools[0].input_schema.type"),
+    ({"tools": [{"name": "n", "input_schema": {"type": ["string", "null"]}}]}, "tools[0].input_schema.type"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),

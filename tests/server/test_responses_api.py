@@ -288,6 +288,7 @@ def test_what_needs_a_stored_response_is_a_400(client, server):
     ({"temperature": 2.5}, "temperature"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"name": "add"}}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "n", "parameters": {"type": "integer"}}]}, "tools[0].parameters.type"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),

@@ -197,7 +197,8 @@ def test_a_hundred_tools_in_one_request(long_context_server):
 def test_a_tool_schema_the_grammar_cannot_take_is_named_in_the_400(server):
     import httpx
 
-    tools = [*TOOLS, {"type": "function", "function": {"name": "odd", "parameters": {"type": "bogus"}}}]
+    tools = [*TOOLS, {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"a": {"type": "bogus"}}}}}]
     response = httpx.post(f"{server.base_url}/chat/completions", timeout=30, json={
         "model": server.model, "messages": HELLO, "max_tokens": 5, "tools": tools, "tool_choice": "required"})
     assert response.status_code == 400, response.text
@@ -208,6 +209,8 @@ def test_a_tool_schema_the_grammar_cannot_take_is_named_in_the_400(server):
 
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "n", "parameters": {"type": "integer"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters.type"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": "x"}, "tools"),

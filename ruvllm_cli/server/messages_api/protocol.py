@@ -16,7 +16,7 @@ from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
 from ruvllm_cli.server.messages_api.blocks import MESSAGES_SCHEMA, SYSTEM_SCHEMA, parse_messages, parse_system
 from ruvllm_cli.server.protocol import MODEL, SAMPLING, SERVING, SamplingFields
 from ruvllm_cli.server.spec import Field, read_fields
-from ruvllm_cli.server.tool_fields import MAX_TOOLS, tool_request
+from ruvllm_cli.server.tool_fields import MAX_TOOLS, check_object_schema, tool_request
 
 PATH = "/v1/messages"
 # Anthropic documents no cap; the engine searches the new text for each one per step.
@@ -91,6 +91,7 @@ def _tool(item: Any, where: str) -> Tool:
     if schema is None:
         raise bad_request(f"Missing required parameter: '{where}.input_schema'.", f"{where}.input_schema",
                           "missing_required_parameter")
+    check_object_schema(schema.body, f"{where}.input_schema")
     try:
         return Tool(name, schema.body, fields.string("description"))
     except UsageError as error:

@@ -18,7 +18,7 @@ from ruvllm_cli.server.protocol import MODEL, SAMPLING, SERVING, SamplingFields
 from ruvllm_cli.server.responses_api.items import INPUT_SCHEMA, parse_input
 from ruvllm_cli.server.spec import Field, read_fields
 from ruvllm_cli.server.structured import Structured, grammar_spec
-from ruvllm_cli.server.tool_fields import MAX_TOOLS, tool_request
+from ruvllm_cli.server.tool_fields import MAX_TOOLS, check_object_schema, tool_request
 
 PATH = "/v1/responses"
 TOOL_CHOICES = ("auto", "none", "required")
@@ -122,6 +122,7 @@ def _tool(item: Any, where: str) -> FunctionTool:
     parameters = fields.raw("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid_type(f"{where}.parameters", "an object (a JSON schema)", parameters)
+    check_object_schema(parameters, f"{where}.parameters")
     strict = fields.raw("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid_type(f"{where}.strict", "a boolean", strict)
