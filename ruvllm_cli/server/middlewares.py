@@ -23,9 +23,15 @@ PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 CLIENT_CLOSED = 499
 # Set by a handler whose client left mid-stream (its response still reads 200).
 CLIENT_GONE = web.RequestKey("client_gone", bool)
-# Routes whose errors (their 401s and 413s included) take another API's shape; every
-# other route answers in OpenAI's.
+# Paths whose errors (their 401s, 404s and 413s included) take another API's shape: a
+# path and everything under it (/v1/messages/count_tokens is Anthropic's too, if not
+# served); every other path answers in OpenAI's.
 ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": anthropic_error_body}
+
+
+def error_shape(path: str) -> ErrorShape | None:
+    return next((shape for root, shape in ERROR_SHAPES.items() if path == root or path.startswith(root + "/")),
+                None)
 
 
 def endpoint_label(request: web.Request) -> str:
@@ -39,7 +45,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     """Every failure becomes a JSON error in the route's shape (ERROR_SHAPES, else
     OpenAI's); no traceback reaches a client."""
     status = 500
-    shape = ERROR_SHAPES.get(request.path)
+    shape = error_shape(request.path)
     try:
         response = await handler(request)
         status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status

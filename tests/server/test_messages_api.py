@@ -283,6 +283,11 @@ def test_errors_are_in_anthropics_shape(client, server):
     anthropic_error(caught, 404, "not_found_error", "The model 'nope' does not exist")
     body = httpx.post(server.url + "/v1/messages", content=b"{", timeout=10)
     assert body.status_code == 400 and body.json()["type"] == "error"
+    # A path under /v1/messages that is not served: still Anthropic's shape.
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        client.messages.count_tokens(model=server.model, messages=HELLO)
+    anthropic_error(caught, 404, "not_found_error", "Unknown route: POST /v1/messages/count_tokens")
+    assert httpx.post(server.url + "/v1/messagesx", json={}, timeout=10).json()["error"]["type"] != "not_found_error"
     other = httpx.post(server.base_url + "/chat/completions", json={"model": "nope", "messages": HELLO}, timeout=10)
     assert set(other.json()) == {"error"}   # the OpenAI routes keep OpenAI's shape
 
