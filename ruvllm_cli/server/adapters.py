@@ -18,7 +18,8 @@ from typing import Any, Callable
 from aiohttp import web
 
 from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, read_adapter
-from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.errors import (CacheError, DownloadError, ModelNotFoundError, RepoUnavailableError, RuvllmError,
+                               UsageError)
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.fields import Fields
@@ -32,9 +33,12 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     state = _runtime_lora(request)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), LOAD_LORA_FIELDS)
     name, path = values["lora_name"], values["lora_path"]
-    if name in state.models.all_names():
+    if state.models.adapter_owner(name) is not None:
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                        code="invalid_value")
+    if name in state.models.all_names():
+        raise ApiError(400, f"'{name}' is the name of a model this server serves; give the adapter another "
+                            "lora_name.", param="lora_name", code="invalid_value")
     try:
         located = await _off_loop(state, lambda: _locate(state, path))
         adapter = await _off_loop(state, lambda: read_adapter(name, located))
@@ -46,9 +50,13 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             state.models.keep_adapter(model.entry, name, located)
     except ApiError:
         raise
+    except (RepoUnavailableError, UsageError, ModelNotFoundError) as error:
+        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
+    except (DownloadError, CacheError) as error:
+        # The hub out of reach, a full disk: the server's trouble, not the request's.
+        raise ApiError(503, error.message, param="lora_path", code="adapter_download_failed") from error
     except RuvllmError as error:
-        raise ApiError(error.http_status if error.http_status != 404 else 400, error.message,
-                       param="lora_path", code="invalid_value") from error
+        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 

@@ -145,6 +145,8 @@ def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
     assert greedy(client, "fresh").choices[0].text != base_text
     again = httpx.post(url + "/load_lora_adapter", json={"lora_name": "fresh", "lora_path": str(adapters["mlp"])})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    taken = httpx.post(url + "/load_lora_adapter", json={"lora_name": "tiny", "lora_path": str(adapters["mlp"])})
+    assert taken.status_code == 400 and "name of a model this server serves" in taken.json()["error"]["message"]
     missing = httpx.post(url + "/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "no")})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     not_lora = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
@@ -156,6 +158,22 @@ def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
         greedy(client, "fresh")
     unknown = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "fresh"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_the_hub_cannot_give_is_a_503_not_a_client_error(lora_server, tmp_path, monkeypatch, free_port):
+    """The hub out of reach is the server's trouble: 503 adapter_download_failed (it was a
+    500 with code invalid_value)."""
+    from huggingface_hub import constants
+
+    dead = f"http://127.0.0.1:{free_port}"   # nothing listens there
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead + "/{repo_id}/resolve/{revision}/{filename}")
+    live = lora_server(names=(), allow_runtime_lora=True, cache_dir=str(tmp_path))
+    answer = httpx.post(live.base_url + "/load_lora_adapter", timeout=60,
+                        json={"lora_name": "far", "lora_path": "someone/some-lora"})
+    error = answer.json()["error"]
+    assert answer.status_code == 503 and error["code"] == "adapter_download_failed", answer.text
+    assert error["param"] == "lora_path" and "cannot reach the Hugging Face hub" in error["message"]
 
 
 def test_unloading_an_adapter_in_use_is_a_409(lora_server):
