@@ -168,7 +168,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
         prepare = chat_prepare(model.engine, job.messages, job.tools, parser, job.sampling, options)
         fmt = MessagesFormat(job.model, ToolReplies(parser) if parser is not None else None)
-        return await generate(request, state, model, prepare, "messages", 1, fmt, job.stream, None, options)
+        return await generate(request, state, model, prepare, "messages", 1, fmt, job.stream, job.sampling.structured,
+                              options)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:

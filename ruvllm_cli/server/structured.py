@@ -144,7 +144,9 @@ def check_grammar(structured: Structured | None, engine: Any) -> None:
                 engine.grammar_compiler.validate(part)
             except GrammarError as refused:
                 raise bad_request(f"{label} cannot be enforced: {refused.message}", structured.param) from error
-        raise ApiError.from_ruvllm(error, structured.param) from error
+        # Named in the message too: Anthropic's error shape has no `param`.
+        raise ApiError(error.http_status, f"'{structured.param}' cannot be enforced: {error.message}",
+                       param=structured.param) from error
 
 
 def repair_truncated_json(choice: Any, streamed: bool = False) -> str:

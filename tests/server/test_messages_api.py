@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Literal
 
 import anthropic
 import httpx
@@ -223,6 +224,31 @@ def test_a_forced_tool_that_max_tokens_cuts_is_a_tool_use_block_streamed_or_not(
     assert cut >= 2
 
 
+def test_output_config_format_constrains_the_reply_to_its_schema(client, server):
+    """Anthropic's structured output, through the SDK's own `messages.parse` too."""
+    import pydantic
+
+    class Weather(pydantic.BaseModel):   # short values: the SDK moves length limits into descriptions
+        city: Literal["paris", "rome"]
+        sunny: bool
+
+    for seed in range(3):
+        parsed = client.messages.parse(model=server.model, messages=HELLO, max_tokens=200, output_format=Weather,
+                                       extra_body={"temperature": 1, "seed": seed})
+        assert parsed.stop_reason == "end_turn" and isinstance(parsed.parsed_output, Weather), parsed
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    ask = dict(model=server.model, messages=HELLO, max_tokens=100,
+               output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body={"seed": 1})
+    whole = client.messages.create(**ask)
+    jsonschema.validate(json.loads(whole.content[0].text), schema)
+    with client.messages.stream(**ask) as stream:
+        assert stream.get_final_message().content[0].text == whole.content[0].text
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(**{**ask, "output_config": {"format": {"type": "xml"}}})
+    anthropic_error(caught, 400, "invalid_request_error", "'output_config.format.type'")
+
+
 def test_tool_use_and_tool_result_blocks_render_through_the_template(client, chat_client, server):
     call = {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}}
     conversation = [
@@ -316,6 +342,10 @@ def test_errors_are_in_anthropics_shape(client, server):
     ({"tools": [{"name": "add"}]}, "tools[0].input_schema"),
     ({"tools": [{"name": "bad name!", "input_schema": {}}]}, "tools[0].name"),
     ({"tools": [{"name": "n", "input_schema": {"type": "integer"}}]}, "tools[0].input_schema.type"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "bogus"}}}}, "output_config.format"),
+    ({"tools": TOOLS, "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "tool_choice"),
     ({"tools": [{"name": "n", "input_schema": {"type": ["string", "null"]}}]}, "tools[0].input_schema.type"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool"}}, "tool_choice.name"),

@@ -16,6 +16,7 @@ from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
 from ruvllm_cli.server.messages_api.blocks import MESSAGES_SCHEMA, SYSTEM_SCHEMA, parse_messages, parse_system
 from ruvllm_cli.server.protocol import MODEL, SAMPLING, SERVING, SamplingFields
 from ruvllm_cli.server.spec import Field, read_fields
+from ruvllm_cli.server.structured import Structured, grammar_spec
 from ruvllm_cli.server.tool_fields import MAX_TOOLS, check_object_schema, tool_request
 
 PATH = "/v1/messages"
@@ -42,12 +43,16 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     sampling = SamplingFields(
         max_tokens=values["max_tokens"], stop=values["stop_sequences"], temperature=values["temperature"],
         top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
-        ignore_eos=values["ignore_eos"])
+        ignore_eos=values["ignore_eos"], structured=values["output_config"])
+    tools = _tool_request(values)
+    if tools is not None and tools.choice.forced and sampling.structured is not None:
+        raise bad_request("'tool_choice' and 'output_config.format' both constrain the reply; give one.",
+                          "tool_choice", "invalid_value")
     metadata = values["metadata"] or {}
     options = RequestOptions(cache_salt=values["cache_salt"] or None, priority=values["priority"],
                              user=metadata.get("user_id") or None, session_id=values["session_id"] or None)
     return MessagesRequest(values["model"], [*messages, *values["messages"]], sampling, values["stream"],
-                           _tool_request(values), options)
+                           tools, options)
 
 
 def _tool_request(values: dict[str, Any]) -> ToolRequest | None:
@@ -109,6 +114,23 @@ def _tool_choice(choice: Fields) -> tuple[ToolChoice, bool]:
         "disable_parallel_tool_use")
 
 
+def _output_config(config: Fields) -> Structured | None:
+    """Anthropic's structured output: `format` a JSON schema the reply's text must
+    follow, enforced as `response_format` is on the chat route. `effort` has no
+    meaning for these models and is let through."""
+    output_format = config.object("format")
+    if output_format is None:
+        return None
+    kind = output_format.string("type", required=True)
+    if kind != "json_schema":
+        raise invalid_value("output_config.format.type", "must be json_schema", kind)
+    schema = output_format.object("schema")
+    if schema is None:
+        raise bad_request("Missing required parameter: 'output_config.format.schema'.",
+                          "output_config.format.schema", "missing_required_parameter")
+    return Structured(grammar_spec("json_schema", schema.body, "output_config.format.schema"), "output_config.format")
+
+
 _TOOL = {"type": "object", "required": ["name", "input_schema"], "properties": {
     "type": {"enum": ["custom", None]}, "name": {"type": "string", "pattern": TOOL_NAME.pattern},
     "description": {"type": ["string", "null"]},
@@ -138,6 +160,10 @@ MESSAGES_FIELDS = (
               Field("disable_parallel_tool_use", "boolean", "At most one call in the reply.", False))),
     Field("metadata", "object", properties=(
         Field("user_id", "string", "Who the request is for: kept with the request, logged."),)),
+    Field("output_config", "object", "Structured output: the reply's text follows `format`'s JSON schema.",
+          parse=_output_config, properties=(
+              Field("format", "object", "{type: json_schema, schema}: the JSON schema of the reply's text."),
+              Field("effort", "string", "Accepted and ignored (no reasoning effort to set here)."))),
     # ruvllm's and vLLM's extensions, which Anthropic's SDK sends through `extra_body`.
     _SHARED["seed"], _SHARED["ignore_eos"], _SHARED["cache_salt"], _SHARED["priority"], _SHARED["session_id"],
 )
