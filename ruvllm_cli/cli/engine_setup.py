@@ -106,8 +106,12 @@ class OpenedEngine:
         else:
             source = (f"{engine.config.kv_cache_fraction:.0%} of free memory; "
                       "--kv-cache-memory sets it")
-        size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
-        return f"{size_text}, {tokens:,} tokens of context ({source})"
+        size_text = (f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB" if size >= 2**20
+                     else f"{size / 2**10:.0f} KiB")
+        capped = engine.context_before_kv_cap
+        cap = (f"; it caps the context at {engine.max_model_len:,} of {capped:,} tokens" if capped is not None
+               else "")
+        return f"{size_text}, {tokens:,} tokens of context ({source}){cap}"
 
     def describe(self) -> str:
         """One line: model, device, dtype/quantization, context."""

@@ -40,6 +40,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or 4096, loaded.max_context)
         num_blocks = plan_num_blocks(loaded, config, self.max_model_len)
+        # A pool smaller than one whole context caps the context: a longer request is
+        # then a clear "too long" before it starts, not a failure once the pool runs out.
+        self.context_before_kv_cap: int | None = None
+        if num_blocks * config.block_size < self.max_model_len:
+            self.context_before_kv_cap = self.max_model_len
+            self.max_model_len = num_blocks * config.block_size
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_dtype = kv_cache_dtype(loaded)
         swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, kv_dtype, config.block_size)
@@ -296,6 +302,11 @@ def plan_num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: in
     free memory, capped by what max_num_seqs sequences of max_model_len can use."""
     per_block = kv_bytes_per_block(loaded.model.config, kv_cache_dtype(loaded), config.block_size)
     if config.kv_cache_memory is not None:
+        free = free_memory(loaded.device)
+        if config.kv_cache_memory > free:
+            raise UsageError(f"--kv-cache-memory {config.kv_cache_memory / 2**30:.1f} GiB is more than the "
+                             f"{free / 2**30:.1f} GiB free on {loaded.device.type}",
+                             "give a smaller --kv-cache-memory, or leave it out to take a share of free memory")
         return max(1, config.kv_cache_memory // per_block)
     share = 0.9 if loaded.device.type == "cuda" else config.kv_cache_fraction
     budget = int(free_memory(loaded.device) * share)

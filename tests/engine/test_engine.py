@@ -60,6 +60,30 @@ def test_preemption_matches_generate(make_engine, loaded, expected):
     assert engine.stats.preemptions > 0
 
 
+def test_a_pool_smaller_than_the_context_caps_the_context(make_engine, loaded):
+    """--kv-cache-memory below one whole context: the context shrinks to the pool, so a
+    request that could never fit is refused before it starts (it used to run until the
+    pool ran out and fail there), and one that fits runs to its end."""
+    per_block = kv_bytes_per_block(loaded.model.config, loaded.dtype, 16)
+    engine = make_engine(kv_cache_memory=4 * per_block, max_model_len=256)
+    assert engine.max_model_len == 64 and engine.context_before_kv_cap == 256
+    with pytest.raises(UsageError, match="64"):
+        engine.add_request(list(range(10, 80)), SamplingParams(max_tokens=4))
+    request = engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=200, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    assert request.finish_reason is FinishReason.LENGTH and request.error is None
+    assert len(request.output_ids) == 64 - 20
+    assert make_engine(kv_cache_memory=64 * per_block, max_model_len=256).context_before_kv_cap is None
+
+
+def test_a_pool_beyond_free_memory_is_refused(make_engine):
+    import psutil
+
+    with pytest.raises(UsageError, match="is more than the .* GiB free"):
+        make_engine(kv_cache_memory=psutil.virtual_memory().total * 2, device="cpu")
+
+
 def test_one_after_another_matches_generate(make_engine, expected):
     engine = make_engine()
     assert [run_all(engine, [p])[0] for p in PROMPTS] == expected

@@ -340,5 +340,10 @@ def test_the_kv_summary_says_what_sized_the_pool(tiny_model_dir, tmp_path, monke
     tight = OpenedEngine(LLMEngine(loaded, EngineConfig(device="cpu", max_num_seqs=64, max_model_len=4096)),
                          located)
     summary = tight.kv_summary()
-    assert re.fullmatch(r"1 MiB, [\d,]+ tokens of context \(25% of free memory; --kv-cache-memory sets it\)",
-                        summary), summary
+    assert re.fullmatch(r"1 MiB, [\d,]+ tokens of context \(25% of free memory; --kv-cache-memory sets it\)"
+                        r"(; it caps the context at [\d,]+ of 4,096 tokens)?", summary), summary
+    # A pool smaller than one context, given in KiB: its true size, and the cap it puts on the context.
+    small = OpenedEngine(LLMEngine(loaded, EngineConfig(device="cpu", max_model_len=256, kv_cache_memory=96 * 2**10)),
+                         located)
+    assert re.fullmatch(r"96 KiB, (\d+) tokens of context \(--kv-cache-memory\); it caps the context at \1 of "
+                        r"256 tokens", small.kv_summary()), small.kv_summary()
