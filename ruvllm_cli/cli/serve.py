@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
@@ -195,10 +197,15 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     try:
         server = await start_server(web_app, options["host"], options["port"],
                                     shutdown_timeout=options["shutdown_timeout"], access_log=app.verbose)
+    except socket.gaierror as error:   # its errno is getaddrinfo's, which os.strerror does not know
+        raise RuvllmError(f"cannot listen on {options['host']}:{options['port']}: the host does not resolve "
+                          f"to an address of this machine ({error.strerror})",
+                          "give --host an address or name of this machine (127.0.0.1, 0.0.0.0, ::1)") from error
     except OSError as error:
         reason = os.strerror(error.errno).lower() if error.errno else str(error)
-        raise RuvllmError(f"cannot listen on {options['host']}:{options['port']}: {reason}",
-                          "pick another --port, or stop whatever uses it") from error
+        hint = ("pick another --port, or stop whatever uses it" if error.errno == errno.EADDRINUSE
+                else "give --host an address of this machine, or pick another --port")
+        raise RuvllmError(f"cannot listen on {options['host']}:{options['port']}: {reason}", hint) from error
     stop = asyncio.Event()
     install_signal_handlers(stop.set)
     if pooled(options):

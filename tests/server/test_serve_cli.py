@@ -62,7 +62,16 @@ def test_a_busy_port_is_a_one_line_error(ruvllm, tiny_model_dir):
         result = ruvllm("serve", str(tiny_model_dir), "--port", str(port), timeout=60)
     assert result.returncode == 1
     assert f"Error: cannot listen on 127.0.0.1:{port}: address already in use" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Hint: pick another --port" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_host_that_does_not_resolve_is_a_one_line_error_about_the_host(ruvllm, tiny_model_dir, free_port):
+    result = ruvllm("serve", str(tiny_model_dir), "--host", "no-such-host.invalid", "--port", str(free_port),
+                    timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"Error: cannot listen on no-such-host.invalid:{free_port}: the host does not resolve" in result.stderr
+    assert "Hint: give --host an address or name of this machine" in result.stderr
+    assert "unknown error" not in result.stderr
 
 
 def test_a_model_not_downloaded_stops_the_server_with_a_hint(ruvllm, free_port):
