@@ -48,7 +48,7 @@ def gguf_conflict_note(located: LocatedModel, asked: Quantization) -> str | None
     own = gguf_quantization(located.path) if located.path.suffix == ".gguf" else None
     if own is None or own is asked:
         return None
-    ways = {Quantization.F32: "dequantized into float32", Quantization.F16: "dequantized into bf16",
+    ways = {Quantization.F32: "dequantized into float32", Quantization.F16: "turned into 16-bit floats",
             Quantization.Q8_0: "requantized into int8", Quantization.Q4_K_M: "requantized into int4"}
     return (f"-q {asked.value}: the file's blocks are {ways[asked]} where their layout differs "
             f"(without -q it loads as {own.value}; the load line counts each way)")

@@ -58,7 +58,8 @@ def stream_gguf(path: Path, layout: GGUFLayout, dtype: torch.dtype, quantization
     plan = WeightPlan(quantization, dtype, model.config.hidden_size, int4_group=INT4_GROUP)
     fill_model(model, source, plan)
     source.apply_rope_freqs(model)
-    return model, (f"GGUF {label(layout)} {path.name}, tensor by tensor: {summary(layout, quantization)}; "
+    return model, (f"GGUF {label(layout)} {path.name}, tensor by tensor: "
+                   f"{summary(layout, quantization, half=plan.half)}; "
                    f"{plan.describe()}")
 
 

@@ -6,7 +6,8 @@ show, and the bytes the loaded weights take (the loader's memory check).
 A weight's route (docs/design.md, section 9, "GGUF straight in"):
 - into float32 (`-q none`): float tensors kept exactly, quantized ones dequantized,
   also exactly (a block's f16 scale times its small integer codes fits float32);
-- into bf16 (`-q f16`): BF16 kept, everything else rounded to bf16;
+- into 16 bits (`-q f16`): bf16 where the CPU runs our bfloat16 kernel (BF16 kept,
+  everything else rounded), else float16 for our float16 kernel (F16 kept);
 - into int4 (`-q q4k`): Q4_K repacked, its 4-bit codes kept (its sub-blocks of 32 with
   a scale and a min are our asymmetric int4 groups of 32; only the scale and the min
   are rounded to bf16, the int4 kernel's type); other types requantized;
@@ -33,6 +34,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 class Layout(str, Enum):
     FLOAT32 = "float32"
     BF16 = "bf16"
+    FLOAT16 = "float16"   # `f16` on a CPU without our bfloat16 kernel (loader.half_weights_here)
     INT8 = "int8"
     INT4 = "int4"
 
@@ -40,7 +42,7 @@ class Layout(str, Enum):
 class Route(str, Enum):
     KEPT = "kept exactly in"               # float values that the layout holds as they are
     DEQUANTIZED = "dequantized exactly into"  # blocks unpacked into float32: the file's values
-    ROUNDED = "rounded into"               # values rounded to bf16
+    ROUNDED = "rounded into"               # values rounded to bf16 or float16
     REPACKED = "repacked into"             # 4-bit codes kept; scale and min rounded to bf16
     REQUANTIZED = "requantized into"       # blocks unpacked, then quantized again
     QUANTIZED = "quantized into"           # float values quantized
@@ -104,12 +106,12 @@ def label(layout: GGUFLayout) -> str:
     return file_type(layout) or "GGUF"
 
 
-def _layout_for(tensor: TensorInfo, quantization: Quantization) -> Layout:
+def _layout_for(tensor: TensorInfo, quantization: Quantization, half: bool = False) -> Layout:
     columns, rows = tensor.dims[0], tensor.dims[1]
     if quantization is Quantization.F32:
         return Layout.FLOAT32
     if quantization is Quantization.F16:
-        return Layout.BF16
+        return Layout.FLOAT16 if half else Layout.BF16
     if quantization is Quantization.Q8_0:
         return Layout.INT8
     if tensor.name == EMBEDDING or int4_fits(rows, columns, INT4_GROUP):
@@ -123,29 +125,32 @@ def _route(kind: str, layout: Layout) -> Route:
         return Route.KEPT if floating else Route.DEQUANTIZED
     if layout is Layout.BF16:
         return Route.KEPT if kind == "BF16" else Route.ROUNDED
+    if layout is Layout.FLOAT16:
+        return Route.KEPT if kind == "F16" else Route.ROUNDED
     if layout is Layout.INT4 and kind in EXACT_INT4:
         return Route.REPACKED
     return Route.QUANTIZED if floating else Route.REQUANTIZED
 
 
-def plan_tensors(layout: GGUFLayout, quantization: Quantization) -> list[TensorPlan]:
-    """The route of every 2-D weight of the file under `quantization`."""
+def plan_tensors(layout: GGUFLayout, quantization: Quantization, half: bool = False) -> list[TensorPlan]:
+    """The route of every 2-D weight of the file under `quantization` (`half`: `f16`
+    means float16 weights here, not bf16)."""
     plans = []
     for tensor in layout.tensors:
         if len(tensor.dims) != 2:
             continue
-        kind, target = type_name(tensor.ggml_type), _layout_for(tensor, quantization)
+        kind, target = type_name(tensor.ggml_type), _layout_for(tensor, quantization, half)
         plans.append(TensorPlan(tensor.name, kind, tensor.dims[1], tensor.dims[0] * tensor.dims[1],
                                 target, _route(kind, target)))
     return plans
 
 
-def summary(layout: GGUFLayout, quantization: Quantization) -> str:
+def summary(layout: GGUFLayout, quantization: Quantization, half: bool = False) -> str:
     """One line: how many weights of which types took which route, e.g. "12 Q4_K
     repacked into int4 (codes kept; ...); 157 requantized into int4 (132 Q5_0, 13
     Q8_0, 12 Q6_K); 145 norms and biases"."""
     groups: dict[tuple[Route, Layout], Counter[str]] = {}
-    for plan in plan_tensors(layout, quantization):
+    for plan in plan_tensors(layout, quantization, half):
         groups.setdefault((plan.route, plan.layout), Counter())[plan.type_name] += 1
     parts = []
     for (route, target), types in sorted(groups.items(), key=lambda item: -item[1].total()):
@@ -170,7 +175,7 @@ def _layout_bytes(target: Layout, rows: int, elements: int, embedding: bool, int
     int4 groups a bf16 scale and zero."""
     if target is Layout.FLOAT32:
         return 4.0 * elements
-    if target is Layout.BF16:
+    if target in (Layout.BF16, Layout.FLOAT16):
         return 2.0 * elements
     if target is Layout.INT8:
         return elements + rows * (2 if embedding else int8_row_bytes)

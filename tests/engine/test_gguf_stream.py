@@ -15,7 +15,7 @@ import torch
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.int8 import Int8Linear
-from ruvllm_cli.engine.loader import STREAM_ENV, load_model, memory_needed
+from ruvllm_cli.engine.loader import STREAM_ENV, half_weights_here, load_model, memory_needed
 from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Embedding, Int4Linear, Int8Embedding,
                                         int8_weights_here)
 from ruvllm_cli.engine.sampling import SamplingParams
@@ -158,6 +158,18 @@ def test_q8_requantizes_every_type_per_row(files):
         rounded = isinstance(module, Int8Embedding) and module.scales.dtype == torch.bfloat16
         bound = scale / 2 + (scale * 128 * ROUNDING if rounded else 1e-7)
         assert ((got - want).abs() <= bound).all(), name
+
+
+def test_the_f16_load_line_names_the_16_bit_type_this_cpu_loads(files):
+    """float16 weights where our float16 kernel runs (its F16 tensors kept exactly), bf16
+    where the bfloat16 one does: the line said bf16 on every CPU."""
+    line = load_model(files["llama"], "cpu", Q.F16).quantization_path
+    tensors = line.split("tensor by tensor: ")[1].split(" norms and biases")[0]
+    if half_weights_here():
+        assert "2 F16 kept exactly in float16" in tensors and "rounded into float16" in tensors, line
+        assert "bf16" not in tensors, line
+    else:
+        assert "rounded into bf16" in tensors and "float16" not in tensors, line
 
 
 def test_no_more_than_a_block_of_rows_is_ever_dequantized(files, dequantized, monkeypatch):
