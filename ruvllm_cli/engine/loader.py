@@ -439,10 +439,17 @@ def _checked_tokenizer(path: Path, use_cache: bool) -> own_tokenizer.Tokenizer |
     return own_tokenizer.load(path) if own_tokenizer.enabled(use_cache) else None
 
 
+# The files a tokenizer is built from (transformers' fast and slow tokenizers).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tekken.json")
+
+
 def _tokenizer(path: Path, source: dict[str, Any], config: dict[str, Any] | None) -> Any:
     """transformers' tokenizer. AutoTokenizer reads the model's config to pick the
     class; for the families of our own model classes it gets their config, since
     AutoConfig would import transformers' modeling stack (docs/design.md, section 8)."""
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"no tokenizer in {path}: none of {', '.join(TOKENIZER_FILES)}",
+                             "the model's files are incomplete: download it again")
     quiet_transformers()
     from transformers import AutoTokenizer
 

@@ -30,6 +30,16 @@ def test_a_directory_without_config_is_not_a_model(tmp_path):
     assert error.value.hint == "download the model first: ruvllm download MODEL"
 
 
+def test_a_directory_without_tokenizer_files_says_so_in_one_line(engine_model_dir, tmp_path):
+    """transformers' own message for it ran over several lines and was cut after the first."""
+    broken = copy_model(engine_model_dir, tmp_path / "notok")
+    for file in broken.glob("tokenizer*"):
+        file.unlink()
+    with pytest.raises(ModelLoadError, match=r"^no tokenizer in .*notok: none of tokenizer.json, ") as error:
+        load_model(broken, "cpu", Q.F32)
+    assert error.value.hint == "the model's files are incomplete: download it again"
+
+
 def test_an_unknown_architecture_is_unsupported(engine_model_dir, tmp_path):
     model = copy_model(engine_model_dir, tmp_path / "odd")
     config = json.loads((model / "config.json").read_text())
