@@ -117,7 +117,7 @@ def cmd_adapter(conv: Conversation, arg: str) -> None:
 
 
 def cmd_save(conv: Conversation, arg: str) -> None:
-    path = Path(arg).expanduser() if arg else conv.chats_dir / f"chat-{datetime.now():%Y%m%d-%H%M%S}.json"
+    path = Path(arg).expanduser() if arg else new_chat_path(conv.chats_dir)
     try:
         conv.session.save(path)
     except OSError as error:
@@ -148,6 +148,17 @@ def _load_adapter(conv: Conversation, before: str | None) -> None:
                            "from the base model")
     elif saved != before:
         conv.renderer.info(f"Replies now come from {adapter_label(saved)}.")
+
+
+def new_chat_path(chats_dir: Path) -> Path:
+    """A name no saved chat has yet: the time to the second, and a count after it for
+    a second save (this chat's or another's) within the same second."""
+    stem = f"chat-{datetime.now():%Y%m%d-%H%M%S}"
+    path, count = chats_dir / f"{stem}.json", 1
+    while path.exists():
+        count += 1
+        path = chats_dir / f"{stem}-{count}.json"
+    return path
 
 
 def newest_chat(chats_dir: Path) -> Path:

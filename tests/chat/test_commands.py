@@ -248,6 +248,22 @@ def test_save_and_load_round_trip_with_default_file(conv: Conversation, tmp_path
     assert [m.content for m in conv.session.messages] == ["hello", "reply 1"]
 
 
+def test_saves_within_one_second_keep_every_file(conv: Conversation, tmp_path: Path, monkeypatch) -> None:
+    """The default name has the time to the second: a second save then (this chat's or
+    another process's) gets a count, never overwriting the first."""
+    import datetime as dt
+
+    from ruvllm_cli.chat import commands
+
+    frozen = dt.datetime(2026, 11, 28, 2, 30, 0)
+    monkeypatch.setattr(commands, "datetime", type("Frozen", (), {"now": staticmethod(lambda: frozen)}))
+    conv.send("hello")
+    for _ in range(3):
+        run_command(conv, "/save")
+    names = sorted(p.name for p in (tmp_path / "chats").glob("chat-*.json"))
+    assert names == ["chat-20261128-023000-2.json", "chat-20261128-023000-3.json", "chat-20261128-023000.json"]
+
+
 def test_load_warns_about_another_model_and_errors_clearly(conv: Conversation, tmp_path: Path) -> None:
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"format": "ruvllm-chat", "model": "qwen", "messages": []}))
