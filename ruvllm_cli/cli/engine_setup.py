@@ -113,6 +113,15 @@ class OpenedEngine:
                else "")
         return f"{size_text}, {tokens:,} tokens of context ({source}){cap}"
 
+    def context_note(self, asked: int) -> str | None:
+        """A line when the context is shorter than --max-context asked because the model
+        takes no more (a KV pool that caps it says so in kv_summary)."""
+        engine = self.engine
+        if engine.max_model_len >= asked or engine.context_before_kv_cap is not None:
+            return None
+        return (f"--max-context {asked:,} is more than this model takes: its context is "
+                f"{engine.max_model_len:,} tokens")
+
     def describe(self) -> str:
         """One line: model, device, dtype/quantization, context."""
         loaded = self.loaded

@@ -48,6 +48,9 @@ class LocalBackend:
     def kv_summary(self) -> str | None:
         return self.opened.kv_summary()
 
+    def context_note(self, asked: int) -> str | None:
+        return self.opened.context_note(asked)
+
     def replicas_line(self) -> str | None:
         return None
 

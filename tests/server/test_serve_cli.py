@@ -351,6 +351,8 @@ def test_the_kv_summary_says_what_sized_the_pool(tiny_model_dir, tmp_path, monke
     summary = tight.kv_summary()
     assert re.fullmatch(r"1 MiB, [\d,]+ tokens of context \(25% of free memory; --kv-cache-memory sets it\)"
                         r"(; it caps the context at [\d,]+ of 4,096 tokens)?", summary), summary
+    assert roomy.context_note(256) is None and roomy.context_note(100_000) == (
+        f"--max-context 100,000 is more than this model takes: its context is {roomy.engine.max_model_len:,} tokens")
     # A pool smaller than one context, given in KiB: its true size, and the cap it puts on the context.
     small = OpenedEngine(LLMEngine(loaded, EngineConfig(device="cpu", max_model_len=256, kv_cache_memory=96 * 2**10)),
                          located)
