@@ -288,7 +288,10 @@ class ChatSession:
         adapter is taken as saved: whether it is loaded is the caller's to check."""
         data = read_chat_file(path)
         try:
-            settings = ChatSettings.from_dict(data.get("parameters") or {})
+            parameters = data.get("parameters") or {}
+            if not isinstance(parameters, Mapping):
+                raise UsageError("parameters must be an object of name: value")
+            settings = ChatSettings.from_dict(parameters)
             messages = [Message.from_dict(m) for m in data.get("messages") or []]
             system = data.get("system_prompt")
             if system is not None and not isinstance(system, str):
@@ -315,4 +318,8 @@ def read_chat_file(path: Path) -> dict[str, Any]:
         raise RuvllmError(f"{path} is not JSON: {error}") from None
     if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
         raise RuvllmError(f"{path} is not a ruvllm chat file", "save one with /save")
+    version = data.get("version", FILE_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version > FILE_VERSION:
+        raise RuvllmError(f"{path} is a chat file of version {version!r}; this ruvllm reads up to {FILE_VERSION}",
+                          "update ruvllm to load it")
     return data

@@ -275,6 +275,18 @@ def test_load_warns_about_another_model_and_errors_clearly(conv: Conversation, t
         run_command(conv, f"/load {tmp_path / 'missing.json'}")
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"parameters": "x"}, "parameters must be an object of name: value"),
+    ({"version": 999}, "is a chat file of version 999; this ruvllm reads up to 1"),
+    ({"version": "1"}, "is a chat file of version '1'"),
+])
+def test_a_saved_chat_it_cannot_read_is_one_clear_error(conv: Conversation, tmp_path: Path, fields, message) -> None:
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"format": "ruvllm-chat", "version": 1, "model": "tiny", "messages": [], **fields}))
+    with pytest.raises(RuvllmError, match=message):
+        run_command(conv, f"/load {path}")
+
+
 @pytest.fixture
 def lora_conv(conv: Conversation) -> Conversation:
     conv.adapters = ("sql", "chat")
