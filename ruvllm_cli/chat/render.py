@@ -125,17 +125,28 @@ class TerminalRenderer:
 
 
 class PipeRenderer:
-    """For `echo hi | ruvllm chat MODEL`: only the reply on stdout, the rest on stderr."""
+    """For `echo hi | ruvllm chat MODEL`: only the reply on stdout, the rest on stderr.
+    With `whole` (a JSON reply), the reply goes out at its end, and only if the token
+    limit did not cut it: stdout is then one JSON document or nothing."""
 
-    def __init__(self, notices: Console) -> None:
+    def __init__(self, notices: Console, whole: bool = False) -> None:
         self.notices = notices
+        self.whole = whole
+        self._held: list[str] = []
 
     def reply_text(self, text: str) -> None:
+        if self.whole:
+            self._held.append(text)
+            return
         sys.stdout.write(text)
         sys.stdout.flush()
 
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
-        sys.stdout.write("\n")
+        held, self._held = "".join(self._held), []
+        if self.whole and reply.finish_reason is FinishReason.LENGTH:
+            self.info(f"The reply so far: {held}")
+        else:
+            sys.stdout.write(held + "\n")
         sys.stdout.flush()
         if reply.interrupted:
             self.warn("interrupted; the reply above is partial")

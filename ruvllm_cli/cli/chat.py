@@ -53,8 +53,9 @@ def command(**options: Any) -> None:
     printed on stdout, and the command exits.
 
     --json-schema FILE and --json constrain every reply (constrained decoding): piped,
-    stdout is one compact JSON document, and the exit status is 1 if the reply hit
-    --max-tokens before the JSON was complete.
+    stdout is one compact JSON document; if the reply hits --max-tokens before the
+    JSON is complete, stdout stays empty, the partial reply goes to stderr, and the
+    exit status is 1.
 
     --lora NAME=PATH loads PEFT LoRA adapters beside the model: replies come from the
     base model, or from the adapter --adapter names, and /adapter switches between them.
@@ -175,7 +176,8 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
                           settings=resolve_settings(options, recommended_sampling(opened)),
                           structured=options["structured"], adapter=options["adapter"])
     out = app.output()
-    renderer = TerminalRenderer(out.out) if interactive else PipeRenderer(out.err)
+    renderer = (TerminalRenderer(out.out) if interactive
+                else PipeRenderer(out.err, whole=options["structured"] is not None))
     return Conversation(session, loop, renderer, chats_dir=chats_dir(), adapters=tuple(engine.lora.names()))
 
 
