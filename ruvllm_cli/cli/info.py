@@ -149,15 +149,18 @@ def gguf_memory(layout: GGUFLayout) -> tuple[int, dict[str, Any]]:
 
 def gguf_record(path: Path, layout: GGUFLayout | ModelLoadError) -> dict[str, Any]:
     """A GGUF file's type, what it loads as without -q, and what each weight becomes
-    under every quantization (engine/gguf_plan.py: read from its header alone)."""
+    under every quantization (engine/gguf_plan.py: read from its header alone; `f16`
+    as this machine's kernels would take it, float16 or bf16)."""
     from ruvllm_cli.engine import gguf_plan
+    from ruvllm_cli.engine.kernels import half_weights_expected
 
     if isinstance(layout, ModelLoadError):
         return {"path": str(path), "error": layout.message}
+    half = half_weights_expected()
     return {"path": str(path), "file_type": gguf_plan.label(layout),
             "default_quantization": gguf_plan.file_quantization(layout).value,
             "through_transformers": gguf_plan.unstreamable(layout),
-            "tensors": {q.value: gguf_plan.summary(layout, q) for q in Quantization}}
+            "tensors": {q.value: gguf_plan.summary(layout, q, half=half) for q in Quantization}}
 
 
 def _gguf_files(ref: ModelRef, downloads: list[DownloadedModel]) -> list[Path]:

@@ -306,11 +306,14 @@ def test_info_gguf_says_what_each_tensor_becomes(ruvllm: Run, cli_env: dict[str,
                 if line.startswith("import time:") and "|" in line}
     assert "gguf" in imported and "torch" not in imported
     record, = json.loads(result.stdout)["gguf"]
+    from ruvllm_cli.engine.loader import half_weights_here
+
+    sixteen = "float16" if half_weights_here() else "bf16"   # what a load here does (the kernels say)
     assert record == {"path": str(path), "file_type": "Q8_0", "default_quantization": "q8",
                       "through_transformers": None, "tensors": {
                           "q4k": "15 Q8_0 requantized into int4; 5 norms and biases",
                           "q8": "15 Q8_0 requantized into int8; 5 norms and biases",
-                          "f16": "15 Q8_0 rounded into bf16; 5 norms and biases",
+                          "f16": f"15 Q8_0 rounded into {sixteen}; 5 norms and biases",
                           "none": "15 Q8_0 dequantized exactly into float32; 5 norms and biases"}}
     table = ruvllm("info", str(path), env=wide_env(cli_env)).stdout
     for text in ("GGUF file", "q8 (without -q)", "tensor by tensor", "15 Q8_0 requantized into int8"):

@@ -268,6 +268,16 @@ def _library(name: str, what: str, fallback: str, flags: tuple[str, ...] = FLAGS
         return None
 
 
+def half_weights_expected() -> bool:
+    """Without torch (for `ruvllm info`): whether `f16` would mean float16 weights in our
+    kernel here, as loader.half_weights_here finds by loading the kernels: a CPU with
+    the float16 kernel's instructions but not AVX-512 BF16, a C compiler, and our
+    kernels not turned off."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return (os.environ.get(COMPILE_ENV, "1") != "0" and compiler is not None and cpu_has(CPU_FLAGS)
+            and not cpu_has(BF16_CPU_FLAGS))
+
+
 def cpu_has(flags: tuple[str, ...]) -> bool:
     """Whether this is an x86-64 CPU whose /proc/cpuinfo lists every flag (AVX-512 ones
     never under RUVLLM_MAX_CPU_ISA=avx2)."""
