@@ -53,12 +53,14 @@ class Choice:
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
         self.num_output_tokens = output.num_output_tokens or len(self.token_ids)
+        # Read from the first output that has it: a client that leaves mid-reply never
+        # gets the final one, and its wait in the queue counts all the same.
+        timings = output.timings
+        if self.queue_wait is None and timings is not None and timings.scheduled is not None:
+            self.queue_wait = timings.scheduled - timings.arrival
         if output.finished:
             self.finish_reason, self.error = output.finish_reason, output.error
             self.stop_string = output.stop_string
-            timings = output.timings
-            if timings is not None and timings.scheduled is not None:
-                self.queue_wait = timings.scheduled - timings.arrival
 
 
 def choices_for(plans: Sequence[SequencePlan]) -> list[Choice]:

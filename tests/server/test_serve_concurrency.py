@@ -44,6 +44,7 @@ async def leave_early(client: openai.AsyncOpenAI, model: str, after_chunks: int)
 
 def test_concurrent_streams_are_batched_and_a_leaver_cancels_only_itself(server):
     steps_before, generated_before = server.engine(lambda e: (e.stats.steps, e.stats.generated_tokens))
+    waits_before = server.state.metrics.registry.get_sample_value("ruvllm_request_queue_time_seconds_count") or 0
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
 
     async def main():
@@ -67,6 +68,8 @@ def test_concurrent_streams_are_batched_and_a_leaver_cancels_only_itself(server)
     registry = server.state.metrics.registry
     assert registry.get_sample_value("ruvllm_http_requests_total",
                                      {"endpoint": "/v1/chat/completions", "status": "499"}) >= 1
+    # Every request's wait in the queue is counted, the leaver's too (it never got a final output).
+    assert registry.get_sample_value("ruvllm_request_queue_time_seconds_count") - waits_before == CLIENTS
     server.assert_clean()
     # Each reply is what its prompt yields alone (float32 greedy is batch-invariant).
     alone = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=30)
