@@ -159,10 +159,9 @@ def command(**options: Any) -> None:
         locate_model(model, app.cache_dir, options["quantization"])
     options["adapters"] = locate_adapters(app, options["lora"])
     options["cluster"] = cluster_options(options)
-    source = click.get_current_context().get_parameter_source("api_key")
-    options["api_key_from_flag"] = source is ParameterSource.COMMANDLINE
-    max_context_source = click.get_current_context().get_parameter_source("max_context")
-    options["max_context_from_flag"] = max_context_source is ParameterSource.COMMANDLINE
+    ctx = click.get_current_context()
+    options["api_key_from_flag"] = ctx.get_parameter_source("api_key") is ParameterSource.COMMANDLINE
+    options["max_context_from_flag"] = ctx.get_parameter_source("max_context") is ParameterSource.COMMANDLINE
     asyncio.run(serve(app, options))
     exit_now()
 
@@ -235,7 +234,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)
         print_banner(app, server.url, backend.describe(), names, options, backend.kv_summary(),
                      backend.replicas_line())
-        note = getattr(backend, "context_note", lambda asked: None)(options["max_context"])
+        note = backend.context_note(options["max_context"])
         if note and options.get("max_context_from_flag"):
             out.warn(note)
         await stop.wait()

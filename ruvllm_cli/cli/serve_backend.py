@@ -90,6 +90,9 @@ class ClusterBackend:
     def kv_summary(self) -> str | None:
         return f"{self.client.engine.facts.kv_summary} per replica"
 
+    def context_note(self, asked: int) -> str | None:
+        return None   # each replica's own start line gives its context
+
     def replicas_line(self) -> str:
         o = self.options
         where = "a local Ray cluster (127.0.0.1)" if self.cluster.started_ray else f"Ray at {o.ray_address}"

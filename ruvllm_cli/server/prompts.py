@@ -13,7 +13,7 @@ from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
-from ruvllm_cli.engine.tool_parsers import get_parser
+from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.fields import invalid_value
@@ -60,13 +60,13 @@ def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) ->
     return tools.template_tools(history)
 
 
-def tool_sampling(tokenizer: Any, tools: ToolRequest, parser_name: str, sampling: SamplingFields) -> SamplingFields:
+def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampling: SamplingFields) -> SamplingFields:
     """Sampling for a reply that may call tools: markers that are special tokens reach
     the parser (other special tokens are still skipped), and a forced tool_choice
     becomes the grammar of its calls."""
-    sampling = replace(sampling, kept_special_tokens=get_parser(parser_name).markers)
+    sampling = replace(sampling, kept_special_tokens=parser.markers)
     try:
-        spec = forced_call_grammar(tools, parser_name, tokenizer)
+        spec = forced_call_grammar(tools, parser.name, tokenizer)
     except UsageError as error:
         raise bad_request(error.message, "tool_choice") from error
     if spec is None:

@@ -199,7 +199,7 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
         plan_sampling = sampling
         if parser is not None:
             assert tools is not None
-            plan_sampling = tool_sampling(engine.tokenizer, tools, parser.name, sampling)
+            plan_sampling = tool_sampling(engine.tokenizer, tools, parser, sampling)
         check_constraints(engine, plan_sampling)
         prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param)
         return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, param, options)

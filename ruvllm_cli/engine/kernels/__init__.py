@@ -253,7 +253,7 @@ def _library(name: str, what: str, fallback: str, flags: tuple[str, ...] = FLAGS
         return None
     files = resources.files(__package__)
     source, header = files.joinpath(f"{name}.c").read_bytes(), files.joinpath(HEADER).read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if compiler is None:
         _say(f"no C compiler (cc or gcc) found: {fallback}")
         return None
@@ -273,9 +273,13 @@ def half_weights_expected() -> bool:
     kernel here, as loader.half_weights_here finds by loading the kernels: a CPU with
     the float16 kernel's instructions but not AVX-512 BF16, a C compiler, and our
     kernels not turned off."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    return (os.environ.get(COMPILE_ENV, "1") != "0" and compiler is not None and cpu_has(CPU_FLAGS)
+    return (os.environ.get(COMPILE_ENV, "1") != "0" and c_compiler() is not None and cpu_has(CPU_FLAGS)
             and not cpu_has(BF16_CPU_FLAGS))
+
+
+def c_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def cpu_has(flags: tuple[str, ...]) -> bool:
