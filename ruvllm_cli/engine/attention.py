@@ -64,11 +64,21 @@ class StepMetadata:
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
-                            ruvllm_step: StepMetadata | None = None, **_: object
+                            ruvllm_step: StepMetadata | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None, **_: object
                             ) -> tuple[torch.Tensor, None]:
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]."""
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D].
+
+    `sliding_window` (Mistral v0.1, Phi-3 4k, Gemma 2/3's local layers): a query at
+    position p attends the keys at positions p - window + 1 .. p, transformers' mask.
+    `softcap` (Gemma 2): scores become softcap * tanh(scores / softcap) before the
+    softmax, as transformers' eager attention computes them."""
     assert ruvllm_step is not None, "the ruvllm_paged attention needs the engine's step metadata"
+    if s_aux is not None:   # attention sinks (gpt-oss): refused at load (loader), never silently dropped
+        raise NotImplementedError("attention sinks are not supported by ruvllm's paged attention")
     step = ruvllm_step
+    window = sliding_window if sliding_window and sliding_window > 0 else None
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
     layer = module.layer_idx
     k_cache, v_cache = step.cache.keys[layer], step.cache.values[layer]
     # A float16 cache beside float32 activations (model_runner.kv_cache_dtype) takes the
@@ -77,15 +87,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v_cache.index_copy_(1, step.slot_mapping, value[0].to(v_cache.dtype))
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
     if step.num_decodes:
-        out[:step.num_decodes] = _decode_attention(query, k_cache, v_cache, step, scaling)
+        out[:step.num_decodes] = _decode_attention(query, k_cache, v_cache, step, scale, window, softcap)
     for seg in step.prefills:
         out[seg.start:seg.start + seg.length] = _prefill_attention(
-            query, key, value, k_cache, v_cache, seg, scaling)
+            query, key, value, k_cache, v_cache, seg, scale, window, softcap)
     return out.unsqueeze(0), None
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      step: StepMetadata, scaling: float | None) -> torch.Tensor:
+                      step: StepMetadata, scaling: float, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """One query row per request, as two batched matmuls over the GQA groups.
 
     CPU SDPA (flash) takes a slow path for one-row queries with a padding mask: 3.5 ms
@@ -94,17 +105,25 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     batch, length = slots.shape
     kv_heads, head_dim = k_cache.shape[0], query.shape[3]
     groups = query.shape[1] // kv_heads
-    if batch == 1 and SINGLE_DECODE_SDPA:
-        return _single_decode_attention(query, k_cache, v_cache, slots[0], scaling)
+    windowed = window is not None and length > window
+    if batch == 1 and SINGLE_DECODE_SDPA and softcap is None:   # one request: no padding
+        return _single_decode_attention(query, k_cache, v_cache, slots[0, -window:] if windowed else slots[0],
+                                        scaling)
     q = query[0, :, :batch].reshape(kv_heads, groups, batch, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
     # index_select: 5.6x faster than advanced indexing for this gather (57 vs 317 us).
     flat = slots.reshape(-1)
     k = k_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim).to(q.dtype)  # [Hkv, B, L, D]
     v = v_cache.index_select(1, flat).view(kv_heads, batch, length, head_dim).to(q.dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)).float()                              # [Hkv, B, G, L]
-    scores *= scaling if scaling is not None else head_dim ** -0.5
+    scores *= scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if step.decode_padding is not None:
         scores.masked_fill_(step.decode_padding, float("-inf"))
+    if windowed:   # each request's keys older than its window: positions below length - window
+        lengths = length - (0 if step.decode_padding is None else step.decode_padding.sum(-1, keepdim=True))
+        positions = torch.arange(length, device=scores.device)
+        scores.masked_fill_(positions < lengths - window, float("-inf"))               # [B, 1, L]
     out = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)                          # [Hkv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(batch, kv_heads * groups, head_dim)        # [B, Hq, D]
 
@@ -127,9 +146,11 @@ def _single_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
-                       scaling: float | None) -> torch.Tensor:
+                       scaling: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     q = query[:, :, seg.start:seg.start + seg.length]                        # [1, Hq, n, D]
     gqa = query.shape[1] != key.shape[1]
+    if softcap is not None or (window is not None and seg.context_len + seg.length > window):
+        return _masked_prefill(q, key, value, k_cache, v_cache, seg, scaling, window, softcap)
     if seg.context_len == 0:
         k = key[:, :, seg.start:seg.start + seg.length]
         v = value[:, :, seg.start:seg.start + seg.length]
@@ -138,6 +159,37 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         k = k_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
         v = v_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=gqa)
+    return o[0].transpose(0, 1)                                              # [n, Hq, D]
+
+
+def _masked_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, seg: PrefillSegment, scaling: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """A prompt chunk under a sliding window or a softcap: an explicit mask over the
+    chunk's query rows (positions context_len + i) and every key before them, and the
+    scores in float32 as transformers' eager attention keeps them."""
+    length, total = seg.length, seg.context_len + seg.length
+    if seg.context_len == 0:
+        k = key[:, :, seg.start:seg.start + length]
+        v = value[:, :, seg.start:seg.start + length]
+    else:
+        k = k_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
+        v = v_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)
+    rows = torch.arange(seg.context_len, total, device=q.device).unsqueeze(1)   # query positions
+    columns = torch.arange(total, device=q.device).unsqueeze(0)
+    allowed = columns <= rows
+    if window is not None:
+        allowed &= columns > rows - window
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
+        return o[0].transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling               # [1, Hq, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~allowed, float("-inf"))
+    o = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
     return o[0].transpose(0, 1)                                              # [n, Hq, D]
 
 

@@ -97,6 +97,7 @@ class FusedDecoder:
         self.q_heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.q_heads)
         self.scaling = float(attn.scaling)
+        self.window = native.layer_windows(config)[0] or 0   # one for every layer (supported)
         self.hidden = int(config.hidden_size)
         self.qkv_sizes = (self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.intermediate = int(config.intermediate_size)
@@ -126,7 +127,7 @@ class FusedDecoder:
         step = AttendStep(cos.data_ptr(), sin.data_ptr(), rows, self.q_heads, self.kv_heads, self.head_dim,
                           cache.keys[0].shape[1], batch.slots.data_ptr(), batch.tables.data_ptr(),
                           batch.tables.shape[1], batch.lengths.data_ptr(), self.block_size, self.scaling,
-                          attended.data_ptr(), self.bf16, self.kv, kernel.wide, threads)
+                          attended.data_ptr(), self.bf16, self.kv, kernel.wide, threads, self.window)
         plans = self._layer_plans(rows) if self.layers_in_c else None
         if plans is not None:
             plans.run(self, step, cache, x, h, attended)
@@ -344,6 +345,8 @@ def supported(model: Any, dtype: torch.dtype) -> bool:
         return False
     if (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0) != 1.0:
         return False   # the kernels rotate whole heads
+    if len(set(native.layer_windows(config))) > 1:
+        return False   # the kernel takes one sliding window for every layer
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head_dim % 8 or config.intermediate_size % 8:
         return False

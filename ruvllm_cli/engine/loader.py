@@ -309,6 +309,7 @@ def load_model(path: str | Path, device: str = "auto",
             _check_memory(path, config, target, quantization, not_streamed=not_streamed)
         model = _from_pretrained(path, source, _build_dtype(config, target, dtype, quantization), extra)
         quant_path = _quantize_loaded(model, quantization, target, bool(extra), dtype)
+    _check_attention(model)
     if path.suffix == ".gguf" and streamed is None:
         quant_path = (f"GGUF {path.name} through transformers ({not_streamed}), which dequantizes the whole "
                       f"file, then {quant_path}")
@@ -499,6 +500,14 @@ def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype, ext
         raise ModelLoadError(f"{path} lacks weights the model needs: {missing[0]}{more}",
                              "the file is damaged or incomplete: download it again")
     return model
+
+
+def _check_attention(model: torch.nn.Module) -> None:
+    """Refuse what the paged attention does not compute, rather than answer wrongly:
+    attention sinks (gpt-oss's per-head `sinks`)."""
+    if any(isinstance(getattr(module, "sinks", None), torch.Tensor) for module in model.modules()):
+        raise ModelLoadError("this model's attention has sinks (gpt-oss), which ruvllm's paged attention "
+                             "does not compute yet")
 
 
 def _build_failure(error: Exception) -> str:

@@ -38,7 +38,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"vocab_size": 151936, "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "num_key_value_heads": 32},
     "mistral": {"vocab_size": 32000, "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": 2,
-                "num_key_value_heads": 8},
+                "num_key_value_heads": 8, "sliding_window": 4096},
     "phi3": {"vocab_size": 32064, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
              "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000, "num_key_value_heads": None,
              "rms_norm_eps": 1e-5},
@@ -88,6 +88,23 @@ def _rope_parameters(raw: dict[str, Any], max_positions: int) -> dict[str, Any]:
             parameters["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         parameters.setdefault("original_max_position_embeddings", max_positions)
     return parameters
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers' classes of
+    these families pass it to the attention: Mistral and Phi-3 the config's
+    `sliding_window` in every layer; Qwen2 only where `use_sliding_window` is set, in the
+    layers `layer_types` (or `max_window_layers`) names; Llama none."""
+    family, layers = getattr(config, "model_type", None), int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if family in ("mistral", "phi3"):
+        return [window or None] * layers
+    if family != "qwen2" or not getattr(config, "use_sliding_window", False) or not window:
+        return [None] * layers
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if index >= int(getattr(config, "max_window_layers", 28)) else "full_attention"
+        for index in range(layers)]
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def unsupported(raw: dict[str, Any]) -> str | None:
@@ -244,6 +261,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx, self.head_dim = layer_idx, config.head_dim
         self.scaling = self.head_dim ** -0.5
+        self.sliding_window = layer_windows(config)[layer_idx]
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         # Qwen2: q/k/v always carry a bias, o_proj never; Llama: all four follow
         # attention_bias; Mistral and Phi-3: none. Phi-3 keeps q, k, v in one matrix.
@@ -270,7 +288,8 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         query = (query * cos) + (_rotate_half(query) * sin)
         key = (key * cos) + (_rotate_half(key) * sin)
-        out, _ = paged_attention_forward(self, query, key, value, None, scaling=self.scaling, ruvllm_step=step)
+        out, _ = paged_attention_forward(self, query, key, value, None, scaling=self.scaling, ruvllm_step=step,
+                                         sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous())
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -352,6 +352,40 @@ def int4_kernel_params(scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor
     n = scales.shape[0]
     scales, zeros = scales.reshape(n, -1, 1), (lows + scales * 8).reshape(n, -1, 1)
     return torch.cat([scales, zeros], dim=2).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def set_input_embeddings(model: Any, replacement: nn.Module) -> None:
+    """Put `replacement` in place of the model's embedding, keeping the factor that
+    embedding multiplies its rows by: Gemma's (1, 2, 3) scale the looked-up rows by
+    sqrt(hidden size), inside the embedding module our tables replace."""
+    scale = embedding_scale(model)
+    if scale is not None:
+        replacement.row_scale = scale
+        replacement.register_forward_hook(_scale_rows)
+    model.set_input_embeddings(replacement)
+
+
+def embedding_scale(model: Any) -> float | None:
+    """The factor the model's stock embedding module multiplies its rows by (None: 1),
+    in the checkpoint's dtype as the module rounds it (`embed_scale.to(weight.dtype)`):
+    the same figure whichever dtype a load builds the skeleton in."""
+    module = model.get_input_embeddings()
+    if getattr(module, "row_scale", None) is not None:
+        return module.row_scale   # kept (and rounded) when this one was put in place
+    scale = getattr(module, "scalar_embed_scale", None)
+    if scale is None:
+        buffer = getattr(module, "embed_scale", None)
+        if not isinstance(buffer, torch.Tensor) or buffer.numel() != 1 or buffer.is_meta:
+            return None
+        scale = float(buffer)
+    dtype = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+    scale = float(torch.tensor(float(scale), dtype=torch.float32).to(dtype))
+    return None if scale == 1.0 else scale
+
+
+def _scale_rows(module: nn.Module, _: Any, rows: torch.Tensor) -> torch.Tensor:
+    return rows * module.row_scale
 
 
 class Int8Embedding(nn.Module):
@@ -772,7 +806,7 @@ def quantize_model(model: nn.Module, quantization: Quantization, device: torch.d
             model.set_output_embeddings(replacement)
     replacement = plan.embedding(table, embeddings.padding_idx)
     if replacement is not None:
-        model.set_input_embeddings(replacement)
+        set_input_embeddings(model, replacement)
     if built != dtype:
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.dtype == built:

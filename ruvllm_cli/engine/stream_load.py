@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.quantize import CHUNK_VALUES, RowBlocks, WeightPlan
+from ruvllm_cli.engine.quantize import CHUNK_VALUES, RowBlocks, WeightPlan, set_input_embeddings
 from ruvllm_cli.quantization import Quantization
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -311,7 +311,7 @@ def _load_embedding(model: Any, name: str, embedding: nn.Module, source: WeightS
         _set_module(model, head_name, head)
     replacement = plan.embedding(weight, getattr(embedding, "padding_idx", None))
     if replacement is not None:
-        model.set_input_embeddings(replacement)
+        set_input_embeddings(model, replacement)
     else:
         assert isinstance(weight, torch.Tensor)  # only quantized plans read by blocks
         embedding.weight = _plain(weight, dtype)

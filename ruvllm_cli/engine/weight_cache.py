@@ -36,7 +36,7 @@ from torch import nn
 
 from ruvllm_cli.engine.int8 import Int8Linear, int8_linear
 from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Embedding, Int4Linear, Int4TiedEmbedding,
-                                        Int8Embedding)
+                                        Int8Embedding, set_input_embeddings)
 from ruvllm_cli.quantization import Quantization
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ def load(path: Path, model_path: Path, dtype: torch.dtype, layout: Any = None) -
 
         def place(name: str, module: nn.Module) -> None:
             if name == embeddings_name:
-                model.set_input_embeddings(module)
+                set_input_embeddings(model, module)
             else:
                 _set_module(model, name, module)
 

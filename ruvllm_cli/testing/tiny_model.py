@@ -363,6 +363,29 @@ def build_tiny_model(
     return _build(path, shape, build_tokenizer(vocab_size, max_position_embeddings), dtype, seed)
 
 
+def build_family_model(path: str | os.PathLike, model_type: str, *, dtype: str = "float32", seed: int = 0,
+                       **config: Any) -> Path:
+    """A tiny random model of another family than Llama (transformers' `model_type`:
+    "gemma2", "mistral", ...), the tiny model's shape and tokenizer, `config` on top of
+    the family's defaults (a sliding window, softcaps). For the tests of what the
+    paged attention and the loaders must keep of each family's own forward."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(512, 4096)
+    ids = _token_ids(tokenizer)
+    shape = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 4096}
+    settings = {**shape, "bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
+                "pad_token_id": ids["pad_token_id"], **config}
+    model = random_model(AutoConfig.for_model(model_type, **settings, dtype=dtype), dtype, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    _write_generation_config(path, ids)
+    return path
+
+
 def build_bench_model(path: str | os.PathLike, *, dtype: str = "bfloat16", seed: int = 0) -> Path:
     """Write a random model with Qwen2.5-0.5B-Instruct's exact shape (494M parameters).
 

@@ -117,7 +117,8 @@ class AttendStep(ctypes.Structure):
     _fields_ = [("cos", _pointer), ("sin", _pointer), ("rows", _size), ("q_heads", _size), ("kv_heads", _size),
                 ("dim", _size), ("cache_slots", _size), ("slots", _pointer), ("tables", _pointer), ("width", _size),
                 ("lengths", _pointer), ("block_size", _size), ("scale", ctypes.c_float), ("out", _pointer),
-                ("bf16", ctypes.c_int), ("kv", ctypes.c_int), ("wide", ctypes.c_int), ("threads", ctypes.c_int)]
+                ("bf16", ctypes.c_int), ("kv", ctypes.c_int), ("wide", ctypes.c_int), ("threads", ctypes.c_int),
+                ("window", _size)]
 
 
 class LinearPlan(ctypes.Structure):

@@ -599,11 +599,12 @@ AVX512_OUTER void attend16(const float *qf, const uint16_t *qb, i64 groups, i64 
 
 /* One query row per request over its cached tokens. q, out: [B, Hq, D]; caches
  * [Hkv, cache_slots, D] of `kv` kind; tables [B, width] block ids; lengths [B] tokens
- * cached (the new one included). One task per (request, KV head). */
+ * cached (the new one included); window > 0: a sliding window, only each request's
+ * last `window` tokens attended. One task per (request, KV head). */
 void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_cache, i64 cache_slots,
                              const int32_t *tables, i64 width, const int32_t *lengths, i64 batch,
                              i64 block_size, i64 q_heads, i64 kv_heads, i64 dim, float scale,
-                             void *out, int bf16, int kv, int wide, int threads) {
+                             void *out, int bf16, int kv, int wide, int threads, i64 window) {
     const i64 groups = q_heads / kv_heads, tasks = batch * kv_heads;
     i64 longest = 0;
     for (i64 b = 0; b < batch; ++b) longest = lengths[b] > longest ? lengths[b] : longest;
@@ -620,10 +621,11 @@ void ruvllm_decode_attention(const void *q, const void *k_cache, const void *v_c
         i64 *rows = malloc((size_t)padded * sizeof(i64));
         #pragma omp for schedule(static)
         for (i64 task = 0; task < tasks; ++task) {
-            const i64 b = task / kv_heads, h = task % kv_heads, length = lengths[b];
+            const i64 b = task / kv_heads, h = task % kv_heads, cached = lengths[b];
+            const i64 first = window > 0 && cached > window ? cached - window : 0, length = cached - first;
             const i64 at = (b * q_heads + h * groups) * dim;
             const int32_t *table = tables + b * width;
-            for (i64 j = 0, block = 0, offset = 0; j < length; ++j) {   /* no division per token */
+            for (i64 j = 0, block = first / block_size, offset = first % block_size; j < length; ++j) {   /* no division per token */
                 rows[j] = (h * cache_slots + (i64)table[block] * block_size + offset) * dim;
                 if (++offset == block_size) offset = 0, ++block;
             }
@@ -809,6 +811,7 @@ typedef struct {
     float scale;
     void *out;
     int bf16, kv, wide, threads;
+    i64 window;   /* > 0: every layer's sliding window (Mistral v0.1, Phi-3 4k) */
 } AttendStep;
 
 /* ruvllm_rope_store, then ruvllm_decode_attention over the same rows: one call a layer. */
@@ -817,7 +820,7 @@ void ruvllm_rope_attend(const AttendStep *s, void *q, const void *k, const void 
                       s->cache_slots, s->slots, s->bf16, s->kv, s->threads);
     ruvllm_decode_attention(q, k_cache, v_cache, s->cache_slots, s->tables, s->width, s->lengths, s->rows,
                             s->block_size, s->q_heads, s->kv_heads, s->dim, s->scale, s->out, s->bf16, s->kv,
-                            s->wide, s->threads);
+                            s->wide, s->threads, s->window);
 }
 
 /* ---- Every layer of a decode step in one call, where each linear layer is one of our
