@@ -117,7 +117,7 @@ def cmd_adapter(conv: Conversation, arg: str) -> None:
 
 
 def cmd_save(conv: Conversation, arg: str) -> None:
-    path = Path(arg).expanduser() if arg else new_chat_path(conv.chats_dir)
+    path = _save_target(conv.chats_dir, arg)
     try:
         conv.session.save(path)
     except OSError as error:
@@ -125,10 +125,44 @@ def cmd_save(conv: Conversation, arg: str) -> None:
     conv.renderer.info(f"Saved {len(conv.session.messages)} messages to {path}")
 
 
+def _save_target(chats_dir: Path, arg: str) -> Path:
+    """Where /save writes: a new name in the chats directory, or in a directory given;
+    a file given is written through its symlinks, and only ever a regular file (the
+    save replaces the file: /save /dev/null as root had replaced the device)."""
+    if not arg:
+        return new_chat_path(chats_dir)
+    path = _user_path(arg)
+    try:
+        if path.is_dir():
+            return new_chat_path(path)
+        if path.is_symlink():
+            path = path.resolve()
+        if path.exists() and not path.is_file():
+            raise UsageError(f"cannot save to {path}: not a regular file", "give a file name: /save <file>")
+        if not path.parent.is_dir():
+            raise UsageError(f"cannot save to {path}: no directory {path.parent}",
+                             "create it first, or give another path")
+    except OSError as error:
+        raise UsageError(f"cannot save to {arg}: {error.strerror or error}") from None
+    return path
+
+
+def _user_path(arg: str) -> Path:
+    """A path as typed, `~` and `~user` expanded (a user with no home directory is a
+    one-line error, not the REPL's end)."""
+    try:
+        return Path(arg).expanduser()
+    except RuntimeError as error:
+        raise UsageError(f"{arg}: {error}") from None
+
+
 def cmd_load(conv: Conversation, arg: str) -> None:
-    path = Path(arg).expanduser() if arg else newest_chat(conv.chats_dir)
-    if arg and not path.exists() and (conv.chats_dir / arg).is_file():
-        path = conv.chats_dir / arg  # a saved chat by its name, as Tab completes it
+    path = _user_path(arg) if arg else newest_chat(conv.chats_dir)
+    try:
+        if arg and not path.exists() and (conv.chats_dir / arg).is_file():
+            path = conv.chats_dir / arg  # a saved chat by its name, as Tab completes it
+    except OSError as error:   # a name too long, a path through a file
+        raise UsageError(f"cannot read {arg}: {error.strerror or error}") from None
     session = conv.session
     adapter_before = session.adapter
     model = session.load(path)

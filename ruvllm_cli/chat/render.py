@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from ruvllm_cli.engine.grammar import GrammarSpec
 
 
+# C0 controls but tab and newline, DEL, and C1: a model's text (or a loaded chat's)
+# must not reach the terminal as escape sequences (colours, titles, OSC 52 clipboard
+# writes, hidden text). Shown as \\xNN instead; a carriage return (a CRLF line end) dropped.
+_CONTROLS = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7f, 0xa0)) if code not in (0x09, 0x0a)}
+_CONTROLS[0x0d] = None
+
+
+def terminal_safe(text: str) -> str:
+    return text.translate(_CONTROLS)
+
+
 def format_duration(seconds: float | None) -> str:
     if seconds is None:
         return "n/a"
@@ -92,7 +103,7 @@ class TerminalRenderer:
                            'Ctrl-C stops a reply · Ctrl-D quits[/dim]\n')
 
     def reply_text(self, text: str) -> None:
-        self.console.out(text, end="", highlight=False)
+        self.console.out(terminal_safe(text), end="", highlight=False)
 
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
         self.console.out("")
@@ -103,7 +114,9 @@ class TerminalRenderer:
             self.error(reply.error or "the engine failed while generating")
             return
         line = format_stats_line(reply.stats)
-        if reply.finish_reason is FinishReason.LENGTH:
+        if reply.finish_reason is FinishReason.LENGTH and reply.stats.tokens < max_tokens:
+            line += " · stopped: the context window is full (/clear starts afresh)"
+        elif reply.finish_reason is FinishReason.LENGTH:
             line += f" · stopped at the {max_tokens}-token limit (/max)"
         self.console.print(f"[dim]{escape(line)}[/dim]")
 
@@ -113,7 +126,7 @@ class TerminalRenderer:
             self.console.print(f"  [bold]{escape(key.ljust(width))}[/bold]  {escape(value)}")
 
     def info(self, message: str) -> None:
-        self.console.print(escape(message))
+        self.console.print(escape(terminal_safe(message)))
 
     def warn(self, message: str) -> None:
         self.console.print(f"[yellow]Warning:[/yellow] {escape(message)}")

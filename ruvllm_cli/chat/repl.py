@@ -42,7 +42,7 @@ def open_history(path: Path) -> tuple[History, str | None]:
     """The history file, or (when it cannot be written) one in memory and a warning."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch(exist_ok=True)
+        path.touch(mode=0o600, exist_ok=True)   # what was typed: as private as saved chats
     except OSError as error:
         return InMemoryHistory(), (f"cannot write the history file {path} ({error.strerror or error}); "
                                    "this session's input is not kept")
@@ -65,6 +65,8 @@ class ChatRepl:
         # Lines inside a block stay out of the history; the whole block goes in once.
         self.continuation = PromptSession(history=InMemoryHistory())
 
+    last_was_line = True
+
     def run(self) -> None:
         """Prompt, answer, repeat, until Ctrl-D or /quit."""
         renderer = self.conversation.renderer
@@ -75,27 +77,34 @@ class ChatRepl:
                 continue
             except EOFError:
                 break
-            if text.strip() and self.handle(text) is Action.QUIT:
+            if text.strip() and self.handle(text, command=self.last_was_line) is Action.QUIT:
                 break
         renderer.info("Goodbye.")
 
-    def handle(self, text: str) -> Action:
+    def handle(self, text: str, command: bool = True) -> Action:
+        """A slash command (`command`: the text came as one typed line) or a message."""
         renderer = self.conversation.renderer
         try:
-            if is_command(text):
+            if command and is_command(text):
                 return run_command(self.conversation, text)
             self.conversation.send(text.strip())
         except RuvllmError as error:
             renderer.error(error.message, error.hint)
+        except OSError as error:   # the file system under a command (a path it cannot use)
+            renderer.error(f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}")
         except KeyboardInterrupt:
             renderer.warn("interrupted")
         return Action.CONTINUE
 
     def read_message(self) -> str:
-        """One message: a line, or the lines of a \"\"\" block (pastes arrive whole)."""
+        """One message: a line, or the lines of a \"\"\" block (pastes arrive whole).
+        `last_was_line`: it was one typed line, which may be a slash command; a block
+        or a multi-line paste is a message even where it starts with "/"."""
         line = self.prompt.prompt(PROMPT)
+        self.last_was_line = "\n" not in line.strip()
         if not line.strip().startswith(BLOCK):
             return line
+        self.last_was_line = False
         first = line.strip()[len(BLOCK):]
         if first.rstrip().endswith(BLOCK):
             return first.rstrip()[:-len(BLOCK)].strip()

@@ -292,7 +292,13 @@ class ChatSession:
             if not isinstance(parameters, Mapping):
                 raise UsageError("parameters must be an object of name: value")
             settings = ChatSettings.from_dict(parameters)
-            messages = [Message.from_dict(m) for m in data.get("messages") or []]
+            if settings.max_tokens > self.context_limit:   # as /max refuses it
+                raise UsageError(f"max_tokens {settings.max_tokens} is beyond the model's "
+                                 f"{self.context_limit}-token context")
+            raw_messages = data.get("messages") or []
+            if not isinstance(raw_messages, list):
+                raise UsageError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+            messages = [Message.from_dict(m) for m in raw_messages]
             system = data.get("system_prompt")
             if system is not None and not isinstance(system, str):
                 raise UsageError("system_prompt must be text")

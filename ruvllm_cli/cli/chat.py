@@ -72,6 +72,9 @@ def command(**options: Any) -> None:
     options["structured"] = structured_spec(options.pop("json_schema"), options.pop("json_object"))
     options["adapter"] = starting_adapter(options["lora"], options["adapter"])
     interactive = sys.stdin.isatty()
+    if interactive and not sys.stdout.isatty():   # the prompt's redraws would fill the file, none on screen
+        raise UsageError("the interactive chat needs a terminal on stdout, and stdout is piped",
+                         "pipe the message in for one reply: echo hi | ruvllm chat MODEL > reply.txt")
     message = None if interactive else read_stdin_message()
     from ruvllm_cli.cli.engine_setup import locate_adapters, open_engine
     from ruvllm_cli.engine.loop import EngineLoop

@@ -471,3 +471,51 @@ def test_an_unwritable_history_file_falls_back_to_memory(tmp_path: Path) -> None
     history, problem = open_history(tmp_path / "file" / "chat_history")
     assert isinstance(history, InMemoryHistory)
     assert problem is not None and problem.startswith(f"cannot write the history file {tmp_path / 'file'}")
+
+
+def test_save_never_replaces_what_is_not_a_regular_file(conv: Conversation, tmp_path: Path) -> None:
+    """/save /dev/null as root had replaced the device with a file; a symlink is written
+    through; a directory takes a new chat name; a missing directory is an error."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match="not a regular file"):
+        run_command(conv, f"/save {fifo}")
+    assert fifo.is_fifo()
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    (tmp_path / "link.json").symlink_to(target)
+    run_command(conv, f"/save {tmp_path / 'link.json'}")
+    assert (tmp_path / "link.json").is_symlink() and json.loads(target.read_text())["format"] == "ruvllm-chat"
+    (tmp_path / "dir").mkdir()
+    run_command(conv, f"/save {tmp_path / 'dir'}")
+    assert [p.name.startswith("chat-") for p in (tmp_path / "dir").iterdir()] == [True]
+    with pytest.raises(UsageError, match="no directory"):
+        run_command(conv, f"/save {tmp_path / 'missing' / 'x.json'}")
+    assert not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("line", ["/load " + "x" * 300, "/save ~no_such_user_ruvllm/x.json",
+                                  "/load ~no_such_user_ruvllm/x.json"])
+def test_a_path_the_system_refuses_is_a_usage_error(conv: Conversation, line: str) -> None:
+    """A name too long (ENAMETOOLONG from exists()) or a ~user with no home used to end
+    the REPL with the conversation in it."""
+    with pytest.raises(RuvllmError):
+        run_command(conv, line)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"messages": "notalist"}, "messages must be a list"),
+    ({"parameters": {"max_tokens": 99999}}, "max_tokens 99999 is beyond the model's 4096-token context"),
+])
+def test_a_loaded_chat_is_checked_as_the_commands_check(conv: Conversation, tmp_path: Path, fields, message) -> None:
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"format": "ruvllm-chat", "version": 1, "model": "tiny", **fields}))
+    with pytest.raises(RuvllmError, match=message):
+        run_command(conv, f"/load {path}")
+
+
+def test_control_characters_never_reach_the_terminal() -> None:
+    from ruvllm_cli.chat.render import terminal_safe
+
+    assert terminal_safe("a\x1b]52;c;aGk=\x07b\tc\r\nd\x9b31m\x00") == "a\\x1b]52;c;aGk=\\x07b\tc\nd\\x9b31m\\x00"
+    assert terminal_safe("中文 é ✓") == "中文 é ✓"

@@ -127,3 +127,40 @@ def test_ctrl_c_stops_a_reply_and_clears_the_prompt(spawn_chat: Callable[..., An
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_block_or_a_paste_starting_with_a_slash_is_a_message(spawn_chat: Callable[..., Any],
+                                                               tmp_path: Path) -> None:
+    """Only a typed line is a command: a \"\"\" block or a multi-line paste that starts
+    with "/" (a path, a // comment) is sent, as written (it was "unknown command")."""
+    child = spawn_chat("--max-tokens", "4")
+    child.expect(PROMPT)
+    child.sendline('"""')
+    child.sendline("/etc/hosts is empty, why?")
+    child.sendline('"""')
+    child.expect(STATS)
+    child.expect(PROMPT)
+    child.send("\x1b[200~// explain this\nint main(){}\x1b[201~")
+    run(child, "", STATS)
+    run(child, "/history", "You: /etc/hosts is empty, why\\?", "You: // explain this")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+
+
+def test_stdin_a_terminal_and_stdout_piped_is_one_clear_error(tiny_model_dir: Path, cli_env: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    """`ruvllm chat MODEL | tee log`: the prompt would draw into the pipe and nothing on
+    the screen; it says so instead, before loading the model."""
+    import os
+    import subprocess
+    import sys
+
+    main, secondary = os.openpty()
+    try:
+        done = subprocess.run([sys.executable, "-m", "ruvllm_cli", "chat", str(tiny_model_dir)], stdin=secondary,
+                              capture_output=True, text=True, env=cli_env, cwd=tmp_path, timeout=60)
+    finally:
+        os.close(main)
+        os.close(secondary)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "needs a terminal on stdout" in done.stderr and "Traceback" not in done.stderr
