@@ -89,11 +89,33 @@ class ToolRequest:
 
 # ---- the grammar of a forced reply ----------------------------------------------------
 def call_schema(tools: Sequence[Tool], arguments_key: str) -> dict[str, Any]:
-    """One call object: {"name": <one tool>, <arguments_key>: <that tool's schema>}."""
+    """One call object: {"name": <one tool>, <arguments_key>: <that tool's schema>}.
+
+    Each tool's schema sits under the wrapper's `$defs` (as `tool<i>`), its own `$ref`s
+    rewritten to point inside it: a `#/$defs/...` (pydantic's nested models) or a
+    recursive `#` resolves against the document root, which is now the wrapper."""
+    definitions = {f"tool{index}": _rooted(t.parameters, f"#/$defs/tool{index}") for index, t in enumerate(tools)}
     variants = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-                 "properties": {"name": {"const": t.name}, arguments_key: t.parameters}} for t in tools]
+                 "properties": {"name": {"const": t.name}, arguments_key: {"$ref": f"#/$defs/tool{index}"}}}
+                for index, t in enumerate(tools)]
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return {**schema, "$defs": definitions, "x-guidance": {"whitespace_flexible": False}}
+
+
+_VALUES = ("const", "enum", "default", "examples")   # JSON values, not schemas: kept as written
+
+
+def _rooted(schema: Any, root: str) -> Any:
+    """`schema` with every local `$ref` ("#", "#/...") moved under `root`."""
+    if isinstance(schema, list):
+        return [_rooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: value if key in _VALUES else _rooted(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        moved["$ref"] = root + ref[1:]
+    return moved
 
 
 def marker(tokenizer: Any, text: str) -> str:

@@ -104,3 +104,31 @@ def test_engine_chat_returns_parsed_calls(make_engine):
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     plain = engine.chat(messages, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert plain.tool_calls == [] and plain.content == plain.completion.text
+
+
+# pydantic's nested models ($defs), a recursive tree ("#"), the older "definitions"
+NESTED = {"$defs": {"Unit": {"enum": ["c", "f"]}}, "type": "object", "additionalProperties": False,
+          "required": ["unit"], "properties": {"unit": {"$ref": "#/$defs/Unit"}}}
+TREE = {"type": "object", "additionalProperties": False, "required": ["v", "child"],
+        "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                       "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+OLD = {"definitions": {"n": {"type": "integer", "minimum": 1, "maximum": 3}}, "type": "object",
+       "additionalProperties": False, "required": ["n"], "properties": {"n": {"$ref": "#/definitions/n"}}}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_tool_schemas_with_refs_keep_their_meaning(tokenizer, fmt):
+    """Each tool's `$ref`s point into its own schema, not into the call wrapper's: a
+    `#/$defs/...` had failed to compile (a 400 for pydantic_function_tool's nested
+    models), and a recursive `#` had let a whole call object in as a child."""
+    tools = (Tool("convert", NESTED), Tool("tree", TREE), Tool("old", OLD))
+    schemas = {t.name: t.parameters for t in tools}
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    compiled = compiler.compile(forced_call_grammar(ToolRequest(tools, ToolChoice("required")), fmt, tokenizer))
+    seen = set()
+    for seed in range(16):
+        text = walk(compiled, tokenizer, seed).replace("<|im_end|>", "").replace("<|endoftext|>", "")
+        for call in get_parser(fmt).parse(text).tool_calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+            seen.add(call.name)
+    assert seen == set(schemas)
