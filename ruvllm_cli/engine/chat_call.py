@@ -32,7 +32,8 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
     if parser is not None:
         assert tools is not None
         forced = forced_call_grammar(tools, parser.name, engine.tokenizer)
-        params = replace(params, kept_special_tokens=parser.markers, structured=forced or params.structured)
+        params = replace(params, kept_special_tokens=parser.markers, structured=forced or params.structured,
+                         stop=() if forced else params.stop)   # a forced reply is calls only (prompts.tool_sampling)
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
     [completion] = engine.generate([prompt], params)

@@ -13,7 +13,7 @@ from typing import Any, Collection
 import torch
 
 from ruvllm_cli.engine.detokenizer import IncrementalDetokenizer, StopMatcher
-from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
+from ruvllm_cli.engine.outputs import EngineStats, RequestError, RequestOutput
 from ruvllm_cli.engine.request import FinishReason, Request
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.engine.scheduler import Scheduler
@@ -47,7 +47,7 @@ class OutputProcessor:
         text, hit_stop = ("", False) if is_eos else self._text(request, token)
         reason = self._finish_reason(request, is_eos or hit_stop or grammar_done)
         if not grammar_ok:
-            request.error = f"token {token} was not allowed by the request's grammar"
+            request.error = self._grammar_refusal(token)
             reason = FinishReason.ERROR
         if reason is None:
             return self._output(request, [token], text, logprob)
@@ -55,6 +55,17 @@ class OutputProcessor:
         if not hit_stop:
             text += self._flush(request)
         return self.final(request, text, [token], logprob)
+
+    def _grammar_refusal(self, token: int) -> str:
+        """Why the grammar refused a token its own mask allowed. An added token whose text
+        the grammar forces (a choice of "<tool_call>"): llguidance's mask offers the token
+        where the forced text tokenizes to it, and its lexer then takes added tokens only
+        by id (`<[id]>` in Lark), so the request cannot go on: the request's doing."""
+        if token in getattr(self.tokenizer, "added_tokens_decoder", {}):
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            return RequestError(f"the constraint asks for the text {text!r}, which this model's tokenizer holds "
+                                f"as the added token {token}: constrained decoding cannot write it as text")
+        return f"token {token} was not allowed by the request's grammar"
 
     def fail(self, request: Request, message: str) -> RequestOutput:
         """End one request with an error (its sampling failed); the rest go on."""

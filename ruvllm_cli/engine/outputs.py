@@ -8,6 +8,11 @@ from ruvllm_cli.engine.request import FinishReason, RequestTimings
 from ruvllm_cli.engine.sampler import TokenLogprob
 
 
+class RequestError(str):
+    """A request's error text that is the request's own doing, not the engine's (the
+    server answers it as a 400, not a 500): a str, so it travels where errors do."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.lora import AdapterNotFoundError
-from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.outputs import RequestError, RequestOutput
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.errors import UsageError
@@ -79,6 +79,8 @@ def check_finished(choice: Choice) -> None:
     """A sequence the engine cancelled (shutdown) or failed becomes an HTTP error."""
     if choice.finish_reason is FinishReason.CANCELLED:
         raise shutting_down()
+    if choice.finish_reason is FinishReason.ERROR and isinstance(choice.error, RequestError):
+        raise ApiError(400, f"{choice.error[0].upper()}{choice.error[1:]}.", code="invalid_constraint")
     if choice.finish_reason is FinishReason.ERROR:
         raise ApiError(500, f"The engine failed on this request: {choice.error or 'unknown error'}")
 

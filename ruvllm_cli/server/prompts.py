@@ -63,7 +63,10 @@ def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) ->
 def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampling: SamplingFields) -> SamplingFields:
     """Sampling for a reply that may call tools: markers that are special tokens reach
     the parser (other special tokens are still skipped), and a forced tool_choice
-    becomes the grammar of its calls."""
+    becomes the grammar of its calls. A forced reply is calls only, which `stop`
+    strings would cut mid-call (a "\\n" left the markup as content and no call; a "}"
+    invalid arguments under finish_reason "tool_calls"): they apply to text, and a
+    forced reply has none, so they are left out, as OpenAI's stop never cuts a call."""
     sampling = replace(sampling, kept_special_tokens=parser.markers)
     try:
         spec = forced_call_grammar(tools, parser.name, tokenizer)
@@ -73,7 +76,7 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
         return sampling
     parts = tuple((f"the parameters schema of tool '{tool.name}'", GrammarSpec.json_schema(tool.parameters))
                   for tool in tools.offered())
-    return replace(sampling, structured=Structured(spec, "tools", parts=parts))
+    return replace(sampling, structured=Structured(spec, "tools", parts=parts), stop=())
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:

@@ -153,7 +153,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
         prepare = chat_prepare(model.engine, chat.messages, chat.tools, parser, sampling, options)
         fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), model.token_texts, chat.sampling.logprobs,
-                         chat.streaming.include_usage, ToolReplies(parser) if parser is not None else None)
+                         chat.streaming.include_usage, ToolReplies.of(parser, chat.tools))
         return await generate(request, state, model, prepare, "messages", chat.sampling.n,
                               fmt, chat.streaming.stream, chat.sampling.structured, options)
 
@@ -167,7 +167,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         options = dataclasses.replace(job.options, adapter=model.adapter)
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
         prepare = chat_prepare(model.engine, job.messages, job.tools, parser, job.sampling, options)
-        fmt = MessagesFormat(job.model, ToolReplies(parser) if parser is not None else None)
+        fmt = MessagesFormat(job.model, ToolReplies.of(parser, job.tools))
         return await generate(request, state, model, prepare, "messages", 1, fmt, job.stream, job.sampling.structured,
                               options)
 
@@ -182,8 +182,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
         sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens)
         prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options, "input")
-        fmt = ResponsesFormat(ResponseHead(job.model, job.echo),
-                              ToolReplies(parser) if parser is not None else None)
+        fmt = ResponsesFormat(ResponseHead(job.model, job.echo), ToolReplies.of(parser, job.tools))
         return await generate(request, state, model, prepare, "input", 1, fmt, job.stream, sampling.structured,
                               options)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Container, Sequence, TypeVar
 
 from ruvllm_cli.engine.tool_parsers import (StreamDelta, StreamingToolParser, ToolCall, ToolCallDelta,
                                             ToolParser)
+from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server.bridge import Choice
 
 Item = TypeVar("Item")
@@ -28,10 +29,17 @@ def in_text_order(delta: StreamDelta, open_calls: Container[int], text: Callable
 
 @dataclass
 class ToolReplies:
-    """The parsing state of one response's choices."""
+    """The parsing state of one response's choices. `forced` (tool_choice required or
+    a named function): the reply is calls only, so no text of it is content, even a
+    call cut by max_tokens before its name came out (its markup had been content)."""
 
     parser: ToolParser
+    forced: bool = False
     _streams: dict[int, StreamingToolParser] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, parser: ToolParser | None, tools: ToolRequest | None) -> "ToolReplies | None":
+        return None if parser is None else cls(parser, forced=tools is not None and tools.choice.forced)
 
     def settle(self, choice: Choice) -> None:
         """A whole reply, as the same reply streamed ends: a call whose name came out
@@ -41,18 +49,21 @@ class ToolReplies:
         content. `parse` gave such calls back as content, markup and all, where the
         stream had sent them as calls."""
         reply = self.parser.parse_partial(choice.text, final=True)
-        choice.text = reply.content.strip()
+        choice.text = "" if self.forced else reply.content.strip()
         choice.tool_calls = [ToolCall(call.id or self.parser.new_call_id(), call.name, call.arguments)
                              for call in reply.tool_calls]
 
     def feed(self, choice: Choice, text: str) -> StreamDelta:
-        return self._stream(choice).feed(text) if text else StreamDelta()
+        return self._calls_only(self._stream(choice).feed(text)) if text else StreamDelta()
 
     def finish(self, choice: Choice) -> StreamDelta:
         stream = self._stream(choice)
         tail = stream.finish()
         choice.tool_calls = list(stream.calls)
-        return tail
+        return self._calls_only(tail)
+
+    def _calls_only(self, delta: StreamDelta) -> StreamDelta:
+        return StreamDelta(tool_calls=delta.tool_calls) if self.forced and delta.content else delta
 
     def _stream(self, choice: Choice) -> StreamingToolParser:
         if choice.index not in self._streams:

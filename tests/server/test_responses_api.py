@@ -359,3 +359,22 @@ def test_an_error_ends_the_stream_with_an_error_event():
     [error] = fmt.error_chunks(ApiError(503, "The server is shutting down.", code="shutting_down"))
     assert encode_event(error) == (b'event: error\ndata: {"type":"error","code":"shutting_down","message":'
                                    b'"The server is shutting down.","param":null,"sequence_number":2}\n\n')
+
+
+def test_a_call_cut_by_the_token_limit_is_incomplete_streamed_or_not():
+    """The last item takes the reply's status, the others are completed, in the body as
+    in the stream (the body had said "completed" for a cut call the stream called
+    incomplete)."""
+    cut = REPLY[:REPLY.rindex('"Paris"')]
+    choice = Choice(0, 0, text=cut, finish_reason=FinishReason.LENGTH)
+    body = ResponsesFormat(ResponseHead("tiny", {}), ToolReplies(get_parser("hermes"))).body([choice])
+    assert [(i["type"], i["status"]) for i in body["output"]] == [
+        ("message", "completed"), ("function_call", "completed"), ("function_call", "incomplete")]
+    fmt, streamed = ResponsesFormat(ResponseHead("tiny", {}), ToolReplies(get_parser("hermes"))), Choice(0, 0)
+    events = [*fmt.opening(streamed)]
+    output = RequestOutput("r", [1], cut)
+    streamed.add(output)
+    events += fmt.deltas(streamed, output)
+    streamed.finish_reason = FinishReason.LENGTH
+    events += [*fmt.flush(streamed), fmt.final(streamed), *fmt.closing([streamed])]
+    assert without_ids(events[-1].data["response"]["output"]) == without_ids(body["output"])

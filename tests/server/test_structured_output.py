@@ -113,3 +113,15 @@ def test_bad_constraints_are_400s_naming_the_param(server, body, param, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+@pytest.mark.parametrize("constraint", [{"choice": ["<tool_call>"]}, {"regex": "<tool_call>"}])
+def test_a_constraint_forcing_an_added_tokens_text_is_a_400(client, server, constraint):
+    """The text of an added token ("<tool_call>") as a forced constraint: llguidance
+    offers the token and then refuses it, which had ended the request as a 500."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=8,
+                                       extra_body={"structured_outputs": constraint})
+    assert caught.value.code == "invalid_constraint" and "added token" in caught.value.message
+    reply = client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=4, seed=1)
+    assert reply.choices[0].finish_reason in ("stop", "length")   # the engine serves on

@@ -226,3 +226,24 @@ def test_bad_tool_requests_are_400s(server, body, param):
                           json={"model": server.model, "messages": HELLO, "max_tokens": 5, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_a_forced_reply_is_calls_only_whatever_cuts_it(client, server):
+    """tool_choice required: a stop string no longer cuts the call (a "\\n" had left
+    the markup as content and no call; a "}" invalid arguments under "tool_calls"), and
+    max_tokens cutting a call before its name leaves no markup in the content, streamed
+    or not."""
+    for seed in range(4):
+        for stop in (["\n"], ["}"], ["get_weather", "add"]):
+            reply = client.chat.completions.create(model=server.model, messages=HELLO, tools=TOOLS, stop=stop,
+                                                   tool_choice="required", temperature=1.0, seed=seed, max_tokens=300)
+            assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+            check_calls(reply.choices[0].message.tool_calls)
+    for max_tokens in (2, 3, 5, 8):
+        ask = dict(model=server.model, messages=HELLO, tools=TOOLS, tool_choice="required", temperature=1.0,
+                   seed=1, max_tokens=max_tokens)
+        whole = client.chat.completions.create(**ask).choices[0]
+        content, calls, finish = collect_stream(client.chat.completions.create(**ask, stream=True))
+        assert whole.finish_reason == finish == "length"
+        assert not whole.message.content and content == ""
+        assert len(whole.message.tool_calls or []) == len(calls)

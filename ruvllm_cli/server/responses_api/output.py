@@ -56,9 +56,13 @@ def call_item(call_id: str, name: str, arguments: str, item_status: str) -> dict
 
 
 def body_output(choice: Choice, calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """A whole reply's items: its text (if any, or if there is nothing else), then its calls."""
-    items = [message_item(message_id(), choice.text, status(choice))] if choice.text or not calls else []
-    return items + [call_item(call.id, call.name, call.arguments, "completed") for call in calls]
+    """A whole reply's items: its text (if any, or if there is nothing else), then its
+    calls; the last one takes the reply's status (incomplete where the token limit cut
+    it), the others are completed, as the stream closes them."""
+    items = [message_item(message_id(), choice.text, "completed")] if choice.text or not calls else []
+    items += [call_item(call.id, call.name, call.arguments, "completed") for call in calls]
+    items[-1]["status"] = status(choice)
+    return items
 
 
 @dataclass(frozen=True)
