@@ -72,7 +72,7 @@ SCHEMAS: dict[str, JsonSchema] = {
     "Model": {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
         "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
         "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]},
-        "parent": {"type": ["string", "null"]},
+        "parent": {"type": ["string", "null"]}, "root": {"type": "string"},
         "status": {"enum": ["loaded", "loading", "unloading", "unloaded", "failed"]},
         "max_tokens_default": {"type": "object", "additionalProperties": {"type": "integer"}}}},
     "AnthropicError": {"type": "object", "required": ["type", "error"], "additionalProperties": False,

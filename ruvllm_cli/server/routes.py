@@ -104,9 +104,10 @@ def model_objects(state: ServerState) -> list[dict[str, Any]]:
         common = {"object": "model", "created": created, "owned_by": "ruvllm", "status": entry.status.value,
                   "max_model_len": entry.served.client.engine.max_model_len if entry.served else None,
                   "max_tokens_default": defaults}
-        # LoRA adapters are models of their own, with their base model as `parent` (vLLM's field).
-        data += [{"id": name, **common, "parent": None} for name in entry.names]
-        data += [{"id": name, **common, "parent": entry.name} for name in entry.adapter_names()]
+        # LoRA adapters are models of their own, with their base model as `parent` (vLLM's
+        # field); `root` (vLLM's too): the model each name serves, one for a model's names.
+        data += [{"id": name, **common, "root": entry.name, "parent": None} for name in entry.names]
+        data += [{"id": name, **common, "root": entry.name, "parent": entry.name} for name in entry.adapter_names()]
     return data
 
 

@@ -15,7 +15,7 @@ const ui = {
 };
 const state = {
   chats: store.loadChats(), chat: null, settings: store.loadSettings(), key: store.loadKey(),
-  controller: null, pending: '',
+  controller: null, pending: '', savedAt: 0,
 };
 const api = new Api(() => state.key);
 const views = new WeakMap();   // message -> its <article>, kept out of what is saved
@@ -33,6 +33,29 @@ function openChat(chat) {
 function saveChats() {
   // A conversation nobody wrote in is not worth a line in the list.
   store.saveChats(state.chats.filter((c) => c.messages.length));
+}
+
+/** Another tab saved its conversations: take its new and changed ones, drop the ones
+ * it deleted (each tab writes its whole list, so without this the last writer wins). */
+function mergeChats() {
+  const theirs = store.loadChats();
+  const busy = state.controller ? state.chat : null;   // streaming here: ours is newer
+  const byId = new Map(state.chats.map((c) => [c.id, c]));
+  const merged = theirs.map((chat) => {
+    const ours = byId.get(chat.id);
+    if (!ours) return chat;
+    if (ours !== busy) Object.assign(ours, { title: chat.title, messages: chat.messages });
+    return ours;
+  });
+  const kept = new Set(merged);
+  for (const chat of state.chats) {
+    if (!kept.has(chat) && (chat === busy || chat === state.chat)) merged.unshift(chat);
+  }
+  state.chats = merged;
+  renderChats();
+  if (state.chat !== busy) {
+    ui.messages.replaceChildren(...state.chat.messages.map(messageView));
+  }
 }
 
 function renderChats() {
@@ -109,6 +132,7 @@ async function send() {
   const reply = addMessage(chat, { role: 'assistant', content: '', state: 'streaming' });
   chat.title ||= text.slice(0, 60);
   renderChats();
+  saveChats();   // the message is kept even if the tab closes mid-reply
   await streamReply(chat, body, reply, user, text);
 }
 
@@ -134,6 +158,12 @@ async function streamReply(chat, body, reply, user, text) {
     clock.end = performance.now();
     if (error instanceof ApiError && error.status === 401) return unsent(chat, [user, reply], text);
     failed(reply, error, clock);
+    // A failed turn stays on screen but out of later requests (history); its text goes
+    // back to an empty input box, to edit and send again.
+    if (reply.state === 'error' && !ui.input.value) {
+      ui.input.value = text;
+      autosize();
+    }
   } finally {
     state.controller = null;
     setBusy(false);
@@ -155,6 +185,7 @@ async function readReply(body, reply, clock) {
         clock.first ??= performance.now();
         reply.content += piece;
         redraw(reply);
+        saveSoon();
       }
       finish = choice.finish_reason ?? finish;
     }
@@ -182,6 +213,14 @@ function unsent(chat, messages, text) {
   state.pending = text;
   ui.input.value = text;
   askKey();
+}
+
+/** Save the reply as it streams, at most once a second (a reload keeps what came). */
+function saveSoon() {
+  const now = performance.now();
+  if (now - state.savedAt < 1000) return;
+  state.savedAt = now;
+  saveChats();
 }
 
 let redrawing = null;
@@ -214,12 +253,26 @@ function seconds(ms) {
   return `${(ms / 1000).toFixed(2)} s`;
 }
 
+/** The conversation as the next request sends it: a turn whose reply failed or never
+ * came (an error, a stop before the first token) is left out; sent again, it would fail
+ * again (a prompt too long) or break the alternation of roles templates require. */
 function history() {
   const system = state.settings.system.trim();
-  const turns = state.chat.messages
-    .filter((m) => (m.role === 'user' || m.role === 'assistant') && m.content)
-    .map((m) => ({ role: m.role, content: m.content }));
+  const messages = state.chat.messages;
+  const turns = [];
+  for (let i = 0; i < messages.length; i += 1) {
+    const message = messages[i];
+    const reply = messages[i + 1];
+    if (message.role !== 'user') continue;
+    if (reply?.role !== 'assistant' || !reply.content || reply.state === 'error') continue;
+    turns.push(sendable(message), sendable(reply));
+  }
   return system ? [{ role: 'system', content: system }, ...turns] : turns;
+}
+
+// A model can write a NUL, which the server refuses in a request: sent as U+FFFD.
+function sendable(message) {
+  return { role: message.role, content: message.content.replaceAll('\u0000', '\ufffd') };
 }
 
 /** The chat completion request for `messages`; throws on a setting that does not parse. */
@@ -234,9 +287,9 @@ function requestBody(messages) {
 function settingsFields() {
   const s = state.settings;
   const body = { ...jsonSetting(s.extra, 'Extra request fields') };
-  setNumber(body, 'temperature', s.temperature, parseFloat);
-  setNumber(body, 'max_tokens', s.maxTokens, (v) => parseInt(v, 10));
-  setNumber(body, 'seed', s.seed, (v) => parseInt(v, 10));
+  setNumber(body, 'temperature', s.temperature, 'Temperature');
+  setNumber(body, 'max_tokens', s.maxTokens, 'Max tokens', true);
+  setNumber(body, 'seed', s.seed, 'Seed', true);
   const schema = jsonSetting(s.schema, 'JSON schema');
   if (schema) {
     const name = String(schema.title ?? 'reply').replace(/[^A-Za-z0-9_-]/g, '_').slice(0, 64) || 'reply';
@@ -259,9 +312,16 @@ function jsonSetting(text, what) {
   return value;
 }
 
-function setNumber(body, name, text, parse) {
-  const value = parse(String(text).trim());
-  if (!Number.isNaN(value)) body[name] = value;
+/** A number setting into `body` (left out when empty); throws on one that is not a
+ * number, or not a whole one where `integer` (parseInt had read 1.7 as 1, 1e30 as 1). */
+function setNumber(body, name, text, what, integer = false) {
+  const raw = String(text).trim();
+  if (!raw) return;
+  const value = Number(raw);
+  if (!Number.isFinite(value) || (integer && !Number.isSafeInteger(value))) {
+    throw new Error(`${what}: ${integer ? 'a whole number' : 'a number'} is needed, not “${raw}”`);
+  }
+  body[name] = value;
 }
 
 function stop() {
@@ -287,7 +347,11 @@ async function loadModels() {
 
 /** Base models as options; LoRA adapters (`parent` = their base) grouped under it. */
 function fillModels(models) {
-  const options = models.filter((m) => !m.parent).map((m) => option(m.id, m.id));
+  // One option per model: a model served under several names (an alias and its path)
+  // shares one `root`, and its first name stands for it.
+  const roots = new Set();
+  const bases = models.filter((m) => !m.parent && !roots.has(m.root ?? m.id) && roots.add(m.root ?? m.id));
+  const options = bases.map((m) => option(m.id, m.id));
   const parents = [...new Set(models.filter((m) => m.parent).map((m) => m.parent))];
   for (const parent of parents) {
     const group = document.createElement('optgroup');
@@ -296,7 +360,7 @@ function fillModels(models) {
     options.push(group);
   }
   ui.model.replaceChildren(...options);
-  const ids = models.map((m) => m.id);
+  const ids = [...bases, ...models.filter((m) => m.parent)].map((m) => m.id);
   ui.model.value = ids.includes(state.settings.model) ? state.settings.model : ids[0] ?? '';
   const chosen = models.find((m) => m.id === ui.model.value);
   ui.form.elements.maxTokens.placeholder = chosen?.max_tokens_default?.['/v1/chat/completions'] ?? '';
@@ -408,7 +472,12 @@ function wire() {
   ui.keyForm.addEventListener('submit', submitKey);
   $('forget-key').addEventListener('click', () => { state.key = ''; store.saveKey('', false); ui.key.value = ''; });
   $('change-key').addEventListener('click', () => askKey());
-  $('new-chat').addEventListener('click', () => { openChat(store.newChat()); ui.input.focus(); });
+  $('new-chat').addEventListener('click', () => {
+    openChat(store.newChat());
+    document.body.classList.remove('show-chats');   // on a phone the list covers the chat
+    ui.input.focus();
+  });
+  window.addEventListener('storage', (event) => { if (event.key === store.CHATS) mergeChats(); });
   $('toggle-settings').addEventListener('click', () => togglePanel());
   $('close-settings').addEventListener('click', () => togglePanel(false));
   $('toggle-chats').addEventListener('click', () => document.body.classList.toggle('show-chats'));

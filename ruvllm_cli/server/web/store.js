@@ -2,7 +2,7 @@
 // localStorage, the API key in sessionStorage (this tab) unless the user asks for
 // localStorage. Nothing of it is ever sent anywhere but this server's API.
 
-const CHATS = 'ruvllm.chats';
+export const CHATS = 'ruvllm.chats';
 const ACTIVE = 'ruvllm.active';
 const SETTINGS = 'ruvllm.settings';
 const KEY = 'ruvllm.apiKey';
