@@ -49,6 +49,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_dtype = kv_cache_dtype(loaded)
         swap_blocks = config.swap_space // kv_bytes_per_block(loaded.model.config, kv_dtype, config.block_size)
+        if config.preemption_mode == "swap":
+            check_swap_space(config.swap_space)
         self.swap_space = SwapSpace(swap_blocks) if config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.token_budget(loaded.device.type), config.max_loras,
@@ -295,6 +297,17 @@ class Completion:
         self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             self.finish_reason, self.error, self.stop_string = output.finish_reason, output.error, output.stop_string
+
+
+def check_swap_space(swap_space: int) -> None:
+    """The swap pool lives in the CPU's memory: more than is free had failed in the
+    allocator with its own message (an `enforce fail` at alloc_cpu.cpp)."""
+    import torch
+
+    free = free_memory(torch.device("cpu"))
+    if swap_space > free:
+        raise UsageError(f"--swap-space {swap_space / 2**30:.1f} GiB is more than the {free / 2**30:.1f} GiB of "
+                         "memory free", "give a smaller --swap-space (default 1 GiB)")
 
 
 def plan_num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:

@@ -34,6 +34,10 @@ class OutputProcessor:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                                      params.skip_special_tokens, params.kept_special_tokens)
         request.stop_matcher = StopMatcher(params.stop)
+        if params.min_tokens and not params.ignore_eos:
+            request.held_ids = tuple(sorted(self.eos_token_ids | set(params.stop_token_ids)))
+        elif params.min_tokens:
+            request.held_ids = tuple(sorted(set(params.stop_token_ids)))
         if params.seed is not None:
             request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
 
@@ -54,6 +58,8 @@ class OutputProcessor:
         self.scheduler.finish(request, reason)
         if not hit_stop:
             text += self._flush(request)
+        elif request.params.include_stop_str_in_output and request.stop_matcher is not None:
+            text += request.stop_matcher.matched or ""
         return self.final(request, text, [token], logprob)
 
     def _grammar_refusal(self, token: int) -> str:

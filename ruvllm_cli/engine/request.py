@@ -126,6 +126,7 @@ class Request:
     detokenizer: "IncrementalDetokenizer | None" = None  # token ids -> text deltas
     stop_matcher: "StopMatcher | None" = None            # stop strings on that text
     grammar: "GrammarMatcher | None" = None              # constrained decoding, when asked for
+    held_ids: tuple[int, ...] = ()                       # masked until params.min_tokens (EOS, stop ids)
     adapter_uid: int = 0                                 # LoRA adapter (LoRAAdapter.uid); 0 is the base model
     swappable: bool = True                               # False: its KV has a second pool (X-LoRA)
     swapped: SwappedKV | None = None                     # preempted by swapping, until resumed
@@ -133,6 +134,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_ids)
+
+    @property
+    def holds_ids(self) -> bool:
+        """`held_ids` are still masked: fewer than `min_tokens` generated."""
+        return bool(self.held_ids) and len(self.output_ids) < self.params.min_tokens
 
     @property
     def prefix_salt(self) -> object:

@@ -125,6 +125,14 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
                           torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
+def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """vLLM's `min_tokens`: EOS and the stop token ids masked off until a request has
+    generated that many tokens."""
+    for i, request in enumerate(requests):
+        if request.holds_ids:
+            logits[i, list(request.held_ids)] = float("-inf")
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first largest; a NaN counts as largest, as torch's): our
     kernel on a CPU (torch's argmax took 2.1 ms a step over 16 rows of a 152k
@@ -154,10 +162,11 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]
            ) -> tuple[list[int | SamplingFailure], list[TokenLogprob | None]]:
     """One next token per row of `logits` [S, V], with the row's request's parameters."""
     plain = all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests)
-    if plain and all(r.grammar is None and not r.params.logit_bias for r in requests):
+    if plain and all(r.grammar is None and not r.params.logit_bias and not r.holds_ids for r in requests):
         return greedy_tokens(logits), [None] * len(requests)   # the logits as they are: no float32 copy
     logits = logits.float()
     apply_logit_bias(logits, requests)
+    apply_min_tokens(logits, requests)
     apply_grammar_masks(logits, requests)
     if plain:
         return greedy_tokens(logits), [None] * len(requests)

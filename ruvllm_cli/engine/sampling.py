@@ -46,6 +46,8 @@ class SamplingParams(SamplingKnobs):
     structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
     skip_special_tokens: bool = True                # False: special tokens reach the text
     kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
+    min_tokens: int = 0                             # EOS and stop_token_ids held off until this many (vLLM's)
+    include_stop_str_in_output: bool = False        # the stop string that ended the reply stays in its text
     logits_processors: list[LogitsProcessor] = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +61,7 @@ class SamplingParams(SamplingKnobs):
     def validate(self) -> None:
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens"),
             (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be 0 (off) or positive"),

@@ -57,6 +57,10 @@ class SamplingFields(SamplingKnobs):
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
     kept_special_tokens: tuple[str, ...] = ()   # a tool-call format's markers, for its parser
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def params(self, max_tokens: int, copy: int) -> SamplingParams:
         """Engine parameters for copy `copy` of `n`."""
@@ -67,7 +71,10 @@ class SamplingFields(SamplingKnobs):
             return SamplingParams(**{**self.knobs(), "seed": seed}, max_tokens=max_tokens, stop=self.stop,
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                                   logit_bias=self.logit_bias, kept_special_tokens=self.kept_special_tokens,
-                                  structured=self.structured.spec if self.structured else None)
+                                  structured=self.structured.spec if self.structured else None,
+                                  min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  skip_special_tokens=self.skip_special_tokens)
         except UsageError as error:
             name = error.message.split(" ", 1)[0]
             raise bad_request(error.message, name if hasattr(self, name) else None) from error
@@ -107,6 +114,18 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise invalid_type("stop", "a string or an array of strings", value)
     if len(value) > MAX_STOP:
         raise invalid_value("stop", f"at most {MAX_STOP} stop sequences", value)
+    return tuple(value)
+
+
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _token_id_list(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise invalid_type("stop_token_ids", "an array of token ids (non-negative integers)", value)
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise invalid_value("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids", value)
     return tuple(value)
 
 
@@ -171,6 +190,15 @@ SAMPLING = (
           low=SEED_RANGE[0], high=SEED_RANGE[1]),
     Field("stop", None, "Text that ends the reply (not included in it).", (), parse=_stop, schema=_STOP),
     Field("ignore_eos", "boolean", "Generate max_tokens tokens whatever the model says.", False),
+    Field("min_tokens", "integer", "Tokens to generate before EOS or stop_token_ids may end the reply "
+                                   "(vLLM's; stop strings still apply).", 0, low=0),
+    Field("stop_token_ids", None, "Token ids that end the reply, beside the model's EOS (vLLM's).", (),
+          parse=_token_id_list, schema={"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                        "items": {"type": "integer", "minimum": 0}}),
+    Field("include_stop_str_in_output", "boolean", "Keep the stop string that ended the reply in it (vLLM's).",
+          False),
+    Field("skip_special_tokens", "boolean", "Leave special tokens out of the text (vLLM's).", True),
+    Field("prompt_logprobs", "integer", "Not supported: refused (vLLM's field)."),
     LOGIT_BIAS,
     *STRUCTURED_FIELDS,
 )
@@ -271,7 +299,13 @@ def _sampling(values: dict[str, Any], max_tokens: str, logprobs: int | None,
               default_max_tokens: int | None = None) -> SamplingFields:
     """The sampling fields, with `max_tokens` the name of the field the limit comes from."""
     knobs = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-             "seed", "n", "stop", "ignore_eos")
+             "seed", "n", "stop", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+             "skip_special_tokens")
+    if values["prompt_logprobs"] is not None:
+        raise bad_request("'prompt_logprobs' is not supported.", "prompt_logprobs", "unsupported_parameter")
+    max_given = values[max_tokens]
+    if max_given is not None and values["min_tokens"] > max_given:
+        raise invalid_value("min_tokens", f"at most {max_tokens} ({max_given})", values["min_tokens"])
     return SamplingFields(
         max_tokens=values[max_tokens],
         default_max_tokens=default_max_tokens,
@@ -291,6 +325,9 @@ def _options(values: dict[str, Any]) -> RequestOptions:
 
 def _streaming(values: dict[str, Any]) -> StreamFields:
     stream = values["stream"]
+    if values["stream_options"] is not None and not stream:   # OpenAI's 400
+        raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                          "stream_options", "invalid_value")
     options = values["stream_options"] or {}
     return StreamFields(stream, options.get("include_usage", False) and stream)
 

@@ -20,7 +20,7 @@ from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
-from ruvllm_cli.server.errors import ApiError, json_response
+from ruvllm_cli.server.errors import ApiError, bad_request, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
 from ruvllm_cli.server.middlewares import CLIENT_GONE
@@ -245,6 +245,10 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
     never outlive the handler (a client that leaves cancels them, and so does the
     end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
     started = time.perf_counter()
+    if options.priority and getattr(model.client.engine.config, "scheduling_policy", None) == "fcfs":
+        # vLLM's 400 too: a priority that changes nothing would only mislead
+        raise bad_request(f"'priority' {options.priority} needs a server started with --scheduling-policy "
+                          "priority; under fcfs requests go in arrival order.", "priority", "invalid_value")
     with state.admission.reserve(num_sequences):
         plans, streams = await bridge.submit(model.client, state.executor, prepare, param)
         choices = bridge.choices_for(plans)

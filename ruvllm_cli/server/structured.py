@@ -116,19 +116,27 @@ def parse_logit_bias(bias: Fields) -> tuple[tuple[int, float], ...]:
     Ids are checked against the vocabulary later (`check_logit_bias`)."""
     if len(bias.body) > MAX_LOGIT_BIAS:
         raise invalid_value("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(bias.body)} entries")
-    entries = []
+    entries: dict[int, float] = {}
     for key in bias.body:
         if not TOKEN_KEY.fullmatch(key):   # fullmatch: `$` alone lets a final newline through
             raise invalid_value("logit_bias", "keys must be token ids (integers as strings)", key[:40])
+        if int(key) in entries:   # "65" and "065": one token, whose biases would add up past the cap
+            raise invalid_value("logit_bias", "each token id at most once", key[:40])
         low, high = LOGIT_BIAS_RANGE
-        entries.append((int(key), bias.number(key, 0.0, low=low, high=high)))
-    return tuple(entries)
+        entries[int(key)] = bias.number(key, 0.0, low=low, high=high)
+    return tuple(entries.items())
 
 
 def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
     for token, _ in bias:
         if not 0 <= token < vocab_size:
             raise invalid_value("logit_bias", f"token ids must be in [0, {vocab_size})", token)
+
+
+def check_stop_token_ids(ids: tuple[int, ...], vocab_size: int) -> None:
+    outside = next((token for token in ids if not 0 <= token < vocab_size), None)
+    if outside is not None:
+        raise invalid_value("stop_token_ids", f"token ids must be in [0, {vocab_size})", outside)
 
 
 def check_grammar(structured: Structured | None, engine: Any) -> None:

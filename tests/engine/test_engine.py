@@ -84,6 +84,13 @@ def test_a_pool_beyond_free_memory_is_refused(make_engine):
         make_engine(kv_cache_memory=psutil.virtual_memory().total * 2, device="cpu")
 
 
+def test_a_swap_pool_beyond_free_memory_is_refused(make_engine):
+    import psutil
+
+    with pytest.raises(UsageError, match="--swap-space .* GiB is more than the .* GiB of memory free"):
+        make_engine(preemption_mode="swap", swap_space=psutil.virtual_memory().total * 2, device="cpu")
+
+
 def test_one_after_another_matches_generate(make_engine, expected):
     engine = make_engine()
     assert [run_all(engine, [p])[0] for p in PROMPTS] == expected

@@ -40,12 +40,16 @@ def test_high_priority_requests_start_sooner(make_server, server_model, mode, ra
     live.engine(lambda e: e.check_integrity())
 
 
-def test_user_session_and_priority_are_kept_and_logged(server, caplog):
+def test_user_session_and_priority_are_kept_and_logged(make_server, server, caplog):
     import logging
 
     caplog.set_level(logging.INFO, logger="ruvllm.server")
     body = {"model": server.model, "prompt": "hello", "max_tokens": 2, "user": "alice", "session_id": "s-1",
             "priority": -1}
+    # Under fcfs (the shared server's policy) a priority would change nothing: vLLM's 400.
+    refused = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400 and "--scheduling-policy priority" in refused.json()["error"]["message"]
+    server = make_server(engine={"scheduling_policy": "priority"})
     assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
     [line] = [r.getMessage() for r in caplog.records if "user=alice" in r.getMessage()]
     assert "/v1/completions model=tiny user=alice session=s-1 priority=-1 sequences=1" in line
