@@ -53,6 +53,10 @@ class Cluster:
         try:
             connect(options, verbose)
         except BaseException as error:  # noqa: BLE001 - handed to the thread that waits
+            import ray
+
+            if ray.is_initialized():   # up, then refused (too few GPUs): not left running
+                ray.shutdown()
             self._connected.put(error)
             return
         self._connected.put(None)
@@ -75,6 +79,10 @@ def app_name_for(served_name: str) -> str:
 def import_ray(options: ClusterOptions) -> None:
     """Import Ray Serve (a one-line error when the `cluster` extra is missing), set up
     for a local cluster when no --ray-address is given."""
+    # Read by ray at import: no Ray call may start a cluster of its own. A stop while
+    # the replicas deploy shuts Ray down under the deploying thread, whose next Serve
+    # call had started a second local cluster, part of which outlived the server.
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     if options.ray_address is None:
         # Read by ray at import: the node's address becomes 127.0.0.1, so its servers bind
         # the loopback interface only (a local cluster has no other node to talk to).
@@ -98,12 +106,44 @@ def connect(options: ClusterOptions, verbose: bool) -> None:
         cpus = max(os.cpu_count() or 1, options.max_replicas * options.threads_per_replica)
         ray.init(address="local", include_dashboard=False, num_cpus=cpus, logging_level=level,
                  log_to_driver=verbose)
+    else:
+        reachable(options.ray_address)
+        try:
+            ray.init(address=options.ray_address, logging_level=level, log_to_driver=verbose)
+        except (ConnectionError, ValueError) as error:
+            raise RuvllmError(f"cannot join the Ray cluster at {options.ray_address}: {error}",
+                              "start one with `ray start --head`, or leave out --ray-address") from error
+    check_gpus(options, float(ray.cluster_resources().get("GPU", 0)))
+
+
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
+def reachable(address: str) -> None:
+    """A `host:port` address answers on its port, within RAY_CONNECT_TIMEOUT_S: ray.init
+    waits for an unreachable one for good (retrying, its warnings naming this machine's
+    address, not the one given). `auto` and other forms are left to Ray."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
         return
     try:
-        ray.init(address=options.ray_address, logging_level=level, log_to_driver=verbose)
-    except (ConnectionError, ValueError) as error:
-        raise RuvllmError(f"cannot join the Ray cluster at {options.ray_address}: {error}",
-                          "start one with `ray start --head`, or leave out --ray-address") from error
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise RuvllmError(f"cannot join the Ray cluster at {address}: {error.strerror or error}",
+                          "start one with `ray start --head`, or leave out --ray-address") from None
+
+
+def check_gpus(options: ClusterOptions, gpus: float) -> None:
+    """--gpus-per-replica on a cluster with too few GPUs: the replicas would wait for
+    them for good, the server answering 503 with nothing said."""
+    needed = options.gpus_per_replica * options.min_replicas
+    if needed > gpus:
+        where = "this machine" if options.ray_address is None else f"the Ray cluster at {options.ray_address}"
+        raise RuvllmError(f"--gpus-per-replica {options.gpus_per_replica:g} x {options.min_replicas} "
+                          f"replica{'s' if options.min_replicas != 1 else ''} needs {needed:g} GPUs; {where} "
+                          f"has {gpus:g}", "leave out --gpus-per-replica, or join a cluster with GPUs")
 
 
 class StartNoiseFilter(logging.Filter):

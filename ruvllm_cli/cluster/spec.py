@@ -58,6 +58,13 @@ def cluster_options(options: dict[str, Any]) -> ClusterOptions | None:
     --min/--max-replicas (one process, no Ray)."""
     replicas, low, high = options["replicas"], options["min_replicas"], options["max_replicas"]
     if replicas is None and low is None and high is None:
+        given = [flag for flag, value in (("--ray-address", options.get("ray_address")),
+                                          ("--threads-per-replica", options.get("threads_per_replica")),
+                                          ("--gpus-per-replica", options.get("gpus_per_replica")))
+                 if value]
+        if given:   # they had been ignored: one process served, no Ray
+            raise UsageError(f"{given[0]} needs --replicas (or --min-replicas/--max-replicas)",
+                             "add --replicas N to serve on Ray, or leave it out for one process")
         return None
     if options.get("allow_runtime_lora"):
         raise UsageError("--allow-runtime-lora does not work with --replicas",
@@ -65,6 +72,8 @@ def cluster_options(options: dict[str, Any]) -> ClusterOptions | None:
     low = low if low is not None else min(replicas or 1, high or replicas or 1)
     high = high if high is not None else max(replicas or low, low)
     replicas = replicas if replicas is not None else low
+    if low > high:
+        raise UsageError(f"--min-replicas {low} is more than --max-replicas {high}")
     if not low <= replicas <= high:
         raise UsageError(f"--replicas {replicas} must lie between --min-replicas {low} and --max-replicas {high}")
     threads = options["threads_per_replica"] or max(1, (os.cpu_count() or 1) // replicas)

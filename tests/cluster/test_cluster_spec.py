@@ -16,7 +16,7 @@ def parse(**given):
 
 
 def test_no_replica_option_means_one_process():
-    assert parse() is None
+    assert parse(threads_per_replica=None) is None
 
 
 def test_fixed_and_autoscaled_replicas():
@@ -30,6 +30,10 @@ def test_fixed_and_autoscaled_replicas():
 @pytest.mark.parametrize("given, message", [
     ({"replicas": 5, "max_replicas": 4}, "--replicas 5 must lie between --min-replicas 4 and --max-replicas 4"),
     ({"replicas": 2, "allow_runtime_lora": True}, "--allow-runtime-lora does not work with --replicas"),
+    ({"min_replicas": 3, "max_replicas": 2}, "--min-replicas 3 is more than --max-replicas 2"),
+    ({"ray_address": "head:6379", "threads_per_replica": None}, "--ray-address needs --replicas"),
+    ({"gpus_per_replica": 1.0, "threads_per_replica": None}, "--gpus-per-replica needs --replicas"),
+    ({"threads_per_replica": 2}, "--threads-per-replica needs --replicas"),
 ])
 def test_refused(given, message):
     with pytest.raises(UsageError, match=message):
@@ -47,3 +51,45 @@ def test_the_deployment_autoscales_on_requests_per_replica():
     assert options["request_router_config"].request_router_kwargs == {"block_size": 16, "imbalance": 8}
     assert "num_replicas" not in options
     assert deployment_options(parse(replicas=2), 16)["num_replicas"] == 2
+
+
+def test_an_unreachable_ray_address_is_said_at_once():
+    """ray.init had waited for good on a closed port or an unknown host."""
+    import socket
+
+    from ruvllm_cli.cluster.deploy import reachable
+    from ruvllm_cli.errors import RuvllmError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]   # closed once the block ends: nothing listens there
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}", "nohost.invalid:6379"):
+        with pytest.raises(RuvllmError, match=f"cannot join the Ray cluster at {address}"):
+            reachable(address)
+    reachable("auto")   # Ray's own lookup
+
+
+def test_gpus_per_replica_beyond_the_clusters_gpus_is_refused():
+    from ruvllm_cli.cluster.deploy import check_gpus
+    from ruvllm_cli.errors import RuvllmError
+
+    with pytest.raises(RuvllmError, match="--gpus-per-replica 1 x 2 replicas needs 2 GPUs; this machine has 0"):
+        check_gpus(parse(replicas=2, gpus_per_replica=1.0), 0.0)
+    check_gpus(parse(replicas=2, gpus_per_replica=0.5), 1.0)
+    check_gpus(parse(replicas=2), 0.0)
+
+
+def test_no_ray_call_may_start_a_cluster_of_its_own():
+    """A stop while the replicas deploy shuts Ray down under the deploying thread; its
+    next Serve call had started a second local cluster that outlived the server."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray.serve")
+    script = ("from ruvllm_cli.cluster.deploy import import_ray\n"
+              "from ruvllm_cli.cluster.spec import ClusterOptions\n"
+              "import_ray(ClusterOptions(1, 1, 1, None, 1, 0.0, 16))\n"
+              "from ray._private import auto_init_hook\n"
+              "print(auto_init_hook.enable_auto_connect)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False"], out.stderr
