@@ -26,7 +26,8 @@ GATED_HIGHER = ("decode_tokens_per_s",)
 GATED_LOWER = ("ttft_ms_p50",)
 # Settings that make two runs incomparable when they differ.
 COMPARABLE = (("model", "name"), ("config", "prompt_length"), ("config", "gen_length"),
-              ("config", "concurrency"), ("system", "device"), ("system", "quantization"))
+              ("config", "concurrency"), ("config", "kernels"), ("system", "device"), ("system", "quantization"),
+              ("system", "dtype"))
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,32 @@ def load_previous(path: str | Path) -> dict[str, Any]:
     if not isinstance(report, dict) or not isinstance(report.get("metrics"), dict):
         raise UsageError(f"--compare: {path} is not a benchmark report (no `metrics` object)",
                          "pass a file written by `ruvllm benchmark --format json`")
+    check_report(report, path)
     return report
+
+
+def check_report(report: dict[str, Any], path: str | Path) -> None:
+    """Refused before the run, not found wrong after it: a report of another schema
+    version, a section that is not an object (a raw AttributeError had come after the
+    whole run, with the exit status of a regression), or a gated figure that is not a
+    number (the gate had been skipped with nothing said: an empty report passed)."""
+    from ruvllm_cli.bench.report import SCHEMA_VERSION
+
+    hint = "pass a file written by `ruvllm benchmark --format json` (this version)"
+    version = report.get("schema_version")   # earlier versions' metrics are this one's
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= SCHEMA_VERSION:
+        raise UsageError(f"--compare: {path} is a report of schema version {version!r}; this ruvllm reads "
+                         f"1 to {SCHEMA_VERSION}", hint)
+    for section in {section for section, _ in COMPARABLE} | {"noise"}:
+        if report.get(section) is not None and not isinstance(report[section], dict):
+            raise UsageError(f"--compare: {path}: `{section}` is not an object", hint)
+    for name in (*GATED_HIGHER, *GATED_LOWER):
+        value = report["metrics"].get(name)
+        if value is not None and _numeric(value) is None:
+            raise UsageError(f"--compare: {path}: metrics.{name} is {value!r}, not a number", hint)
+    if all(report["metrics"].get(name) is None for name in (*GATED_HIGHER, *GATED_LOWER)):
+        raise UsageError(f"--compare: {path} has none of the figures the gate compares "
+                         f"({', '.join(GATED_HIGHER + GATED_LOWER)})", hint)
 
 
 def _numeric(value: Any) -> float | int | None:

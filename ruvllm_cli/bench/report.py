@@ -15,7 +15,7 @@ from ruvllm_cli.bench.metrics import IterationSample
 from ruvllm_cli.bench.runner import BenchRun
 from ruvllm_cli.engine.request import FinishReason
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2   # 2: config.kernels and config.weight_cache
 SECTIONS = ("model", "config", "system", "metrics")
 
 

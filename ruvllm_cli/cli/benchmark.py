@@ -12,7 +12,7 @@ import click
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
+from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     prefix_caching, weight_cache_option, compile_option)
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
@@ -20,6 +20,10 @@ from ruvllm_cli.quantization import Quantization
 if TYPE_CHECKING:
     from ruvllm_cli.engine.engine import LLMEngine
     from ruvllm_cli.engine.grammar import GrammarSpec
+
+# Requests one iteration submits at most: 100,000,000 had filled 20 GB with request
+# objects before any failure (the KV pool itself takes a bounded share of memory).
+MAX_CONCURRENCY = 1024
 
 
 @click.command("benchmark")
@@ -35,8 +39,8 @@ if TYPE_CHECKING:
 @load_quantization_option()
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True,
               help="Tables for people; JSON or CSV, alone on stdout, for scripts (fields: docs/benchmark.md).")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Requests submitted together in each iteration.")
+@click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1, show_default=True,
+              help=f"Requests submitted together in each iteration (at most {MAX_CONCURRENCY}).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write the result, in the same format, to FILE.")
 @device_option()
@@ -45,9 +49,9 @@ if TYPE_CHECKING:
 @compile_option()
 @click.option("--compare", "compare_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A previous `--format json` result: show each metric beside it; exit 1 on a regression.")
-@click.option("--threshold", type=click.FloatRange(min=0.0), default=10.0, show_default=True,
+@click.option("--threshold", type=FiniteFloatRange(min=0.0), default=10.0, show_default=True,
               help="Percent by which decode tok/s may fall or median TTFT rise before --compare fails.")
-@click.option("--memory-bandwidth", type=click.FloatRange(min=0.0, min_open=True), default=None,
+@click.option("--memory-bandwidth", type=FiniteFloatRange(min=0.0, min_open=True), default=None,
               metavar="GBPS", help="Your machine's memory bandwidth in GB/s, to show how close decode gets.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt token ids.")
 @json_schema_option("Also run each iteration constrained to the JSON Schema in FILE and report both decode "
@@ -138,7 +142,7 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
                             cuda_max_allocated_mb(loaded.device), compile_s)
     config = _config_section(settings, engine, device=device,
                              json_schema=json_schema.path if json_schema is not None else None, lora=list(lora),
-                             **rest)
+                             kernels=not no_compile, weight_cache=not no_weight_cache, **rest)
     return build_report(model_section(opened.located, loaded.config, model), config,
                         system_info(loaded), run, measured, noise_section(run.iterations, monitor.result()))
 
@@ -193,7 +197,7 @@ def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec") -> float:
 
 def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output: str | None,
                     compare_file: str | None, threshold: float, memory_bandwidth: float | None,
-                    json_schema: str | None, lora: list[str]) -> dict[str, Any]:
+                    json_schema: str | None, lora: list[str], kernels: bool, weight_cache: bool) -> dict[str, Any]:
     """Every option (quantization as in effect), plus the engine settings the run used."""
     return {
         "warmup": settings.warmup, "iterations": settings.iterations, "prompt_length": settings.prompt_length,
@@ -205,13 +209,25 @@ def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output
         "max_model_len": engine.max_model_len, "kv_cache_blocks": engine.block_manager.num_blocks,
         "block_size": engine.config.block_size, "json_schema": json_schema, "lora": lora,
         "max_loras": engine.config.max_loras, "max_lora_rank": engine.config.max_lora_rank,
+        "kernels": kernels, "weight_cache": weight_cache,
     }
 
 
 def _check_output_dir(output: str | None) -> None:
-    """Fail before a long run, not after it, when --output cannot be written."""
-    if output and not Path(output).resolve().parent.is_dir():
+    """Fail before a long run, not after it, when --output cannot be written: its
+    directory must exist and take a new file (a file made and removed there)."""
+    if not output:
+        return
+    directory = Path(output).resolve().parent
+    if not directory.is_dir():
         raise UsageError(f"--output: the directory of {output} does not exist")
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".ruvllm-output-check-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"--output: cannot write in {directory}: {error.strerror or error}") from None
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import click
 
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
+from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     prefix_caching, weight_cache_option, compile_option)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 @click.option("-s", "--system", help="System prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")
-@click.option("-t", "--temperature", type=click.FloatRange(0.0, 2.0), default=None,
+@click.option("-t", "--temperature", type=FiniteFloatRange(0.0, 2.0), default=None,
               help="Sampling temperature (0 is greedy).  [default: the registry model's recommendation, else 0.7]")
-@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+@click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
               help="Nucleus sampling: draw only from the most likely tokens whose probabilities add up to P "
                    "(1 keeps them all).  [default: the registry model's recommendation, else 1]")
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")

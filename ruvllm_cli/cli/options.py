@@ -11,6 +11,20 @@ from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import CHOICES, QUANTIZATION_NAMES, Quantization, parse_quantization
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange without NaN and the infinities: NaN passes every bound
+    (each comparison with it is false), and it then reached the JSON (`NaN`, which
+    strict parsers refuse) or turned --compare's gate off."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        import math
+
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 class QuantizationType(click.ParamType):
     """q4k|q8|f16|none and their other names (quantization.py), any case."""
 

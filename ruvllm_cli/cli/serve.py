@@ -20,7 +20,7 @@ from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.engine_setup import locate_adapters
 from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
-from ruvllm_cli.cli.options import (device_option, load_quantization_option, lora_options, prefix_cache_option,
+from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     weight_cache_option, compile_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.errors import RuvllmError
@@ -96,7 +96,7 @@ BYTE_SIZE = ByteSize()
                    "asks for the key).")
 @click.option("--max-body-size", type=BYTE_SIZE, default="4MiB", show_default=True,
               help="Largest request body; bigger ones get 413.")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--shutdown-timeout", type=FiniteFloatRange(min=0), default=10.0, show_default=True,
               help="Seconds in-flight requests may finish after SIGINT/SIGTERM; what is left then gets a "
                    "503 (a stream: an error event and [DONE]) and the server exits.")
 @click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs", show_default=True,
@@ -123,7 +123,7 @@ BYTE_SIZE = ByteSize()
               help="Join this Ray cluster (e.g. auto, or HOST:6379) instead of starting a local one.")
 @click.option("--threads-per-replica", type=click.IntRange(min=1), default=None,
               help="CPU threads (and Ray CPUs) per replica (default: this machine's cores / replicas).")
-@click.option("--gpus-per-replica", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--gpus-per-replica", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
               help="GPUs per replica on a CUDA cluster (fractions share a GPU).")
 @global_options
 def command(**options: Any) -> None:

@@ -228,3 +228,18 @@ def test_compare_with_a_file_that_is_no_report_is_a_usage_error(tiny_model_dir, 
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.startswith("Error: --compare:") and "is not a benchmark report" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threshold", "nan"], "'nan' is not a finite number"),
+    (["--memory-bandwidth", "inf"], "'inf' is not a finite number"),
+    (["--concurrency", "100000000"], "100000000 is not in the range 1<=x<=1024"),
+    (["--output", "/proc/self/report.json"], "--output: cannot write in"),
+])
+def test_values_that_would_spoil_the_run_are_refused_before_it(tiny_model_dir, home, args, message):
+    """NaN had reached the JSON (invalid for strict parsers) and turned the gate off; a
+    huge concurrency had filled 20 GB with requests; an unwritable --output was found
+    only after the whole run."""
+    done = bench(tiny_model_dir, *SMALL, *args, home=home)
+    assert done.returncode == 2 and done.stdout == ""
+    assert message in done.stderr and "Traceback" not in done.stderr

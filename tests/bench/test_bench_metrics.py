@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import json
+import re
 import io
 import math
 import random
@@ -349,3 +351,26 @@ def test_compare_still_gates_a_change_beyond_the_noise():
     assert alone.changes[0].noise_pct == pytest.approx(100 * (1 - math.exp(-0.3))) and alone.regressions == ()
     # TTFT's bound is a rise: e^(2σ) − 1.
     assert alone.changes[1].noise_pct == pytest.approx(100 * (math.exp(0.02) - 1))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"schema_version": 99}, "schema version 99; this ruvllm reads 1 to"),
+    ({"schema_version": None}, "schema version None"),
+    ({"model": "tiny"}, "`model` is not an object"),
+    ({"noise": [1]}, "`noise` is not an object"),
+    ({"metrics": {"decode_tokens_per_s": "fast", "ttft_ms_p50": 2.0}}, "metrics.decode_tokens_per_s is 'fast'"),
+    ({"metrics": {}}, "none of the figures the gate compares"),
+])
+def test_a_compare_file_it_cannot_gate_on_is_refused_before_the_run(tmp_path, change, message):
+    """An empty or foreign report had passed the gate silently (every cell n/a), and a
+    malformed section had failed after the whole run with a raw AttributeError."""
+    from ruvllm_cli.bench.compare import load_previous
+
+    good = {"schema_version": 1, "model": {"name": "tiny"}, "config": {}, "system": {},
+            "metrics": {"decode_tokens_per_s": 10.0, "ttft_ms_p50": 2.0}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(good))
+    assert load_previous(path)["metrics"]["decode_tokens_per_s"] == 10.0   # an earlier version is read
+    path.write_text(json.dumps({**good, **change}))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_previous(path)
