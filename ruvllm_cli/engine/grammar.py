@@ -353,6 +353,13 @@ class GrammarCompiler:
         """Raise GrammarError now if llguidance rejects `spec` (compiling it warms the cache)."""
         self.compile(spec)
 
+    def accepts_text(self, spec: GrammarSpec, text: str) -> bool:
+        """Whether `text` is a whole reply `spec` allows (tokenized as llguidance does)."""
+        matcher = self.compile(spec).matcher()
+        if not all(matcher.accept(token) for token in self._tokenizer.tokenize_str(text)):
+            return False
+        return matcher.is_finished or matcher.eos_allowed
+
     def close(self) -> None:
         """Stop the pool: queued compiles are cancelled, a running one finishes."""
         self._pool.shutdown(wait=True, cancel_futures=True)

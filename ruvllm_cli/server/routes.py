@@ -37,7 +37,7 @@ from ruvllm_cli.server.responses_api.output import ResponseHead
 from ruvllm_cli.server.responses_api.protocol import parse_responses_request
 from ruvllm_cli.server.sse import EventStream
 from ruvllm_cli.server.state import ServerState, get_state
-from ruvllm_cli.server.structured import Structured, mark_repaired, repair_truncated_json
+from ruvllm_cli.server.structured import Structured, mark_repaired, repair_spec, repair_truncated_json
 from ruvllm_cli.server.tool_output import ToolReplies
 
 METRICS_TIMEOUT_S = 10.0
@@ -253,7 +253,7 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
         plans, streams = await bridge.submit(model.client, state.executor, prepare, param)
         choices = bridge.choices_for(plans)
         try:
-            repair = structured is not None and structured.repairable
+            repair = repair_check(model, structured) if structured is not None and structured.repairable else None
             if stream:
                 return await stream_response(request, streams, choices, fmt, state.expired, repair)
             try:
@@ -263,15 +263,29 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
             for choice in choices:
                 bridge.check_finished(choice)
                 if repair:
-                    repair_truncated_json(choice)
+                    repair_truncated_json(choice, allowed=repair)
             return json_response(mark_repaired(fmt.body(choices), choices))
         finally:
             bridge.cancel_all(streams)
             record(state, started, choices, model.name, options, request.path)
 
 
+RepairCheck = Callable[[str], bool]   # whether a json-repaired reply is one the request's grammar takes
+
+
+def repair_check(model: Lease, structured: Structured) -> RepairCheck:
+    """What a json-repair must pass: the request's schema with nothing required (a cut
+    reply lacks what it had not reached; its values must still be of their types),
+    compiled on the grammar pool while the reply is generated."""
+    compiler = model.client.engine.grammar_compiler
+    spec = repair_spec(structured.spec)
+    compiler.submit(spec)
+    return lambda text: compiler.accepts_text(spec, text)
+
+
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
-                          fmt: ResponseFormat, stop: asyncio.Event, repair: bool = False) -> web.StreamResponse:
+                          fmt: ResponseFormat, stop: asyncio.Event,
+                          repair: RepairCheck | None = None) -> web.StreamResponse:
     """Every stream's outputs as SSE chunks; whatever ends it (all finished, an engine
     error, the shutdown timeout), the client gets a complete stream with the format's
     ending (OpenAI's [DONE], Anthropic's message_stop or error event)."""
@@ -296,7 +310,7 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
 
 
 async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choices: Sequence[Choice],
-                       fmt: ResponseFormat, stop: asyncio.Event, repair: bool) -> ApiError | None:
+                       fmt: ResponseFormat, stop: asyncio.Event, repair: RepairCheck | None) -> ApiError | None:
     """Chunks until every stream ends; the error that ended one early, if any."""
     events = bridge.merged(streams, stop)
     try:
@@ -315,8 +329,8 @@ async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choic
 
 
 async def send_final(sse: EventStream, fmt: ResponseFormat, choice: Choice, output: RequestOutput,
-                     repair: bool) -> None:
-    suffix = repair_truncated_json(choice, streamed=True) if repair else ""
+                     repair: RepairCheck | None) -> None:
+    suffix = repair_truncated_json(choice, streamed=True, allowed=repair) if repair else ""
     chunks = [*(fmt.deltas(choice, RequestOutput(output.request_id, [], suffix)) if suffix else []),
               *fmt.flush(choice)]
     final = fmt.final(choice)   # after flush, which settles the tool calls it reports

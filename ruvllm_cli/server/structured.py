@@ -157,10 +157,43 @@ def check_grammar(structured: Structured | None, engine: Any) -> None:
                        param=structured.param) from error
 
 
-def repair_truncated_json(choice: Any, streamed: bool = False) -> str:
+def repair_spec(spec: GrammarSpec) -> GrammarSpec:
+    """What a repaired reply must match: `spec`'s schema without the minima a cut reply
+    falls short of (`required`, `minItems`, `minProperties`, `minLength`), everywhere;
+    types, enums, patterns and bounds stay (json_object as it is)."""
+    if spec.kind != "json_schema":
+        return spec
+    return GrammarSpec.json_schema(_nothing_required(json.loads(spec.source)))
+
+
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_MINIMA = ("required", "minItems", "minProperties", "minLength")   # what a cut reply falls short of
+
+
+def _nothing_required(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_nothing_required(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    relaxed = {}
+    for key, value in schema.items():
+        if key in _MINIMA:
+            continue
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):   # names, then schemas
+            relaxed[key] = {name: _nothing_required(sub) for name, sub in value.items()}
+        elif key in ("const", "enum", "default", "examples"):
+            relaxed[key] = value
+        else:
+            relaxed[key] = _nothing_required(value)
+    return relaxed
+
+
+def repair_truncated_json(choice: Any, streamed: bool = False, allowed: Callable[[str], bool] | None = None) -> str:
     """Close a JSON reply that `max_tokens` cut off (json-repair), written compactly as
     the grammar writes it, and return the text added. A stream takes the repair only
-    where it continues what was already sent (it cannot take text back)."""
+    where it continues what was already sent (it cannot take text back). A repair is
+    kept only where `allowed` (the request's grammar) takes it: json-repair had made
+    `["n"]` of an object and `{"n":""}` where the schema asks for an integer."""
     from ruvllm_cli.engine.request import FinishReason
 
     if choice.finish_reason is not FinishReason.LENGTH:
@@ -172,6 +205,8 @@ def repair_truncated_json(choice: Any, streamed: bool = False) -> str:
         return ""   # nothing json-repair could make of it
     fixed = json.dumps(repaired, ensure_ascii=False, separators=(",", ":"))
     if fixed == choice.text or (streamed and not fixed.startswith(choice.text)):
+        return ""
+    if allowed is not None and not allowed(fixed):
         return ""
     added = fixed[len(choice.text):] if fixed.startswith(choice.text) else fixed
     choice.text, choice.repaired = fixed, True

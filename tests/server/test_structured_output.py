@@ -125,3 +125,24 @@ def test_a_constraint_forcing_an_added_tokens_text_is_a_400(client, server, cons
     assert caught.value.code == "invalid_constraint" and "added token" in caught.value.message
     reply = client.chat.completions.create(model=server.model, messages=HELLO, max_tokens=4, seed=1)
     assert reply.choices[0].finish_reason in ("stop", "length")   # the engine serves on
+
+
+def test_a_repair_the_grammar_refuses_is_not_made(server):
+    """json-repair had made `{"n":""}` where the schema asks for an integer, and an array
+    of a json_object reply; a repair is kept only where the request's grammar takes it."""
+    from ruvllm_cli.engine.grammar import GrammarSpec
+    from ruvllm_cli.engine.request import FinishReason
+    from ruvllm_cli.server.bridge import Choice
+    from ruvllm_cli.server.structured import repair_spec, repair_truncated_json
+
+    schema = repair_spec(GrammarSpec.json_schema({
+        "type": "object", "required": ["n", "s"], "additionalProperties": False,
+        "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}))
+    compiler = server.engine(lambda e: e.grammar_compiler)
+    allowed = lambda text: compiler.accepts_text(schema, text)   # noqa: E731
+    for cut, repaired in (('{"n":12', '{"n":12}'), ('{"s":"ab', '{"s":"ab"}'), ('{"n":', None)):
+        choice = Choice(0, 0, text=cut, finish_reason=FinishReason.LENGTH)
+        repair_truncated_json(choice, allowed=allowed)
+        assert (choice.text, choice.repaired) == ((repaired, True) if repaired else (cut, False)), cut
+    assert not compiler.accepts_text(GrammarSpec.json_object(), '["n"]')
+    assert compiler.accepts_text(GrammarSpec.json_object(), '{"n":"x"}')
