@@ -35,11 +35,15 @@ class ToolReplies:
 
     parser: ToolParser
     forced: bool = False
+    parallel: bool = True   # False (parallel_tool_calls): a reply's first call only, as OpenAI answers
     _streams: dict[int, StreamingToolParser] = field(default_factory=dict)
 
     @classmethod
     def of(cls, parser: ToolParser | None, tools: ToolRequest | None) -> "ToolReplies | None":
-        return None if parser is None else cls(parser, forced=tools is not None and tools.choice.forced)
+        if parser is None:
+            return None
+        return cls(parser, forced=tools is not None and tools.choice.forced,
+                   parallel=tools is None or tools.parallel)
 
     def settle(self, choice: Choice) -> None:
         """A whole reply, as the same reply streamed ends: a call whose name came out
@@ -50,8 +54,9 @@ class ToolReplies:
         stream had sent them as calls."""
         reply = self.parser.parse_partial(choice.text, final=True)
         choice.text = "" if self.forced else reply.content.strip()
+        calls = reply.tool_calls if self.parallel else reply.tool_calls[:1]
         choice.tool_calls = [ToolCall(call.id or self.parser.new_call_id(), call.name, call.arguments)
-                             for call in reply.tool_calls]
+                             for call in calls]
 
     def feed(self, choice: Choice, text: str) -> StreamDelta:
         return self._calls_only(self._stream(choice).feed(text)) if text else StreamDelta()
@@ -59,10 +64,12 @@ class ToolReplies:
     def finish(self, choice: Choice) -> StreamDelta:
         stream = self._stream(choice)
         tail = stream.finish()
-        choice.tool_calls = list(stream.calls)
+        choice.tool_calls = list(stream.calls) if self.parallel else list(stream.calls)[:1]
         return self._calls_only(tail)
 
     def _calls_only(self, delta: StreamDelta) -> StreamDelta:
+        if not self.parallel and any(f.index > 0 for f in delta.tool_calls):
+            delta = StreamDelta(delta.content, tuple(f for f in delta.tool_calls if f.index == 0))
         return StreamDelta(tool_calls=delta.tool_calls) if self.forced and delta.content else delta
 
     def _stream(self, choice: Choice) -> StreamingToolParser:

@@ -136,6 +136,16 @@ def test_a_grammar_that_asks_for_three_calls_gives_three(client, server):
     calls = reply.choices[0].message.tool_calls
     assert len(calls) == 3 and [c.function.name for c in calls] == ["add"] * 3
     check_calls(calls)
+    # parallel_tool_calls false under tool_choice auto: the first call only, streamed or not
+    # (OpenAI's promise; the three calls had all come back)
+    ask = dict(model=server.model, messages=HELLO, tools=TOOLS, max_tokens=300, seed=1, parallel_tool_calls=False,
+               extra_body={"structured_outputs": {"grammar": grammar}})
+    one = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in one] == [(calls[0].function.name,
+                                                                       calls[0].function.arguments)]
+    content, streamed, finish = collect_stream(client.chat.completions.create(**ask, stream=True))
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in streamed.values()] == \
+        [(c.function.name, c.function.arguments) for c in one]
 
 
 def test_auto_with_no_call_is_plain_content(client, server):
