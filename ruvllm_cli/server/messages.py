@@ -41,6 +41,9 @@ def _message(item: Any, where: str) -> dict[str, Any]:
             if not isinstance(item[key], str):
                 raise invalid_type(f"{where}.{key}", "a string", item[key])
             message[key] = item[key]
+    if role == "tool" and not message.get("tool_call_id"):   # OpenAI's (and vLLM's) required field
+        param = f"{where}.tool_call_id"
+        raise bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     return message
 
 
@@ -87,8 +90,11 @@ _PAST_CALL = {"type": "object", "required": ["function"], "properties": {"functi
     "type": "object", "required": ["name"],
     "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"enum": sorted(ROLES - {"assistant"})}, "content": _CONTENT, "name": {"type": ["string", "null"]},
-    "tool_call_id": {"type": ["string", "null"], "description": "The call a tool message answers."},
+    "role": {"enum": sorted(ROLES - {"assistant", "tool"})}, "content": _CONTENT, "name": {"type": ["string", "null"]},
+    "tool_call_id": {"type": ["string", "null"]}, "tool_calls": {"type": "null"}}}
+_TOOL = {"type": "object", "required": ["role", "content", "tool_call_id"], "properties": {
+    "role": {"const": "tool"}, "content": _CONTENT, "name": {"type": ["string", "null"]},
+    "tool_call_id": {"type": "string", "minLength": 1, "description": "The call this message answers."},
     "tool_calls": {"type": "null"}}}
 _ASSISTANT = {"type": "object", "required": ["role"], "description": "content, or tool_calls, or both.",
               "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]},
@@ -97,4 +103,4 @@ _ASSISTANT = {"type": "object", "required": ["role"], "description": "content, o
               "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
                         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}
 MESSAGES = Field("messages", "array", "The conversation so far.", required=True, parse=parse_messages,
-                 schema={"type": "array", "minItems": 1, "items": {"anyOf": [_MESSAGE, _ASSISTANT]}})
+                 schema={"type": "array", "minItems": 1, "items": {"anyOf": [_MESSAGE, _TOOL, _ASSISTANT]}})

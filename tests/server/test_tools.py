@@ -228,6 +228,9 @@ def test_a_tool_schema_the_grammar_cannot_take_is_named_in_the_400(server):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
       "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [*HELLO, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "content": "3"}]}, "messages[2].tool_call_id"),   # OpenAI's required field
 ])
 def test_bad_tool_requests_are_400s(server, body, param):
     import httpx
