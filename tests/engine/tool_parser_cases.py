@@ -42,6 +42,9 @@ MISTRAL_STRING_ARGS = r'{"text": "[TOOL_CALLS] [ARGS] \"q\" }]", "items": [{"k":
 
 HERMES = [
     Case("plain", "hermes", "The weather in Paris is sunny.", "The weather in Paris is sunny."),
+    # arguments as a JSON string holding the object (its arguments had been lost: "")
+    Case("arguments-as-a-string", "hermes", '<tool_call>\n{"name": "get_weather", "arguments": '
+         '"{\\"city\\": \\"Paris\\"}"}\n</tool_call>', "", (WEATHER,)),
     Case("only-call", "hermes", H_WEATHER, "", (WEATHER,)),
     Case("text-before", "hermes", "Let me check.\n" + H_WEATHER, "Let me check.", (WEATHER,)),
     Case("text-before-after", "hermes", "Let me check.\n" + H_WEATHER + "\nAnything else?",

@@ -276,6 +276,20 @@ def _scan_call_value(text: str, i: int, key: str, argument_keys: tuple[str, ...]
         end = scan_string(text, i)
         found.call_id = json.loads(text[i:end]) or None
         return end
+    if key in argument_keys and not found.has_arguments and text.startswith('"', i):
+        # The arguments object written as a JSON string (vLLM's parsers take it too): its
+        # text is the string's content, once the string is whole (not before: a stream's
+        # arguments only ever grow). A string that holds no object breaks the call.
+        end = scan_string(text, i)
+        inner = json.loads(text[i:end])
+        try:
+            parsed = json.loads(inner)
+        except ValueError:
+            raise Malformed(end - 1) from None
+        if not isinstance(parsed, dict):
+            raise Malformed(end - 1)
+        found.has_arguments, found.arguments = True, inner
+        return end
     if key in argument_keys and not found.has_arguments:
         found.has_arguments = True
         state, end, found.arguments = scan_object_prefix(text, i)
