@@ -110,7 +110,10 @@ class ChatRepl:
             return first.rstrip()[:-len(BLOCK)].strip()
         lines: list[str] = []
         while True:
-            current = self.continuation.prompt(CONTINUATION)
+            try:
+                current = self.continuation.prompt(CONTINUATION)
+            except EOFError:   # Ctrl-D ends the block, as an end of input ends a heredoc, not the chat
+                break
             if current.rstrip().endswith(BLOCK):
                 lines.append(current.rstrip()[:-len(BLOCK)])
                 break
