@@ -396,6 +396,10 @@ MARKDOWN = [   # (model text, the HTML the renderer builds)
                                  'rel="noopener noreferrer nofollow">x</a></p>'),
     ("see https://e.com/a.", '<p>see <a href="https://e.com/a" target="_blank" '
                              'rel="noopener noreferrer nofollow">https://e.com/a</a>.</p>'),
+    ("[w](https://e.com/Foo_(bar)) and (https://e.com/Baz_(q)).",
+     '<p><a href="https://e.com/Foo_(bar)" target="_blank" rel="noopener noreferrer nofollow">w</a> and '
+     '(<a href="https://e.com/Baz_(q)" target="_blank" rel="noopener noreferrer nofollow">https://e.com/Baz_(q)</a>).'
+     '</p>'),
     ("one\n\n---\n\ntwo", "<p>one</p><hr><p>two</p>"),
 ]
 

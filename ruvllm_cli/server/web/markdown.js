@@ -15,8 +15,10 @@ const INLINE = new RegExp([
   /\*\*(.+?)\*\*|__(.+?)__/.source,                     // 2, 3: bold
   /\*([^*\s](?:[^*]*[^*\s])?)\*/.source,                // 4: italic
   /(?<!\w)_([^_\s](?:[^_]*[^_\s])?)_(?!\w)/.source,     // 5: italic, not snake_case
-  /\[([^\]\n]+)\]\(([^)\s]+)\)/.source,                 // 6, 7: [label](url)
-  /(https?:\/\/[^\s<>()]+[^\s<>().,;:!?'"])/.source,    // 8: a bare URL
+  // 6, 7: [label](url), the url with balanced parentheses (a Wikipedia "Foo_(bar)")
+  /\[([^\]\n]+)\]\(((?:[^()\s]|\([^()\s]*\))+)\)/.source,
+  // 8: a bare URL, parentheses only balanced, not ending in punctuation
+  /(https?:\/\/(?:[^\s<>()]|\([^\s<>()]*\))*(?:[^\s<>().,;:!?'"]|\([^\s<>()]*\)))/.source,
 ].join('|'), 'g');
 
 /** Replace `container`'s children with `text` rendered as Markdown. */
