@@ -34,9 +34,12 @@ class Tool:
 
     def for_template(self) -> dict[str, Any]:
         """The OpenAI shape chat templates expect (`tools` of apply_chat_template)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        # OpenAI's order (name, description, parameters), as clients send it: templates
+        # that dump the dict (Llama 3.1's JSON block, Mistral's) show it to the model so.
+        function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 

@@ -17,7 +17,7 @@ from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.fields import invalid_value
-from ruvllm_cli.server.protocol import Prompt, SamplingFields
+from ruvllm_cli.server.protocol import Prompt, SamplingFields, TemplateOptions
 from ruvllm_cli.server.structured import Structured, check_grammar, check_logit_bias, check_stop_token_ids
 
 
@@ -41,13 +41,14 @@ def check_constraints(engine: Any, sampling: SamplingFields) -> None:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                param: str = "messages") -> list[int]:
+                param: str = "messages", template: TemplateOptions = TemplateOptions()) -> list[int]:
     """The conversation through the model's chat template, ready for the assistant's turn;
     `param` names the field it came in (`messages`, or the Responses API's `input`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions instead.", param)
     try:
-        return engine_render_chat(tokenizer, messages, tools)
+        return engine_render_chat(tokenizer, messages, tools, template.add_generation_prompt,
+                                  template.continue_final_message, template.kwargs)
     except UsageError as error:   # jinja's raise_exception and friends: the messages' fault
         raise bad_request(f"'{param}' does not fit the model's chat template: {error.message}", param) from error
 

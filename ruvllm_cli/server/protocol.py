@@ -87,6 +87,15 @@ class StreamFields:
 
 
 @dataclass(frozen=True)
+class TemplateOptions:
+    """How the messages go through the chat template (vLLM's fields)."""
+
+    kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     model: str
     messages: list[dict[str, Any]]    # ready for the chat template
@@ -94,6 +103,7 @@ class ChatRequest:
     streaming: StreamFields
     tools: ToolRequest | None = None
     options: RequestOptions = RequestOptions()   # cache_salt, priority, user, session_id
+    template: TemplateOptions = TemplateOptions()
 
 
 @dataclass(frozen=True)
@@ -216,8 +226,24 @@ STREAMING = (
     Field("stream_options", "object", properties=(
         Field("include_usage", "boolean", "A last chunk with the token counts.", False),)),
 )
+def _template_kwargs(fields: Fields) -> dict[str, Any]:
+    from ruvllm_cli.engine.chat_template import RESERVED_TEMPLATE_KWARGS
+
+    for key in fields.body:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise invalid_value(f"chat_template_kwargs.{key}", "is set by the server, not by this object", key)
+    return dict(fields.body)
+
+
+TEMPLATE_FIELDS = (   # vLLM's
+    Field("chat_template_kwargs", "object", "Variables for the model's chat template (vLLM's), e.g. "
+          '{"enable_thinking": false} for Qwen3.', parse=_template_kwargs),
+    Field("add_generation_prompt", "boolean", "Open the assistant's turn after the messages (vLLM's).", True),
+    Field("continue_final_message", "boolean", "Continue the last (assistant) message instead of opening a "
+          "new turn (vLLM's; needs add_generation_prompt false).", False),
+)
 CHAT_FIELDS = (
-    MODEL, MESSAGES, *TOOL_FIELDS,
+    MODEL, MESSAGES, *TOOL_FIELDS, *TEMPLATE_FIELDS,
     Field("logprobs", "boolean", "Return each token's log probability.", False),
     Field("top_logprobs", "integer", "Alternatives per token (needs logprobs).", low=0, high=MAX_LOGPROBS),
     Field("max_completion_tokens", "integer", "max_tokens under its newer name (wins over it).", low=1),
@@ -262,7 +288,20 @@ def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> Ch
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
                           "constrain the reply; give one.", "tool_choice", "invalid_value")
-    return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools, _options(values))
+    return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools, _options(values),
+                       _template(values))
+
+
+def _template(values: dict[str, Any]) -> TemplateOptions:
+    template = TemplateOptions(values["chat_template_kwargs"], values["add_generation_prompt"],
+                               values["continue_final_message"])
+    if template.continue_final_message and template.add_generation_prompt:
+        raise bad_request("'continue_final_message' needs 'add_generation_prompt' set to false.",
+                          "continue_final_message", "invalid_value")
+    if template.continue_final_message and values["messages"][-1]["role"] != "assistant":
+        raise bad_request("'continue_final_message' needs the last message to be the assistant's.",
+                          "continue_final_message", "invalid_value")
+    return template
 
 
 # ---- completions ----------------------------------------------------------------------
@@ -332,6 +371,6 @@ def _streaming(values: dict[str, Any]) -> StreamFields:
     return StreamFields(stream, options.get("include_usage", False) and stream)
 
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "REQUEST_FIELDS", "ChatRequest", "CompletionRequest", "Prompt",
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "REQUEST_FIELDS", "ChatRequest", "CompletionRequest", "Prompt", "TemplateOptions",
            "RequestLimits", "SamplingFields", "StreamFields", "parse_chat_request", "parse_completion_request",
            "parse_prompts"]

@@ -29,7 +29,7 @@ from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
                                        tokenize_prompts, tool_sampling)
 from ruvllm_cli.server.models import Lease
-from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, SamplingFields,
+from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, SamplingFields, TemplateOptions,
                                         parse_chat_request, parse_completion_request)
 from ruvllm_cli.server.responses import ChatFormat, CompletionFormat, ResponseFormat, ResponseMeta
 from ruvllm_cli.server.responses_api.events import ResponsesFormat
@@ -152,7 +152,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         options = dataclasses.replace(chat.options, adapter=model.adapter)
         parser = model.require_tool_parser() if chat.tools and chat.tools.active else None
         sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
-        prepare = chat_prepare(model.engine, chat.messages, chat.tools, parser, sampling, options)
+        prepare = chat_prepare(model.engine, chat.messages, chat.tools, parser, sampling, options,
+                               template=chat.template)
         fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), model.token_texts, chat.sampling.logprobs,
                          chat.streaming.include_usage, ToolReplies.of(parser, chat.tools))
         return await generate(request, state, model, prepare, "messages", chat.sampling.n,
@@ -189,8 +190,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None, parser: ToolParser | None,
-                 sampling: SamplingFields, options: RequestOptions,
-                 param: str = "messages") -> Callable[[], list[SequencePlan]]:
+                 sampling: SamplingFields, options: RequestOptions, param: str = "messages",
+                 template: TemplateOptions = TemplateOptions()) -> Callable[[], list[SequencePlan]]:
     """The work before submitting a chat reply (in a worker thread): the tools' grammar,
     the constraints' checks, the prompt through the template, one plan per sequence.
     `param` is the field the conversation came in, for errors about it."""
@@ -201,7 +202,7 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
             assert tools is not None
             plan_sampling = tool_sampling(engine.tokenizer, tools, parser, sampling)
         check_constraints(engine, plan_sampling)
-        prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param)
+        prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param, template)
         return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, param, options)
 
     return prepare

@@ -132,3 +132,10 @@ def test_tool_schemas_with_refs_keep_their_meaning(tokenizer, fmt):
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
             seen.add(call.name)
     assert seen == set(schemas)
+
+
+def test_tools_reach_the_template_in_openais_key_order():
+    """name, description, parameters, as clients send them: templates that dump the dict
+    (Llama 3.1's JSON block, Mistral's) had shown the model parameters first."""
+    assert list(Tool("add", ADD, "adds").for_template()["function"]) == ["name", "description", "parameters"]
+    assert list(Tool("add", ADD).for_template()["function"]) == ["name", "parameters"]
