@@ -50,7 +50,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
         return engine_render_chat(tokenizer, messages, tools, template.add_generation_prompt,
                                   template.continue_final_message, template.kwargs)
     except UsageError as error:   # jinja's raise_exception and friends: the messages' fault
-        raise bad_request(f"'{param}' does not fit the model's chat template: {error.message}", param) from error
+        reason = error.message.removeprefix("the chat template rejected the messages: ")   # said once
+        raise bad_request(f"'{param}' does not fit the model's chat template: {reason}", param) from error
 
 
 def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
