@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo, check_gguf
-from ruvllm_cli.engine.gguf_plan import EMBEDDING, HEAD, INT4_GROUP, label, summary, type_name, unstreamable
+from ruvllm_cli.engine.gguf_plan import (EMBEDDING, HEAD, INT4_GROUP, READABLE, label, summary, type_name,
+                                        unstreamable)
 from ruvllm_cli.engine.quantize import CHUNK_ROWS, WeightPlan
 from ruvllm_cli.engine.stream_load import NotStreamable, fill_model
 from ruvllm_cli.quantization import Quantization
@@ -40,8 +41,6 @@ from ruvllm_cli.quantization import Quantization
 # for llama (transformers' LlamaTensorProcessor undoes it): tensor part -> head count key.
 PERMUTED_ROWS = {"llama": {".attn_q.": "num_attention_heads", ".attn_k.": "num_key_value_heads"}}
 ROPE_FREQS = "rope_freqs.weight"
-# Types the gguf package dequantizes that these loads were checked with (others: transformers' path).
-READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 Q4_K_BLOCK_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
 
 
@@ -116,7 +115,35 @@ def gguf_fields(layout: GGUFLayout) -> dict[str, Any]:
     if arch == "llama":  # llama.cpp loads these when the file has them; transformers' reader drops them
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
         fields["mlp_bias"] = "blk.0.ffn_gate.bias" in names
+    fields.update(config_overrides(layout))
     return fields
+
+
+# Families whose transformers config has a head size of its own by default, not hidden / heads.
+_HEAD_DIM_DEFAULTS = ("qwen3", "qwen3moe", "gemma2", "gemma3")
+# llama.cpp's 27B Gemmas (by their layer count) scale attention by hidden / heads, not by the key length.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def config_overrides(layout: GGUFLayout) -> dict[str, Any]:
+    """Config fields llama.cpp reads from a file's metadata and transformers' GGUF reader
+    does not: a head size other than hidden / heads (Qwen3's `attention.key_length`), and
+    Gemma 2/3's attention scale (`query_pre_attn_scalar`, which the reader left at its
+    default 256: a Gemma 2 of head size 64 attended at the wrong scale)."""
+    metadata = layout.metadata
+    arch = metadata.get("general.architecture")
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    hidden, heads = metadata.get(f"{arch}.embedding_length"), metadata.get(f"{arch}.attention.head_count")
+    if not all(isinstance(value, int) and not isinstance(value, bool) and value > 0
+               for value in (key_length, hidden, heads)):
+        return {}
+    overrides: dict[str, Any] = {}
+    if key_length != hidden // heads or arch in _HEAD_DIM_DEFAULTS:   # Qwen3Config's default is 128
+        overrides["head_dim"] = key_length
+    if arch in _GEMMA_27B_LAYERS:
+        big = metadata.get(f"{arch}.block_count") == _GEMMA_27B_LAYERS[arch]
+        overrides["query_pre_attn_scalar"] = hidden // heads if big else key_length
+    return overrides
 
 
 def _skeleton(layout: GGUFLayout, dtype: torch.dtype, fields: dict[str, Any] | None = None) -> Any:

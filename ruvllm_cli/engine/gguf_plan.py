@@ -25,6 +25,8 @@ from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo
 from ruvllm_cli.quantization import Quantization, int4_fits
 
 STREAMED_ARCHS = ("llama", "qwen2")  # mapped by engine/gguf_load.py; others load through transformers
+# Types the gguf package dequantizes that these loads were checked with (others: transformers' path).
+READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 INT4_GROUP = 32   # Q4_K's sub-block width, and Q4_0/Q5_0/Q8_0's block: our int4 group for GGUF weights
 EMBEDDING, HEAD = "token_embd.weight", "output.weight"
 EXACT_INT4 = ("Q4_K",)  # ggml types whose blocks are our int4 groups of INT4_GROUP
@@ -87,18 +89,18 @@ def _quantization_for(name: str) -> Quantization:
         return Quantization.F32
     if name == "BF16":
         return Quantization.F16
-    if name.startswith(("Q8", "Q6", "Q5")):
+    if name.startswith(("Q8", "Q6", "Q5", "TQ")):   # ternary weights: int8 holds {-d, 0, d} exactly
         return Quantization.Q8_0
     return Quantization.Q4_K_M
 
 
 def file_quantization(layout: GGUFLayout) -> Quantization:
-    """The quantization a GGUF file loads with when `-q` does not say: by its file
-    type, or by the type most of its weights have."""
-    named = file_type(layout)
-    if named is None:
-        weights = Counter(type_name(t.ggml_type) for t in layout.tensors if len(t.dims) == 2)
-        named = weights.most_common(1)[0][0] if weights else "F32"
+    """The quantization a GGUF file loads with when `-q` does not say: by the type most
+    of its weight matrices have (a file type names a recipe, and a recipe can leave
+    every matrix in another type: llama-quantize's MXFP4_MOE on a dense model writes
+    Q8_0), else by its file type."""
+    weights = Counter(type_name(t.ggml_type) for t in layout.tensors if len(t.dims) == 2)
+    named = weights.most_common(1)[0][0] if weights else file_type(layout) or "F32"
     return _quantization_for(named)
 
 
@@ -209,4 +211,7 @@ def unstreamable(layout: GGUFLayout) -> str | None:
         return f"architecture {arch} is not mapped here"
     if arch == "llama" and "mistral" in str(layout.metadata.get("general.name", "")).lower():
         return "transformers reads a llama-architecture file named mistral as Mistral"
+    unread = next((t for t in layout.tensors if type_name(t.ggml_type) not in READABLE), None)
+    if unread is not None:   # as the load finds it (gguf_load._check_tensor)
+        return f"{unread.name} is {type_name(unread.ggml_type)}, a type not read here"
     return None

@@ -307,7 +307,11 @@ def load_model(path: str | Path, device: str = "auto",
     else:
         if config is not None and target.type == "cpu" and _streaming_on():
             _check_memory(path, config, target, quantization, not_streamed=not_streamed)
-        model = _from_pretrained(path, source, _build_dtype(config, target, dtype, quantization), extra)
+        from ruvllm_cli.engine.gguf_load import config_overrides
+
+        overrides = config_overrides(header) if header is not None else {}   # what transformers' reader misses
+        model = _from_pretrained(path, source, _build_dtype(config, target, dtype, quantization),
+                                 {**extra, **overrides})
         quant_path = _quantize_loaded(model, quantization, target, bool(extra), dtype)
     _check_attention(model)
     if path.suffix == ".gguf" and streamed is None:

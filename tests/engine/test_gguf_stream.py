@@ -271,3 +271,52 @@ def test_the_config_is_the_one_transformers_reads(files, arch):
     theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     theirs.pop("_name_or_path"), ours.pop("_name_or_path")    # where from_pretrained found the file
     assert ours == theirs
+
+
+def _layout(file_type: int | None, *types: str):
+    from gguf import GGMLQuantizationType
+
+    from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo
+
+    metadata = {"general.architecture": "llama", **({"general.file_type": file_type} if file_type else {})}
+    tensors = tuple(TensorInfo(f"blk.{i}.attn_q.weight", (64, 64), GGMLQuantizationType[kind].value, 0)
+                    for i, kind in enumerate(types))
+    return GGUFLayout(metadata, tensors, 0)
+
+
+def test_the_weights_own_types_pick_the_default_over_the_file_type():
+    """llama-quantize's MXFP4_MOE (file type 38) on a dense model writes every matrix as
+    Q8_0: it had loaded as q4k. Ternary files hold {-d, 0, d}, which int8 keeps exactly
+    and the int4 groups did not: q8."""
+    from ruvllm_cli.engine.gguf_plan import file_quantization
+
+    assert file_quantization(_layout(38, "Q8_0", "Q8_0")) is Q.Q8_0
+    assert file_quantization(_layout(15, "Q4_K", "Q4_K", "Q6_K")) is Q.Q4_K_M
+    assert file_quantization(_layout(None, "TQ1_0", "TQ1_0")) is Q.Q8_0
+    assert file_quantization(_layout(None, "TQ2_0")) is Q.Q8_0
+
+
+def test_a_type_not_read_here_is_said_before_the_load():
+    """`info` had promised a tensor-by-tensor load of IQ4_NL files, which go through transformers."""
+    from ruvllm_cli.engine.gguf_plan import unstreamable
+
+    assert unstreamable(_layout(None, "Q4_K", "IQ4_NL")) == "blk.1.attn_q.weight is IQ4_NL, a type not read here"
+    assert unstreamable(_layout(None, "Q4_K", "Q6_K")) is None
+
+
+def test_config_fields_transformers_reader_misses():
+    """Gemma 2's attention scale (the reader left query_pre_attn_scalar at 256; llama.cpp
+    takes the key length, hidden / heads for the 27B) and Qwen3's head size."""
+    from ruvllm_cli.engine.gguf_check import GGUFLayout
+    from ruvllm_cli.engine.gguf_load import config_overrides
+
+    def overrides(arch, layers, hidden, heads, key):
+        return config_overrides(GGUFLayout({"general.architecture": arch, f"{arch}.block_count": layers,
+                                            f"{arch}.embedding_length": hidden, f"{arch}.attention.head_count": heads,
+                                            f"{arch}.attention.key_length": key}, (), 0))
+
+    assert overrides("gemma2", 2, 256, 4, 64) == {"head_dim": 64, "query_pre_attn_scalar": 64}
+    assert overrides("gemma2", 46, 4608, 32, 128) == {"head_dim": 128, "query_pre_attn_scalar": 144}
+    assert overrides("qwen3", 2, 256, 4, 64) == {"head_dim": 64}
+    assert overrides("llama", 2, 256, 4, 64) == {}
+    assert overrides("llama", 2, 256, 4, 128) == {"head_dim": 128}
