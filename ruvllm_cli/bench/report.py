@@ -31,7 +31,8 @@ class Measurements:
 
 
 def model_section(located: Any, model_config: Any, argument: str) -> dict[str, Any]:
-    architectures = getattr(model_config, "architectures", None) or [None]
+    # a GGUF file's config has no `architectures`: its model type (general.architecture) instead
+    architectures = getattr(model_config, "architectures", None) or [getattr(model_config, "model_type", None)]
     return {
         "name": located.served_name,
         "argument": argument,

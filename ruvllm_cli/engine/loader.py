@@ -438,6 +438,21 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+def _quiet_gguf_reader() -> None:
+    """transformers' GGUF reader draws its own tqdm bar ("Converting and de-quantizing
+    GGUF tensors"), which disable_progress_bar does not reach: its module's `tqdm`,
+    disabled (the one bar that module draws)."""
+    import functools
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_reader
+        from tqdm.auto import tqdm
+    except ImportError:   # no gguf package: no GGUF file loads through transformers
+        return
+    if getattr(gguf_reader, "tqdm", None) is tqdm:
+        gguf_reader.tqdm = functools.partial(tqdm, disable=True)
+
+
 def _checked_tokenizer(path: Path, use_cache: bool) -> own_tokenizer.Tokenizer | None:
     """ruvllm's tokenizer where an earlier load checked it against transformers' for
     this model (engine/tokenizer.py): no transformers import on the way to the prompt."""
@@ -493,6 +508,8 @@ def _from_pretrained(path: Path, source: dict[str, Any], dtype: torch.dtype, ext
     """The model through transformers; a file that lacks weights is refused
     (transformers would fill them with random values)."""
     quiet_transformers()
+    if "gguf_file" in source:
+        _quiet_gguf_reader()
     from transformers import AutoModelForCausalLM
 
     with _transformers_errors(path):

@@ -115,11 +115,13 @@ def greedy(loaded, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_float32_is_transformers_gguf_path_exactly(files, monkeypatch, arch):
+def test_float32_is_transformers_gguf_path_exactly(files, monkeypatch, capfd, arch):
     monkeypatch.setenv("RUVLLM_PACK_WEIGHTS", "0")  # plain nn.Linear weights: comparable state dicts
     ours = load_model(files[arch], "cpu", Q.F32)
     monkeypatch.setenv(STREAM_ENV, "0")
+    capfd.readouterr()
     theirs = load_model(files[arch], "cpu", Q.F32)
+    assert "Converting" not in capfd.readouterr().err   # transformers' reader's own tqdm bar, silenced
     assert ours.streamed and not theirs.streamed
     state, reference = ours.model.state_dict(), theirs.model.state_dict()
     assert state.keys() == reference.keys()
