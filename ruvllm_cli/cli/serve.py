@@ -23,7 +23,7 @@ from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options, prefix_cache_option,
                                     weight_cache_option, compile_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
-from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.registry.locate import locate_model
 
 if TYPE_CHECKING:
@@ -154,6 +154,9 @@ def command(**options: Any) -> None:
     configure_logging(app.verbose)
     options["models"], options["model"] = options["model"], options["model"][0]
     check_models(options)
+    if options["preemption_mode"] != "swap" and _given("swap_space"):   # it had been ignored
+        raise UsageError("--swap-space sizes the pool of --preemption-mode swap",
+                         "add --preemption-mode swap, or leave --swap-space out")
     # A missing or undownloaded model fails here, before the port is bound or announced.
     for model in options["models"]:
         locate_model(model, app.cache_dir, options["quantization"])
@@ -385,3 +388,11 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
         out.warn(f"listening on {host} without an API key: anyone who can reach this port can use the model "
                  "(set --api-key or RUVLLM_API_KEY)")
     out.info("[dim]Press Ctrl+C to stop.[/dim]")
+
+
+def _given(name: str) -> bool:
+    """Whether the user set the option (on the command line or in the environment)."""
+    from click.core import ParameterSource
+
+    source = click.get_current_context().get_parameter_source(name)
+    return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)

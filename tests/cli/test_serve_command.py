@@ -128,3 +128,10 @@ def test_the_banner_example_works_as_printed(tiny_model_dir: Path, cli_env: dict
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
     assert KEY not in "\n".join(seen)
+
+
+def test_swap_space_without_swap_preemption_is_refused(ruvllm: Run, free_port: int, tiny_model_dir) -> None:
+    """--swap-space sizes a pool only --preemption-mode swap makes: it had been ignored."""
+    result = ruvllm("serve", str(tiny_model_dir), "--swap-space", "2GiB", "--port", str(free_port), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[0] == "Error: --swap-space sizes the pool of --preemption-mode swap"
