@@ -226,5 +226,11 @@ def check_model_size(metadata: dict[str, Any], tensors: tuple[TensorInfo, ...]) 
             raise GGUFError(f"{arch}.{name} is {value}")
     layers = {t.name.split(".")[1] for t in tensors if t.name.startswith("blk.") and t.name.count(".") >= 2}
     declared = metadata.get(f"{arch}.block_count")
-    if isinstance(declared, int) and declared > len(layers):
+    if isinstance(declared, int) and declared != len(layers):   # fewer had loaded a shorter model, silently
         raise GGUFError(f"{arch}.block_count says {declared} layers; it holds tensors for {len(layers)}")
+    count = metadata.get("tokenizer.ggml.tokens")   # (item type, count), as arrays are kept here
+    tokens = count[1] if isinstance(count, tuple) and len(count) == 2 and isinstance(count[1], int) else None
+    for role in ("bos", "eos", "padding", "unknown"):
+        token = metadata.get(f"tokenizer.ggml.{role}_token_id")
+        if tokens is not None and isinstance(token, int) and not 0 <= token < tokens:
+            raise GGUFError(f"tokenizer.ggml.{role}_token_id is {token}, beyond its {tokens} tokens")

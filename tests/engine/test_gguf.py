@@ -88,3 +88,21 @@ def test_chat_pipes_through_a_gguf_file(gguf_file, ruvllm):
     assert result.returncode == 0, result.stderr
     assert "(Q8_0)" in result.stderr and "GGUF Q8_0 tiny-Q8_0.gguf, tensor by tensor" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_metadata_that_does_not_fit_the_tensors_is_refused():
+    """A block_count below the layers the file holds had loaded a shorter model, and a
+    bos/eos id beyond the vocabulary had failed in transformers with an IndexError."""
+    from gguf import GGMLQuantizationType
+
+    from ruvllm_cli.engine.gguf_check import GGUFError, TensorInfo, check_model_size
+
+    tensors = tuple(TensorInfo(f"blk.{i}.attn_q.weight", (8, 8), GGMLQuantizationType.F32.value, 0) for i in range(2))
+    good = {"general.architecture": "llama", "llama.block_count": 2, "tokenizer.ggml.tokens": (8, 10),
+            "tokenizer.ggml.eos_token_id": 9}
+    check_model_size(good, tensors)
+    for change, message in (({"llama.block_count": 1}, "block_count says 1 layers; it holds tensors for 2"),
+                            ({"tokenizer.ggml.eos_token_id": 10}, "eos_token_id is 10, beyond its 10 tokens"),
+                            ({"tokenizer.ggml.bos_token_id": -1}, "bos_token_id is -1, beyond its 10 tokens")):
+        with pytest.raises(GGUFError, match=message):
+            check_model_size({**good, **change}, tensors)
