@@ -312,6 +312,13 @@ def test_with_an_api_key_the_page_asks_for_it_then_works(tiny_model_dir, cli_env
         wait_healthy(url, process)
         page = page_for(url).open(ready=False)
         page.wait(lambda: page.el("#key-dialog").is_displayed())
+        # dismissed with Esc, then a message: the dialog comes back (it had said "no model to talk to")
+        page.el("#key").send_keys("\ue00c")
+        page.wait(lambda: not page.el("#key-dialog").is_displayed())
+        page.send("Hello")
+        page.wait(lambda: page.el("#key-dialog").is_displayed())
+        assert not page.el("#settings-error").is_displayed()
+        page.js("document.getElementById('input').value = ''")   # else the key's acceptance sends it
         page.el("#key").send_keys("wrong", "\n")
         page.wait(lambda: page.el("#key-error").text == "The server did not accept this key.")
         page.el("#key").clear()

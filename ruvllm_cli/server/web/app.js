@@ -15,7 +15,7 @@ const ui = {
 };
 const state = {
   chats: store.loadChats(), chat: null, settings: store.loadSettings(), key: store.loadKey(),
-  controller: null, pending: '', savedAt: 0,
+  controller: null, pending: '', savedAt: 0, needsKey: false,
 };
 const api = new Api(() => state.key);
 const views = new WeakMap();   // message -> its <article>, kept out of what is saved
@@ -118,6 +118,11 @@ function scrollToEnd(force = false) {
 async function send() {
   const text = ui.input.value.trim();
   if (!text || state.controller) return;
+  if (!ui.model.value && state.needsKey) {   // the key dialog was dismissed: ask again, not "no model"
+    state.pending = text;
+    askKey();
+    return;
+  }
   let body;
   try {
     body = requestBody([...history(), { role: 'user', content: text }]);
@@ -338,9 +343,11 @@ function setBusy(busy) {
 async function loadModels() {
   try {
     fillModels(await api.models());
+    state.needsKey = false;
     notice('');
   } catch (error) {
-    if (error instanceof ApiError && error.status === 401) askKey();
+    state.needsKey = error instanceof ApiError && error.status === 401;
+    if (state.needsKey) askKey();
     else notice(`Could not list the models: ${error.message}`);
   }
 }
@@ -396,6 +403,7 @@ async function submitKey(event) {
     return askKey(error.status === 401 ? 'The server did not accept this key.' : error.message);
   }
   store.saveKey(state.key, ui.remember.checked);
+  state.needsKey = false;
   ui.keyDialog.close();
   notice('');
   if (state.pending && ui.input.value.trim() === state.pending) send();
