@@ -148,33 +148,28 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
                        scaling: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     q = query[:, :, seg.start:seg.start + seg.length]                        # [1, Hq, n, D]
-    gqa = query.shape[1] != key.shape[1]
-    if softcap is not None or (window is not None and seg.context_len + seg.length > window):
-        return _masked_prefill(q, key, value, k_cache, v_cache, seg, scaling, window, softcap)
     if seg.context_len == 0:
         k = key[:, :, seg.start:seg.start + seg.length]
         v = value[:, :, seg.start:seg.start + seg.length]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:
         k = k_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
         v = v_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)
+    gqa = query.shape[1] != key.shape[1]
+    if softcap is not None or (window is not None and seg.context_len + seg.length > window):
+        o = _masked_prefill(q, k, v, seg, scaling, window, softcap)
+    elif seg.context_len == 0:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=gqa)
     return o[0].transpose(0, 1)                                              # [n, Hq, D]
 
 
-def _masked_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, seg: PrefillSegment, scaling: float, window: int | None,
-                    softcap: float | None) -> torch.Tensor:
+def _masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment, scaling: float,
+                    window: int | None, softcap: float | None) -> torch.Tensor:
     """A prompt chunk under a sliding window or a softcap: an explicit mask over the
     chunk's query rows (positions context_len + i) and every key before them, and the
-    scores in float32 as transformers' eager attention keeps them."""
-    length, total = seg.length, seg.context_len + seg.length
-    if seg.context_len == 0:
-        k = key[:, :, seg.start:seg.start + length]
-        v = value[:, :, seg.start:seg.start + length]
-    else:
-        k = k_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
-        v = v_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)
+    scores in float32 as transformers' eager attention keeps them. [1, Hq, n, D]."""
+    total = seg.context_len + seg.length
     rows = torch.arange(seg.context_len, total, device=q.device).unsqueeze(1)   # query positions
     columns = torch.arange(total, device=q.device).unsqueeze(0)
     allowed = columns <= rows
@@ -184,13 +179,11 @@ def _masked_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_c
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if softcap is None:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
-        return o[0].transpose(0, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scaling               # [1, Hq, n, L]
     scores = torch.tanh(scores / softcap) * softcap
     scores.masked_fill_(~allowed, float("-inf"))
-    o = torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
-    return o[0].transpose(0, 1)                                              # [n, Hq, D]
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 def register() -> str:

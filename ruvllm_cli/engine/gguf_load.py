@@ -31,8 +31,7 @@ import torch
 from torch import nn
 
 from ruvllm_cli.engine.gguf_check import GGUFLayout, TensorInfo, check_gguf
-from ruvllm_cli.engine.gguf_plan import (EMBEDDING, HEAD, INT4_GROUP, READABLE, label, summary, type_name,
-                                        unstreamable)
+from ruvllm_cli.engine.gguf_plan import EMBEDDING, HEAD, INT4_GROUP, label, summary, unstreamable
 from ruvllm_cli.engine.quantize import CHUNK_ROWS, WeightPlan
 from ruvllm_cli.engine.stream_load import NotStreamable, fill_model
 from ruvllm_cli.quantization import Quantization
@@ -312,10 +311,8 @@ class GGUFSource:
 
 
 def _check_tensor(info: TensorInfo, shape: tuple[int, ...]) -> None:
-    """NotStreamable unless the tensor fills the parameter and the gguf package reads its type."""
-    kind = type_name(info.ggml_type)
-    if kind not in READABLE:
-        raise NotStreamable(f"{info.name} is {kind}, a type not read here")
+    """NotStreamable unless the tensor fills the parameter (its type was checked with
+    the file's: gguf_plan.unstreamable)."""
     if tuple(reversed(info.dims)) != shape:
         raise NotStreamable(f"{info.name} has the shape {tuple(reversed(info.dims))}, the model wants {shape}")
     if info.name == EMBEDDING and len(shape) != 2:
