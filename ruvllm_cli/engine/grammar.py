@@ -26,7 +26,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -118,6 +118,31 @@ class GrammarSpec:
     @property
     def key(self) -> tuple[str, str]:
         return (self.kind, self.source)
+
+
+# In a JSON schema: keys whose values are JSON values, not schemas (kept as written),
+# and keys whose values map names to schemas (the names are not schema keys).
+_SCHEMA_VALUES = ("const", "enum", "default", "examples")
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def map_subschemas(schema: Any, visit: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """`schema` rebuilt with `visit` applied to it and to every schema inside it (deepest
+    first); JSON values (`const`, `enum`, ...) and the names under `properties` and the
+    like are left as written."""
+    if isinstance(schema, list):
+        return [map_subschemas(item, visit) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebuilt: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_VALUES:
+            rebuilt[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            rebuilt[key] = {name: map_subschemas(sub, visit) for name, sub in value.items()}
+        else:
+            rebuilt[key] = map_subschemas(value, visit)
+    return visit(rebuilt)
 
 
 def _non_empty_text(value: Any, what: str) -> str:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ruvllm_cli.engine.grammar import GrammarSpec
+from ruvllm_cli.engine.grammar import GrammarSpec, map_subschemas
 from ruvllm_cli.errors import UsageError
 
 MAX_PARALLEL_CALLS = 5          # what the grammar allows when parallel calls are on
@@ -105,20 +105,15 @@ def call_schema(tools: Sequence[Tool], arguments_key: str) -> dict[str, Any]:
     return {**schema, "$defs": definitions, "x-guidance": {"whitespace_flexible": False}}
 
 
-_VALUES = ("const", "enum", "default", "examples")   # JSON values, not schemas: kept as written
-
-
 def _rooted(schema: Any, root: str) -> Any:
     """`schema` with every local `$ref` ("#", "#/...") moved under `root`."""
-    if isinstance(schema, list):
-        return [_rooted(item, root) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    moved = {key: value if key in _VALUES else _rooted(value, root) for key, value in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        moved["$ref"] = root + ref[1:]
-    return moved
+    def move(sub: dict[str, Any]) -> dict[str, Any]:
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            return {**sub, "$ref": root + ref[1:]}
+        return sub
+
+    return map_subschemas(schema, move)
 
 
 def marker(tokenizer: Any, text: str) -> str:

@@ -18,7 +18,7 @@ from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.fields import invalid_value
 from ruvllm_cli.server.protocol import Prompt, SamplingFields, TemplateOptions
-from ruvllm_cli.server.structured import Structured, check_grammar, check_logit_bias, check_stop_token_ids
+from ruvllm_cli.server.structured import Structured, check_grammar, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class SequencePlan:
 def check_constraints(engine: Any, sampling: SamplingFields) -> None:
     """What needs the model to check: logit_bias ids in its vocabulary, and a grammar
     the library can enforce (compiled here, off the event loop and the engine thread)."""
-    check_logit_bias(sampling.logit_bias, len(engine.tokenizer))
-    check_stop_token_ids(sampling.stop_token_ids, len(engine.tokenizer))
+    check_token_ids("logit_bias", (token for token, _ in sampling.logit_bias), len(engine.tokenizer))
+    check_token_ids("stop_token_ids", sampling.stop_token_ids, len(engine.tokenizer))
     check_grammar(sampling.structured, engine)
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from ruvllm_cli.engine.grammar import GrammarError, GrammarSpec
+from ruvllm_cli.engine.grammar import GrammarError, GrammarSpec, map_subschemas
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.fields import Fields, invalid_value
 from ruvllm_cli.server.spec import Field
@@ -113,7 +113,7 @@ def grammar_spec(kind: str, value: Any, param: str) -> GrammarSpec:
 
 def parse_logit_bias(bias: Fields) -> tuple[tuple[int, float], ...]:
     """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, at most 300 entries.
-    Ids are checked against the vocabulary later (`check_logit_bias`)."""
+    Ids are checked against the vocabulary later (`check_token_ids`)."""
     if len(bias.body) > MAX_LOGIT_BIAS:
         raise invalid_value("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(bias.body)} entries")
     entries: dict[int, float] = {}
@@ -127,16 +127,11 @@ def parse_logit_bias(bias: Fields) -> tuple[tuple[int, float], ...]:
     return tuple(entries.items())
 
 
-def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
-    for token, _ in bias:
-        if not 0 <= token < vocab_size:
-            raise invalid_value("logit_bias", f"token ids must be in [0, {vocab_size})", token)
-
-
-def check_stop_token_ids(ids: tuple[int, ...], vocab_size: int) -> None:
+def check_token_ids(param: str, ids: Iterable[int], vocab_size: int) -> None:
+    """`logit_bias`'s or `stop_token_ids`' ids in the vocabulary; a 400 naming the first outside."""
     outside = next((token for token in ids if not 0 <= token < vocab_size), None)
     if outside is not None:
-        raise invalid_value("stop_token_ids", f"token ids must be in [0, {vocab_size})", outside)
+        raise invalid_value(param, f"token ids must be in [0, {vocab_size})", outside)
 
 
 def check_grammar(structured: Structured | None, engine: Any) -> None:
@@ -163,29 +158,14 @@ def repair_spec(spec: GrammarSpec) -> GrammarSpec:
     types, enums, patterns and bounds stay (json_object as it is)."""
     if spec.kind != "json_schema":
         return spec
-    return GrammarSpec.json_schema(_nothing_required(json.loads(spec.source)))
+    return GrammarSpec.json_schema(map_subschemas(json.loads(spec.source), _without_minima))
 
 
-_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _MINIMA = ("required", "minItems", "minProperties", "minLength")   # what a cut reply falls short of
 
 
-def _nothing_required(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_nothing_required(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    relaxed = {}
-    for key, value in schema.items():
-        if key in _MINIMA:
-            continue
-        if key in _NAMED_SCHEMAS and isinstance(value, dict):   # names, then schemas
-            relaxed[key] = {name: _nothing_required(sub) for name, sub in value.items()}
-        elif key in ("const", "enum", "default", "examples"):
-            relaxed[key] = value
-        else:
-            relaxed[key] = _nothing_required(value)
-    return relaxed
+def _without_minima(schema: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in schema.items() if key not in _MINIMA}
 
 
 def repair_truncated_json(choice: Any, streamed: bool = False, allowed: Callable[[str], bool] | None = None) -> str:
