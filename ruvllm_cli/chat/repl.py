@@ -65,19 +65,17 @@ class ChatRepl:
         # Lines inside a block stay out of the history; the whole block goes in once.
         self.continuation = PromptSession(history=InMemoryHistory())
 
-    last_was_line = True
-
     def run(self) -> None:
         """Prompt, answer, repeat, until Ctrl-D or /quit."""
         renderer = self.conversation.renderer
         while True:
             try:
-                text = self.read_message()
+                text, typed_line = self.read_message()
             except KeyboardInterrupt:
                 continue
             except EOFError:
                 break
-            if text.strip() and self.handle(text, command=self.last_was_line) is Action.QUIT:
+            if text.strip() and self.handle(text, command=typed_line) is Action.QUIT:
                 break
         renderer.info("Goodbye.")
 
@@ -96,18 +94,16 @@ class ChatRepl:
             renderer.warn("interrupted")
         return Action.CONTINUE
 
-    def read_message(self) -> str:
-        """One message: a line, or the lines of a \"\"\" block (pastes arrive whole).
-        `last_was_line`: it was one typed line, which may be a slash command; a block
-        or a multi-line paste is a message even where it starts with "/"."""
+    def read_message(self) -> tuple[str, bool]:
+        """One message: a line, or the lines of a \"\"\" block (pastes arrive whole); and
+        whether it was one typed line, which may be a slash command (a block or a
+        multi-line paste is a message even where it starts with "/")."""
         line = self.prompt.prompt(PROMPT)
-        self.last_was_line = "\n" not in line.strip()
         if not line.strip().startswith(BLOCK):
-            return line
-        self.last_was_line = False
+            return line, "\n" not in line.strip()
         first = line.strip()[len(BLOCK):]
         if first.rstrip().endswith(BLOCK):
-            return first.rstrip()[:-len(BLOCK)].strip()
+            return first.rstrip()[:-len(BLOCK)].strip(), False
         lines: list[str] = []
         while True:
             try:
@@ -120,4 +116,4 @@ class ChatRepl:
             lines.append(current)
         text = block_text(first, lines)
         self.history.append_string(f"{BLOCK}{first}\n" + "\n".join(lines) + BLOCK)
-        return text
+        return text, False

@@ -10,8 +10,8 @@ import click
 
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options, prefix_cache_option,
-                                    prefix_caching, weight_cache_option, compile_option)
+from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
+                                    prefix_cache_option, prefix_caching, weight_cache_option, compile_option)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import RuvllmError, UsageError

@@ -20,11 +20,14 @@ from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.engine_setup import locate_adapters
 from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
-from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options, prefix_cache_option,
-                                    weight_cache_option, compile_option)
+from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
+                                    prefix_cache_option, weight_cache_option, compile_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.registry.locate import locate_model
+
+# Where an option's value comes from when the user did not set it.
+DEFAULT_SOURCES = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
 if TYPE_CHECKING:
     from ruvllm_cli.server.state import ServerConfig
@@ -154,15 +157,15 @@ def command(**options: Any) -> None:
     configure_logging(app.verbose)
     options["models"], options["model"] = options["model"], options["model"][0]
     check_models(options)
-    if options["preemption_mode"] != "swap" and _given("swap_space"):   # it had been ignored
-        raise UsageError("--swap-space sizes the pool of --preemption-mode swap",
+    ctx = click.get_current_context()
+    if options["preemption_mode"] != "swap" and ctx.get_parameter_source("swap_space") not in DEFAULT_SOURCES:
+        raise UsageError("--swap-space sizes the pool of --preemption-mode swap",   # it had been ignored
                          "add --preemption-mode swap, or leave --swap-space out")
     # A missing or undownloaded model fails here, before the port is bound or announced.
     for model in options["models"]:
         locate_model(model, app.cache_dir, options["quantization"])
     options["adapters"] = locate_adapters(app, options["lora"])
     options["cluster"] = cluster_options(options)
-    ctx = click.get_current_context()
     options["api_key_from_flag"] = ctx.get_parameter_source("api_key") is ParameterSource.COMMANDLINE
     options["max_context_from_flag"] = ctx.get_parameter_source("max_context") is ParameterSource.COMMANDLINE
     asyncio.run(serve(app, options))
@@ -388,11 +391,3 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
         out.warn(f"listening on {host} without an API key: anyone who can reach this port can use the model "
                  "(set --api-key or RUVLLM_API_KEY)")
     out.info("[dim]Press Ctrl+C to stop.[/dim]")
-
-
-def _given(name: str) -> bool:
-    """Whether the user set the option (on the command line or in the environment)."""
-    from click.core import ParameterSource
-
-    source = click.get_current_context().get_parameter_source(name)
-    return source not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)

@@ -34,10 +34,9 @@ class OutputProcessor:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                                      params.skip_special_tokens, params.kept_special_tokens)
         request.stop_matcher = StopMatcher(params.stop)
-        if params.min_tokens and not params.ignore_eos:
-            request.held_ids = tuple(sorted(self.eos_token_ids | set(params.stop_token_ids)))
-        elif params.min_tokens:
-            request.held_ids = tuple(sorted(set(params.stop_token_ids)))
+        if params.min_tokens:   # what _is_eos would end the reply on
+            ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            request.held_ids = tuple(sorted(ending))
         if params.seed is not None:
             request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
 

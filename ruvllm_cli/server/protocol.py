@@ -371,6 +371,6 @@ def _streaming(values: dict[str, Any]) -> StreamFields:
     return StreamFields(stream, options.get("include_usage", False) and stream)
 
 
-__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "REQUEST_FIELDS", "ChatRequest", "CompletionRequest", "Prompt", "TemplateOptions",
-           "RequestLimits", "SamplingFields", "StreamFields", "parse_chat_request", "parse_completion_request",
-           "parse_prompts"]
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "REQUEST_FIELDS", "ChatRequest", "CompletionRequest", "Prompt",
+           "RequestLimits", "SamplingFields", "StreamFields", "TemplateOptions", "parse_chat_request",
+           "parse_completion_request", "parse_prompts"]
