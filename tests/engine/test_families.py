@@ -20,6 +20,7 @@ from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.testing.device import TEST_DEVICE
 from ruvllm_cli.testing.tiny_model import build_family_model
 
 NEW_TOKENS = 12
@@ -45,13 +46,21 @@ def family(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(family):
+    """Transformers' greedy tokens on a device, each prompt alone (computed once per device)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(family[1], dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.inference_mode():
-        return [model.generate(torch.tensor([p]), generation_config=config)[0, len(p):].tolist() for p in PROMPTS]
+    tokens = {}
+
+    def on(device: str) -> list[list[int]]:
+        if device not in tokens:
+            model = AutoModelForCausalLM.from_pretrained(family[1], dtype=torch.float32,
+                                                         attn_implementation="eager").to(device).eval()
+            with torch.inference_mode():
+                tokens[device] = [model.generate(torch.tensor([p], device=device), generation_config=config)
+                                  [0, len(p):].tolist() for p in PROMPTS]
+        return tokens[device]
+    return on
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -61,14 +70,16 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
 def test_families_match_transformers(family, expected, fused):
-    loaded = load_model(family[1], "cpu", Quantization.F32, use_cache=False)
-    together = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=fused))
-    assert run(together, PROMPTS) == expected
-    chunked = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=fused,
+    device = "cpu" if fused else TEST_DEVICE     # the fused step is a CPU's; the modules run on any device
+    reference = expected(device)
+    loaded = load_model(family[1], device, Quantization.F32, use_cache=False)
+    together = LLMEngine(loaded, EngineConfig(device=device, quantization=Quantization.F32, fused_decode=fused))
+    assert run(together, PROMPTS) == reference
+    chunked = LLMEngine(loaded, EngineConfig(device=device, quantization=Quantization.F32, fused_decode=fused,
                                              max_num_batched_tokens=6))
-    assert run(chunked, PROMPTS) == expected
-    alone = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=fused))
-    assert [run(alone, [p])[0] for p in PROMPTS] == expected
+    assert run(chunked, PROMPTS) == reference
+    alone = LLMEngine(loaded, EngineConfig(device=device, quantization=Quantization.F32, fused_decode=fused))
+    assert [run(alone, [p])[0] for p in PROMPTS] == reference
 
 
 @pytest.mark.parametrize("quantization", [Quantization.F16, Quantization.Q8_0, Quantization.Q4_K_M])
