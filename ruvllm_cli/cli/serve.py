@@ -23,6 +23,7 @@ from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
                                     prefix_cache_option, weight_cache_option, compile_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
+from ruvllm_cli.engine.reasoning import PARSER_NAMES as REASONING_PARSERS
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.registry.locate import locate_model
 
@@ -89,6 +90,10 @@ BYTE_SIZE = ByteSize()
 @click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
               default="auto", show_default=True,
               help="How the model writes tool calls; auto reads it from the chat template or architecture.")
+@click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default="auto", show_default=True,
+              help="How the model marks its reasoning (think: <think>...</think>, as DeepSeek-R1, QwQ and Qwen3 "
+                   "write it; mistral: [THINK]...[/THINK]); auto reads it from the chat template; none leaves "
+                   "reasoning in the content. Reasoning is returned as `reasoning` / `reasoning_content`.")
 @click.option("--served-model-name", multiple=True,
               help="Extra name clients may use as `model` (repeatable; the first one is reported).")
 @click.option("--api-key", envvar="RUVLLM_API_KEY", default=None,
@@ -280,6 +285,7 @@ def server_config(options: dict[str, Any], verbose: bool, cache_dir: Path | None
                         max_body_size=options["max_body_size"], limits=limits,
                         chat_max_tokens=options["max_tokens_default"], verbose=verbose,
                         tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"],
+                        reasoning_parser=options["reasoning_parser"],
                         allow_runtime_lora=options["allow_runtime_lora"], cache_dir=cache_dir,
                         web_ui=not options["no_web_ui"])
 

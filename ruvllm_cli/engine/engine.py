@@ -89,7 +89,8 @@ class LLMEngine:
         request = Request(prompt_ids=prompt_ids, params=params, cache_salt=options.cache_salt,
                           priority=int(options.priority), user=options.user, session_id=options.session_id,
                           adapter_uid=adapter.uid if adapter else 0,
-                          swappable=not (adapter is not None and adapter.mixture))
+                          swappable=not (adapter is not None and adapter.mixture),
+                          grammar_waits=params.structured is not None and params.structured_after is not None)
         if request_id is not None:
             request.request_id = request_id
         if request.request_id in self.requests:

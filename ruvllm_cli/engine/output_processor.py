@@ -99,6 +99,9 @@ class OutputProcessor:
         """(the grammar took the token, the grammar is complete and allows no more)."""
         if request.grammar is None:
             return True, False
+        if request.grammar_waits:   # reasoning first: the constraint starts after its end marker
+            request.grammar_waits = token != request.params.structured_after
+            return True, False
         accepted = request.grammar.accept(token)
         return accepted, accepted and request.grammar.is_finished
 

@@ -99,7 +99,7 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> No
     """One bitmask [rows, ceil(V/32)] for every constrained row of the step, filled by
     each row's matcher and applied in one operation. Ids past the grammar's vocabulary
     (the logits' padding) are always masked off."""
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    rows = [i for i, r in enumerate(requests) if r.constrained]
     if not rows:
         return
     bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)

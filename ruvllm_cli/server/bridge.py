@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.lora import AdapterNotFoundError
 from ruvllm_cli.engine.outputs import RequestError, RequestOutput
+from ruvllm_cli.engine.reasoning import Reasoning, ReasoningSplitter, Split
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.errors import UsageError
@@ -42,12 +43,26 @@ class Choice:
     # skipped special token brings none, and a step may bring text held back earlier:
     # a character's first bytes, a tail that could have been a stop string).
     token_spans: list[tuple[int, int]] = field(default_factory=list)
+    # A reasoning model's reply: `text` is its answer, `reasoning` what it wrote before.
+    reasoning: str = ""
+    reasoning_tokens: int | None = 0      # None: its end marker is not one token, so not counted
+    markers: Reasoning | None = None
+    splitter: ReasoningSplitter | None = None
 
-    def add(self, output: RequestOutput) -> None:
+    def add(self, output: RequestOutput) -> Split:
+        """Take one output; its text as reasoning and answer (all answer for a model
+        without reasoning)."""
         if output.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.token_spans += [(len(self.text), len(self.text) + len(output.text))] * len(output.logprobs)
-        self.text += output.text
+        split = Split(content=output.text)
+        if self.splitter is not None:
+            split = self.splitter.feed(output.text)
+            if output.finished:
+                tail = self.splitter.finish()
+                split = Split(split.reasoning + tail.reasoning, split.content + tail.content)
+            self.reasoning += split.reasoning
+        self.token_spans += [(len(self.text), len(self.text) + len(split.content))] * len(output.logprobs)
+        self.text += split.content
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs
         self.num_prompt_tokens = output.num_prompt_tokens or self.num_prompt_tokens
@@ -61,10 +76,15 @@ class Choice:
         if output.finished:
             self.finish_reason, self.error = output.finish_reason, output.error
             self.stop_string = output.stop_string
+            if self.markers is not None and self.splitter is not None:
+                self.reasoning_tokens = self.markers.reasoning_tokens(self.token_ids, self.splitter.had_reasoning)
+        return split
 
 
 def choices_for(plans: Sequence[SequencePlan]) -> list[Choice]:
-    return [Choice(plan.index, plan.prompt_index) for plan in plans]
+    return [Choice(plan.index, plan.prompt_index, markers=plan.reasoning,
+                   splitter=plan.reasoning.splitter(plan.in_reasoning) if plan.reasoning else None)
+            for plan in plans]
 
 
 class ShuttingDown(Exception):

@@ -36,6 +36,12 @@ def _message(item: Any, where: str) -> dict[str, Any]:
             raise invalid_value(f"{where}.tool_calls", "only assistant messages carry an array of tool calls",
                                 tool_calls)
         message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
+    reasoning = next((item[key] for key in ("reasoning", "reasoning_content") if item.get(key) is not None), None)
+    if reasoning is not None:   # a reasoning model's earlier turn (Qwen3's template keeps the last one's)
+        if role != "assistant" or not isinstance(reasoning, str):
+            raise invalid_value(f"{where}.reasoning", "only assistant messages carry reasoning, as a string",
+                                reasoning)
+        message["reasoning_content"] = reasoning
     for key in ("name", "tool_call_id"):
         if item.get(key) is not None:
             if not isinstance(item[key], str):
@@ -99,7 +105,10 @@ _TOOL = {"type": "object", "required": ["role", "content", "tool_call_id"], "pro
 _ASSISTANT = {"type": "object", "required": ["role"], "description": "content, or tool_calls, or both.",
               "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]},
                              "name": {"type": ["string", "null"]},
-                             "tool_calls": {"type": ["array", "null"], "items": _PAST_CALL}},
+                             "tool_calls": {"type": ["array", "null"], "items": _PAST_CALL},
+                             "reasoning": {"type": ["string", "null"], "description": "A reasoning model's "
+                                           "reasoning in that turn (or `reasoning_content`)."},
+                             "reasoning_content": {"type": ["string", "null"]}},
               "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
                         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}
 MESSAGES = Field("messages", "array", "The conversation so far.", required=True, parse=parse_messages,

@@ -15,6 +15,7 @@ from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.token_text import TokenTexts
 
 if TYPE_CHECKING:
+    from ruvllm_cli.engine.reasoning import Reasoning
     from ruvllm_cli.engine.tool_parsers import ToolParser
 
 
@@ -54,13 +55,15 @@ class ServedModel:
     """A loaded model: the EngineClient the handlers go through (this process's
     EngineLoop, or Ray Serve replicas) and what they read from its engine."""
 
-    def __init__(self, engine: EngineLoop | EngineClient, tool_call_parser: str | None) -> None:
+    def __init__(self, engine: EngineLoop | EngineClient, tool_call_parser: str | None,
+                 reasoning_parser: str = "auto") -> None:
         self.client = as_client(engine)
         # The loop this process runs, which `shutdown` stops; a client made elsewhere
         # (the replicas) is stopped by whoever made it.
         self.engine_loop = engine if isinstance(engine, EngineLoop) else None
         self.token_texts = TokenTexts(self.client.engine.tokenizer)
         self.tool_parser = pick_tool_parser(self.client.engine, tool_call_parser)
+        self.reasoning = pick_reasoning(self.client.engine.tokenizer, reasoning_parser)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread this process runs for it (if any)."""
@@ -77,6 +80,17 @@ def pick_tool_parser(engine: Any, name: str | None) -> ToolParser | None:
         return model_tool_parser(engine, name)
     except UsageError:
         return None
+
+
+def pick_reasoning(tokenizer: Any, name: str) -> Reasoning | None:
+    """The configured reasoning markers ("none": none), else those the model's chat
+    template writes; None for a model that does not reason."""
+    from ruvllm_cli.engine.reasoning import Reasoning, detect_format, get_format
+
+    if name == "none":
+        return None
+    fmt = detect_format(getattr(tokenizer, "chat_template", None)) if name == "auto" else get_format(name)
+    return Reasoning.of(fmt, tokenizer) if fmt is not None else None
 
 
 @dataclass
@@ -137,6 +151,10 @@ class Lease:
     @property
     def token_texts(self) -> TokenTexts:
         return self.served.token_texts
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        return self.served.reasoning
 
     def require_tool_parser(self) -> ToolParser:
         if self.served.tool_parser is None:

@@ -36,11 +36,12 @@ BUSY_RETRY_AFTER_S = 5
 class ModelPool:
     """Every model of one server, by name; loads and unloads them as requests come."""
 
-    def __init__(self, tool_call_parser: str | None, executor: Executor) -> None:
+    def __init__(self, tool_call_parser: str | None, executor: Executor, reasoning_parser: str = "auto") -> None:
         self.entries: list[ModelEntry] = []
         self.settings = PoolSettings()
         self.report: Callable[[str], None] = log.info   # one line per load failure and unload
         self._parser = tool_call_parser
+        self._reasoning_parser = reasoning_parser
         self._executor = executor
         self._change = asyncio.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -49,7 +50,7 @@ class ModelPool:
     # ---- the models ----------------------------------------------------------------------
     def attach(self, names: Sequence[str], client: EngineClient) -> None:
         """A model loaded by someone else, who also stops it: never unloaded."""
-        served = ServedModel(client, self._parser)
+        served = ServedModel(client, self._parser, self._reasoning_parser)
         self._add(ModelEntry(tuple(names), None, status=ModelStatus.LOADED, served=served))
 
     def add(self, spec: ModelSpec) -> None:
@@ -215,7 +216,7 @@ class ModelPool:
 
     def _serve(self, engine_loop: EngineLoop) -> ServedModel:
         try:
-            return ServedModel(engine_loop, self._parser)
+            return ServedModel(engine_loop, self._parser, self._reasoning_parser)
         except BaseException:
             engine_loop.shutdown(0)   # no thread left behind by a model that is not served
             raise

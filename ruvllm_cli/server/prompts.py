@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
 from ruvllm_cli.engine.grammar import GrammarSpec
+from ruvllm_cli.engine.reasoning import Reasoning
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
@@ -30,6 +31,8 @@ class SequencePlan:
     prompt_ids: list[int]
     params: SamplingParams
     options: RequestOptions = RequestOptions()   # cache salt, LoRA adapter, priority, user, session
+    reasoning: Reasoning | None = None           # a reasoning model's markers, split from the reply
+    in_reasoning: bool = False                   # the prompt left the reply inside its reasoning block
 
 
 def check_constraints(engine: Any, sampling: SamplingFields) -> None:
@@ -82,6 +85,24 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
     return replace(sampling, structured=Structured(spec, "tools", parts=parts), stop=())
 
 
+def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingFields,
+                       prompt_ids: list[int]) -> tuple[SamplingFields, bool]:
+    """Sampling for a reasoning model's reply, and whether it starts inside its block.
+    The markers reach the splitter even where they are special tokens. A constraint
+    (response_format, a forced tool call) on a reply that starts inside the block
+    starts after the block's end marker: from the first token it would write the
+    answer inside the block, and the reply would be all reasoning. Where that marker
+    is not one token the constraint holds from the first token, and the reply is all
+    answer (the model does not reason)."""
+    in_reasoning = reasoning.opens_in_reasoning(tokenizer, prompt_ids)
+    sampling = replace(sampling, kept_special_tokens=(*sampling.kept_special_tokens, *reasoning.markers))
+    if sampling.structured is not None and in_reasoning:
+        if reasoning.end_id is None:
+            return sampling, False
+        sampling = replace(sampling, structured_after=reasoning.end_id)
+    return sampling, in_reasoning
+
+
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:
     """Completion prompts as token ids (strings the way the engine itself encodes them);
     ids given by the client are checked against the vocabulary here, before anything
@@ -100,7 +121,8 @@ def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int)
 
 
 def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_model_len: int,
-                   param: str, options: RequestOptions = RequestOptions()) -> list[SequencePlan]:
+                   param: str, options: RequestOptions = RequestOptions(), reasoning: Reasoning | None = None,
+                   in_reasoning: bool = False) -> list[SequencePlan]:
     """`n` sequences per prompt, choice index prompt * n + copy; `max_tokens` defaults
     to what the context leaves (capped by the endpoint's default), and a prompt plus an
     explicit `max_tokens` beyond the context is a 400."""
@@ -112,7 +134,7 @@ def plan_sequences(prompt_ids: list[list[int]], sampling: SamplingFields, max_mo
             max_tokens = min(max_tokens, sampling.default_max_tokens)
         for copy in range(sampling.n):
             plans.append(SequencePlan(prompt_index * sampling.n + copy, prompt_index, ids,
-                                      sampling.params(max_tokens, copy), options))
+                                      sampling.params(max_tokens, copy), options, reasoning, in_reasoning))
     return plans
 
 

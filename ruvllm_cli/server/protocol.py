@@ -56,6 +56,7 @@ class SamplingFields(SamplingKnobs):
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
+    structured_after: int | None = None    # the constraint starts after this token (a reasoning block's end)
     kept_special_tokens: tuple[str, ...] = ()   # a tool-call format's markers, for its parser
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -72,6 +73,7 @@ class SamplingFields(SamplingKnobs):
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                                   logit_bias=self.logit_bias, kept_special_tokens=self.kept_special_tokens,
                                   structured=self.structured.spec if self.structured else None,
+                                  structured_after=self.structured_after,
                                   min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   skip_special_tokens=self.skip_special_tokens)
@@ -104,6 +106,7 @@ class ChatRequest:
     tools: ToolRequest | None = None
     options: RequestOptions = RequestOptions()   # cache_salt, priority, user, session_id
     template: TemplateOptions = TemplateOptions()
+    include_reasoning: bool = True
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,8 @@ CHAT_FIELDS = (
     Field("logprobs", "boolean", "Return each token's log probability.", False),
     Field("top_logprobs", "integer", "Alternatives per token (needs logprobs).", low=0, high=MAX_LOGPROBS),
     Field("max_completion_tokens", "integer", "max_tokens under its newer name (wins over it).", low=1),
+    Field("include_reasoning", "boolean", "A reasoning model's reasoning in `reasoning` and `reasoning_content` "
+                                          "(vLLM's field); false leaves it out.", True),
     MAX_TOKENS, *SAMPLING, *SERVING, *STREAMING,
 )
 COMPLETION_FIELDS = (
@@ -289,7 +294,7 @@ def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> Ch
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
                           "constrain the reply; give one.", "tool_choice", "invalid_value")
     return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools, _options(values),
-                       _template(values))
+                       _template(values), values["include_reasoning"])
 
 
 def _template(values: dict[str, Any]) -> TemplateOptions:

@@ -43,10 +43,12 @@ class ResponseMeta:
 
 class ResponseFormat(Protocol):
     """One endpoint's answers: a body, or a stream that opens each choice, sends
-    its deltas, flushes what a parser held back, finishes it (`final`), and ends
-    with `closing` (or with `error_chunks` when an error cut it short)."""
+    its deltas (a reasoning model's reasoning first, then its answer), flushes what
+    a parser held back, finishes it (`final`), and ends with `closing` (or with
+    `error_chunks` when an error cut it short)."""
 
     def opening(self, choice: Choice) -> Sequence[Chunk]: ...
+    def reasoning(self, choice: Choice, text: str) -> Sequence[Chunk]: ...
     def deltas(self, choice: Choice, output: RequestOutput) -> Sequence[Chunk]: ...
     def flush(self, choice: Choice) -> Sequence[Chunk]: ...
     def final(self, choice: Choice) -> Chunk: ...
@@ -89,6 +91,13 @@ def usage(choices: Sequence[Choice]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def reasoning_tokens(choices: Sequence[Choice]) -> int | None:
+    """Output tokens spent reasoning, over the choices of a reasoning model (None for
+    another model, or where the end marker is not one token and they were not counted)."""
+    counts = [c.reasoning_tokens for c in choices if c.markers is not None]
+    return sum(counts) if counts and None not in counts else None   # type: ignore[arg-type]
+
+
 # ---- chat -------------------------------------------------------------------------------
 @dataclass
 class ChatFormat(OpenAIStreamEnd):
@@ -97,6 +106,7 @@ class ChatFormat(OpenAIStreamEnd):
     top_logprobs: int | None = None       # None: no logprobs
     include_usage: bool = False
     tools: ToolReplies | None = None      # the model may call tools: parse its replies
+    include_reasoning: bool = True        # False: a reasoning model's reasoning is left out (vLLM's field)
 
     def body(self, choices: Sequence[Choice]) -> dict[str, Any]:
         for choice in choices if self.tools else ():
@@ -105,17 +115,31 @@ class ChatFormat(OpenAIStreamEnd):
                 "choices": [{"index": c.index, "message": self._message(c),
                              "logprobs": self._logprobs(c.logprobs),
                              "finish_reason": finish_reason(c)} for c in choices],
-                "usage": usage(choices)}
+                "usage": self._usage(choices)}
 
     def _message(self, choice: Choice) -> dict[str, Any]:
         message = {"role": "assistant", "content": choice.text or (None if choice.tool_calls else ""),
                    "refusal": None}
+        if choice.markers is not None and self.include_reasoning:
+            # `reasoning` (vLLM's and Ollama's name now), `reasoning_content` (DeepSeek's, vLLM's before)
+            message["reasoning"] = message["reasoning_content"] = choice.reasoning or None
         if choice.tool_calls:
             message["tool_calls"] = calls_json(choice.tool_calls)
         return message
 
+    def _usage(self, choices: Sequence[Choice]) -> dict[str, Any]:
+        counts = usage(choices)
+        spent = reasoning_tokens(choices)
+        if spent is not None:
+            counts["completion_tokens_details"] = {"reasoning_tokens": spent}
+        return counts
+
     def opening(self, choice: Choice) -> list[dict[str, Any]]:
         return [self._chunk(choice.index, {"role": "assistant", "content": ""})]
+
+    def reasoning(self, choice: Choice, text: str) -> list[dict[str, Any]]:
+        return [self._chunk(choice.index, {"reasoning": text, "reasoning_content": text})] \
+            if self.include_reasoning else []
 
     def deltas(self, choice: Choice, output: RequestOutput) -> list[dict[str, Any]]:
         logprobs = self._logprobs(output.logprobs) if output.logprobs else None
@@ -135,7 +159,7 @@ class ChatFormat(OpenAIStreamEnd):
         return self._chunk(choice.index, {}, finish=finish_reason(choice))
 
     def usage_chunk(self, choices: Sequence[Choice]) -> dict[str, Any]:
-        return {**self.meta.head("chat.completion.chunk"), "choices": [], "usage": usage(choices)}
+        return {**self.meta.head("chat.completion.chunk"), "choices": [], "usage": self._usage(choices)}
 
     def _chunk(self, index: int, delta: dict[str, Any], *, finish: str | None = None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -178,6 +202,9 @@ class CompletionFormat(OpenAIStreamEnd):
     def opening(self, choice: Choice) -> list[dict[str, Any]]:
         echo = self._echo(choice)
         return [self._chunk(choice.index, echo)] if echo else []
+
+    def reasoning(self, choice: Choice, text: str) -> list[dict[str, Any]]:
+        return []   # a completion is the model's text as it is
 
     def deltas(self, choice: Choice, output: RequestOutput) -> list[dict[str, Any]]:
         if not output.text and not (output.logprobs and self.logprobs is not None):

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from ruvllm_cli.engine.loop import EngineFailedError
 from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.reasoning import Reasoning
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.engine.tools import ToolRequest
@@ -26,8 +27,8 @@ from ruvllm_cli.server.messages_api.responses import MessagesFormat
 from ruvllm_cli.server.middlewares import CLIENT_GONE
 from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ruvllm_cli.server.openapi import openapi_document
-from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
-                                       tokenize_prompts, tool_sampling)
+from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, reasoning_sampling,
+                                       render_chat, template_tools, tokenize_prompts, tool_sampling)
 from ruvllm_cli.server.models import Lease
 from ruvllm_cli.server.protocol import (COMPLETION_MAX_TOKENS, CompletionRequest, SamplingFields, TemplateOptions,
                                         parse_chat_request, parse_completion_request)
@@ -153,9 +154,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         parser = model.require_tool_parser() if chat.tools and chat.tools.active else None
         sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
         prepare = chat_prepare(model.engine, chat.messages, chat.tools, parser, sampling, options,
-                               template=chat.template)
+                               template=chat.template, reasoning=model.reasoning)
         fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), model.token_texts, chat.sampling.logprobs,
-                         chat.streaming.include_usage, ToolReplies.of(parser, chat.tools))
+                         chat.streaming.include_usage, ToolReplies.of(parser, chat.tools), chat.include_reasoning)
         return await generate(request, state, model, prepare, "messages", chat.sampling.n,
                               fmt, chat.streaming.stream, chat.sampling.structured, options)
 
@@ -168,8 +169,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     async with state.model_for(job.model) as model:
         options = dataclasses.replace(job.options, adapter=model.adapter)
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
-        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, job.sampling, options)
-        fmt = MessagesFormat(job.model, ToolReplies.of(parser, job.tools))
+        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, job.sampling, options,
+                               reasoning=model.reasoning)
+        fmt = MessagesFormat(job.model, ToolReplies.of(parser, job.tools), job.thinking)
         return await generate(request, state, model, prepare, "messages", 1, fmt, job.stream, job.sampling.structured,
                               options)
 
@@ -183,7 +185,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
         options = dataclasses.replace(job.options, adapter=model.adapter)
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
         sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens)
-        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options, "input")
+        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options, "input",
+                               reasoning=model.reasoning)
         fmt = ResponsesFormat(ResponseHead(job.model, job.echo), ToolReplies.of(parser, job.tools))
         return await generate(request, state, model, prepare, "input", 1, fmt, job.stream, sampling.structured,
                               options)
@@ -191,10 +194,12 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest | None, parser: ToolParser | None,
                  sampling: SamplingFields, options: RequestOptions, param: str = "messages",
-                 template: TemplateOptions = TemplateOptions()) -> Callable[[], list[SequencePlan]]:
+                 template: TemplateOptions = TemplateOptions(), reasoning: Reasoning | None = None
+                 ) -> Callable[[], list[SequencePlan]]:
     """The work before submitting a chat reply (in a worker thread): the tools' grammar,
-    the constraints' checks, the prompt through the template, one plan per sequence.
-    `param` is the field the conversation came in, for errors about it."""
+    the constraints' checks, the prompt through the template, a reasoning model's
+    markers, one plan per sequence. `param` is the field the conversation came in,
+    for errors about it."""
 
     def prepare() -> list[SequencePlan]:
         plan_sampling = sampling
@@ -203,7 +208,11 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
             plan_sampling = tool_sampling(engine.tokenizer, tools, parser, sampling)
         check_constraints(engine, plan_sampling)
         prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param, template)
-        return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, param, options)
+        in_reasoning = False
+        if reasoning is not None:
+            plan_sampling, in_reasoning = reasoning_sampling(engine.tokenizer, reasoning, plan_sampling, prompt_ids)
+        return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, param, options, reasoning,
+                              in_reasoning)
 
     return prepare
 
@@ -317,10 +326,13 @@ async def send_outputs(sse: EventStream, streams: Sequence[RequestStream], choic
     try:
         async for position, output in events:
             choice = choices[position]
-            choice.add(output)
+            split = choice.add(output)
             if output.finished and choice.finish_reason in (FinishReason.CANCELLED, FinishReason.ERROR):
                 return finish_error(choice)
-            for chunk in fmt.deltas(choice, output):
+            chunks = fmt.reasoning(choice, split.reasoning) if split.reasoning else []
+            if split.content != output.text:
+                output = dataclasses.replace(output, text=split.content)
+            for chunk in [*chunks, *fmt.deltas(choice, output)]:
                 await sse.send(chunk)
             if output.finished:
                 await send_final(sse, fmt, choice, output, repair)

@@ -38,6 +38,7 @@ class ServerConfig:
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS   # a chat request's max_tokens when it sets none
     verbose: bool = False
     tool_call_parser: str | None = None   # None: detected from the model's chat template
+    reasoning_parser: str = "auto"        # auto: from the chat template; none: reasoning stays in the content
     allow_runtime_lora: bool = False      # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     cache_dir: Path | None = None         # where a hub id given as lora_path is fetched to
     web_ui: bool = True                   # the chat page at / (server/web.py)
@@ -104,7 +105,7 @@ class ServerState:
         # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
         # The models served: one attached engine, or several loaded on demand (server/models.py).
-        self.models = ModelPool(config.tool_call_parser, self.executor)
+        self.models = ModelPool(config.tool_call_parser, self.executor, config.reasoning_parser)
         self.metrics.registry.register(PoolCollector(self.models))
         self.limits = config.limits
         self.started = time.monotonic()

@@ -41,6 +41,10 @@ TOOL_CALL_END = "</tool_call>"
 # Qwen2.5, so tool parsers see them in decoded text.
 SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
 TOOL_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
+# A reasoning model's (`reasoning=`): added, not special, as in Qwen3 and DeepSeek-R1.
+THINK_START = "<think>"
+THINK_END = "</think>"
+THINK_TOKENS = (THINK_START, THINK_END)
 
 # Linear weights get std 1/sqrt(fan_in): with the usual 0.02 every layer is so weak that
 # a tied model only echoes its last input token, which would make greedy tests vacuous.
@@ -164,25 +168,44 @@ CHAT_TEMPLATE = """\
 """
 
 
-def train_tokenizer(vocab_size: int = 512) -> "Tokenizer":
-    """A byte-level BPE tokenizer of exactly `vocab_size` tokens, trained on `CORPUS`."""
+def reasoning_template(opens_block: bool) -> str:
+    """CHAT_TEMPLATE for a reasoning model: an assistant turn's `reasoning_content` in
+    its <think> block, `enable_thinking` false closing an empty block in the generation
+    prompt (Qwen3's), and where `opens_block` the generation prompt opening the block
+    itself (DeepSeek-R1's and QwQ's), else the model opening it (Qwen3's)."""
+    turn = "{{- '<|im_start|>assistant\\n' + render_text(message['content']) -}}"
+    with_reasoning = ("{{- '<|im_start|>assistant\\n' -}}{%- if message['reasoning_content'] is string -%}"
+                      "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}{%- endif -%}"
+                      "{{- render_text(message['content']) -}}")
+    prompt = "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    opened = "{{- '<think>\\n' -}}" if opens_block else ""
+    reasoning_prompt = ("{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+                        "{%- if enable_thinking is defined and enable_thinking is false -%}"
+                        "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- else -%}" + opened + "{%- endif -%}{%- endif -%}")
+    assert turn in CHAT_TEMPLATE and prompt in CHAT_TEMPLATE
+    return CHAT_TEMPLATE.replace(turn, with_reasoning).replace(prompt, reasoning_prompt)
+
+
+def train_tokenizer(vocab_size: int = 512, added: tuple[str, ...] = TOOL_TOKENS) -> "Tokenizer":
+    """A byte-level BPE tokenizer of exactly `vocab_size` tokens, trained on `CORPUS`,
+    `added` (not special) at its end."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    minimum = len(alphabet) + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    minimum = len(alphabet) + len(SPECIAL_TOKENS) + len(added)
     if vocab_size < minimum:
         raise ValueError(f"vocab_size must be at least {minimum}, got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TOOL_TOKENS),
+        vocab_size=vocab_size - len(added),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=alphabet,
         show_progress=False,
     )
     tokenizer.train_from_iterator([CORPUS], trainer=trainer)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(
             f"the built-in corpus yields {tokenizer.get_vocab_size()} tokens, not {vocab_size}"
@@ -190,9 +213,16 @@ def train_tokenizer(vocab_size: int = 512) -> "Tokenizer":
     return tokenizer
 
 
-def build_tokenizer(vocab_size: int = 512, model_max_length: int = 4096) -> "PreTrainedTokenizerFast":
-    """The trained tokenizer wrapped for transformers, with the ChatML template set."""
-    return _wrap(train_tokenizer(vocab_size), model_max_length)
+def build_tokenizer(vocab_size: int = 512, model_max_length: int = 4096,
+                    reasoning: str | None = None) -> "PreTrainedTokenizerFast":
+    """The trained tokenizer wrapped for transformers, with the ChatML template set;
+    `reasoning` ("opens", "model"): a reasoning model's, with <think> and </think>
+    and `reasoning_template` (the template opening the block, or the model)."""
+    if reasoning is None:
+        return _wrap(train_tokenizer(vocab_size), model_max_length)
+    wrapped = _wrap(train_tokenizer(vocab_size, TOOL_TOKENS + THINK_TOKENS), model_max_length)
+    wrapped.chat_template = reasoning_template(opens_block=reasoning == "opens")
+    return wrapped
 
 
 def build_bench_tokenizer(model_max_length: int = 32768) -> "PreTrainedTokenizerFast":
@@ -343,11 +373,13 @@ def build_tiny_model(
     attention_bias: bool = False,
     dtype: str = "float32",
     seed: int = 0,
+    reasoning: str | None = None,
 ) -> Path:
     """Write a tiny random LLaMA model with a trained tokenizer into `path`.
 
     Same arguments give byte-identical files. The tokenizer has exactly `vocab_size`
-    tokens (at least 263; the built-in corpus gives at most 1,232).
+    tokens (at least 263; the built-in corpus gives at most 1,232). `reasoning`
+    ("opens" or "model") makes it a reasoning model's (`build_tokenizer`).
     """
     shape = {
         "hidden_size": hidden_size,
@@ -360,7 +392,7 @@ def build_tiny_model(
         "tie_word_embeddings": tie_word_embeddings,
         "attention_bias": attention_bias,
     }
-    return _build(path, shape, build_tokenizer(vocab_size, max_position_embeddings), dtype, seed)
+    return _build(path, shape, build_tokenizer(vocab_size, max_position_embeddings, reasoning), dtype, seed)
 
 
 def build_family_model(path: str | os.PathLike, model_type: str, *, dtype: str = "float32", seed: int = 0,

@@ -282,7 +282,7 @@ def test_what_needs_a_stored_response_is_a_400(client, server):
      "input[0].content[0].type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": {}}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "5"}]}, "input[0].call_id"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"temperature": 2.5}, "temperature"),

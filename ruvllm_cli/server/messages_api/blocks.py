@@ -12,8 +12,10 @@ from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import invalid_type, invalid_value
 
 ROLES = ("user", "assistant")
-# The blocks each role may send; images, documents, thinking and server-tool blocks are refused.
-BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+# The blocks each role may send; images, documents and server-tool blocks are refused. An
+# assistant's thinking goes to the template as its reasoning (Qwen3's drops it from
+# earlier turns); redacted thinking, encrypted by Anthropic, is dropped.
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 def parse_system(value: Any) -> str:
@@ -91,10 +93,20 @@ def _user(blocks: list[tuple[str, Any, str]]) -> list[dict[str, Any]]:
 def _assistant(blocks: list[tuple[str, Any, str]]) -> dict[str, Any]:
     texts = [_text(block, where) for kind, block, where in blocks if kind == "text"]
     calls = [_tool_use(block, where) for kind, block, where in blocks if kind == "tool_use"]
+    thinking = [_thinking(block, where) for kind, block, where in blocks if kind == "thinking"]
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
     if calls:
         message["tool_calls"] = calls
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
     return message
+
+
+def _thinking(block: dict[str, Any], where: str) -> str:
+    """A past turn's thinking (its `signature`, Anthropic's, is not checked here)."""
+    if not isinstance(block.get("thinking"), str):
+        raise invalid_type(f"{where}.thinking", "a string", block.get("thinking"))
+    return str(block["thinking"])
 
 
 def _text(block: Any, where: str) -> str:
@@ -138,6 +150,9 @@ _TEXTS = {"type": "array", "items": TEXT_BLOCK}
 TOOL_USE_BLOCK = {"type": "object", "required": ["type", "id", "name", "input"], "properties": {
     "type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"},
     "input": {"type": "object"}}}
+_THINKING = {"type": "object", "required": ["type", "thinking"], "properties": {
+    "type": {"const": "thinking"}, "thinking": {"type": "string"}, "signature": {"type": "string"}}}
+_REDACTED = {"type": "object", "required": ["type"], "properties": {"type": {"const": "redacted_thinking"}}}
 _TOOL_RESULT = {"type": "object", "required": ["type", "tool_use_id"], "properties": {
     "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},
     "content": {"anyOf": [{"type": "string"}, _TEXTS, {"type": "null"}]},
@@ -153,4 +168,5 @@ def _turn_schema(role: str, blocks: list[Any]) -> dict[str, Any]:
 SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, _TEXTS]}
 MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "description": "The last message is the user's.",
                    "items": {"anyOf": [_turn_schema("user", [TEXT_BLOCK, _TOOL_RESULT]),
-                                       _turn_schema("assistant", [TEXT_BLOCK, TOOL_USE_BLOCK])]}}
+                                       _turn_schema("assistant", [TEXT_BLOCK, TOOL_USE_BLOCK, _THINKING,
+                                                                  _REDACTED])]}}

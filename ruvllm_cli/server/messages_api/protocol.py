@@ -34,6 +34,7 @@ class MessagesRequest:
     stream: bool = False
     tools: ToolRequest | None = None
     options: RequestOptions = RequestOptions()   # metadata.user_id as `user`, cache_salt, priority
+    thinking: bool = False                       # a reasoning model's reasoning as thinking blocks
 
 
 def parse_messages_request(body: Any) -> MessagesRequest:
@@ -43,7 +44,7 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     sampling = SamplingFields(
         max_tokens=values["max_tokens"], stop=values["stop_sequences"], temperature=values["temperature"],
         top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
-        ignore_eos=values["ignore_eos"], structured=values["output_config"])
+        ignore_eos=values["ignore_eos"], logit_bias=values["logit_bias"] or (), structured=values["output_config"])
     tools = _tool_request(values)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request("'tool_choice' and 'output_config.format' both constrain the reply; give one.",
@@ -51,8 +52,9 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     metadata = values["metadata"] or {}
     options = RequestOptions(cache_salt=values["cache_salt"] or None, priority=values["priority"],
                              user=metadata.get("user_id") or None, session_id=values["session_id"] or None)
+    thinking = values["thinking"]
     return MessagesRequest(values["model"], [*messages, *values["messages"]], sampling, values["stream"],
-                           tools, options)
+                           tools, options, thinking is not None and thinking.get("type") != "disabled")
 
 
 def _tool_request(values: dict[str, Any]) -> ToolRequest | None:
@@ -158,6 +160,11 @@ MESSAGES_FIELDS = (
               Field("type", "string", required=True, enum=tuple(CHOICE_MODES)),
               Field("name", "string", "The tool, with type tool."),
               Field("disable_parallel_tool_use", "boolean", "At most one call in the reply.", False))),
+    Field("thinking", "object", "Extended thinking: with type enabled, a reasoning model's reasoning comes back "
+          "as thinking blocks (without it the reply holds its answer alone).", properties=(
+              Field("type", "string", required=True, enum=("enabled", "disabled", "adaptive")),
+              Field("budget_tokens", "integer", "Accepted; the model's reasoning is not cut at it (max_tokens "
+                                                "bounds the whole reply).", low=1))),
     Field("metadata", "object", properties=(
         Field("user_id", "string", "Who the request is for: kept with the request, logged."),)),
     Field("output_config", "object", "Structured output: the reply's text follows `format`'s JSON schema.",
@@ -165,6 +172,7 @@ MESSAGES_FIELDS = (
               Field("format", "object", "{type: json_schema, schema}: the JSON schema of the reply's text."),
               Field("effort", "string", "Accepted and ignored (no reasoning effort to set here)."))),
     # ruvllm's and vLLM's extensions, which Anthropic's SDK sends through `extra_body`.
-    _SHARED["seed"], _SHARED["ignore_eos"], _SHARED["cache_salt"], _SHARED["priority"], _SHARED["session_id"],
+    _SHARED["seed"], _SHARED["ignore_eos"], _SHARED["logit_bias"], _SHARED["cache_salt"], _SHARED["priority"],
+    _SHARED["session_id"],
 )
 REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {PATH: MESSAGES_FIELDS}

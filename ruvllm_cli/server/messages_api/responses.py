@@ -2,8 +2,8 @@
 accumulates for every endpoint (one choice: the API has no `n`).
 
 A stream is Anthropic's sequence: message_start, then per content block
-content_block_start, its deltas (text_delta, or input_json_delta for a tool_use
-block) and content_block_stop, then message_delta (stop_reason, usage) and
+content_block_start, its deltas (thinking_delta for a thinking block, text_delta,
+or input_json_delta for a tool_use block) and content_block_stop, then message_delta (stop_reason, usage) and
 message_stop; an error cuts it short with an `error` event. message_start waits
 for the first output, which brings the prompt's cached-token count."""
 
@@ -92,6 +92,11 @@ class Blocks:
         self.open = None
         return [event({"type": "content_block_stop", "index": self.count - 1})]
 
+    def thinking(self, text: str) -> list[Chunk]:
+        # signature: Anthropic's check that it wrote the thinking, which a local model has none of
+        chunks = self.start({"type": "thinking", "thinking": "", "signature": ""}) if self.open != "thinking" else []
+        return [*chunks, _delta(self.count - 1, {"type": "thinking_delta", "thinking": text})]
+
     def text(self, text: str) -> list[Chunk]:
         chunks = self.start({"type": "text", "text": ""}) if self.open != "text" else []
         return [*chunks, _delta(self.count - 1, {"type": "text_delta", "text": text})]
@@ -123,6 +128,7 @@ class MessagesFormat:
 
     model: str
     tools: ToolReplies | None = None   # the model may call tools: parse its replies
+    thinking: bool = False             # a reasoning model's reasoning as a thinking block (`thinking` asked)
     id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     _blocks: dict[int, Blocks] = field(default_factory=dict)
 
@@ -131,6 +137,8 @@ class MessagesFormat:
         if self.tools is not None:
             self.tools.settle(choice)
         content = [{"type": "text", "text": choice.text}] if choice.text else []
+        if self.thinking and choice.reasoning:
+            content.insert(0, {"type": "thinking", "thinking": choice.reasoning, "signature": ""})
         return self._message(choice, content + [tool_use_block(call) for call in choice.tool_calls])
 
     def _message(self, choice: Choice, content: list[dict[str, Any]]) -> dict[str, Any]:
@@ -140,6 +148,9 @@ class MessagesFormat:
 
     def opening(self, choice: Choice) -> list[Chunk]:
         return []   # message_start comes with the first output (see the module's docstring)
+
+    def reasoning(self, choice: Choice, text: str) -> list[Chunk]:
+        return [*self._start(choice), *self._blocks[choice.index].thinking(text)] if self.thinking else []
 
     def deltas(self, choice: Choice, output: RequestOutput) -> list[Chunk]:
         chunks = self._start(choice)

@@ -1,7 +1,8 @@
 """The Responses API's answers: a Response object, or its stream of named events.
 
 A stream is OpenAI's sequence: response.created and response.in_progress, then per
-output item response.output_item.added, its content (a message's
+output item response.output_item.added, its content (a reasoning item's
+response.reasoning_text.delta... and .done; a message's
 response.content_part.added, response.output_text.delta..., response.output_text.done
 and response.content_part.done; a call's response.function_call_arguments.delta...
 and .done) and response.output_item.done, then response.completed (or
@@ -20,22 +21,27 @@ from ruvllm_cli.engine.tool_parsers import StreamDelta, ToolCallDelta
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.responses_api.output import (ResponseHead, body_output, call_item, call_item_id, message_id,
-                                                    message_item, status, text_part)
+                                                    message_item, reasoning_id, reasoning_item,
+                                                    status, text_part)
 from ruvllm_cli.server.sse import Chunk, Event
 from ruvllm_cli.server.tool_output import ToolReplies, in_text_order
 
 
 @dataclass
 class Item:
-    """One output item as far as it has streamed: a message's text, or a call's arguments."""
+    """One output item as far as it has streamed: reasoning or a message's text, or a
+    call's arguments."""
 
     id: str
-    call_id: str | None = None    # None: a message
+    call_id: str | None = None    # None: a message, or reasoning
     name: str = ""
     text: str = ""
     status: str = "in_progress"
+    reasoning: bool = False
 
     def json(self) -> dict[str, Any]:
+        if self.reasoning:
+            return reasoning_item(self.id, self.text, self.status)
         if self.call_id is None:
             return message_item(self.id, self.text, self.status)
         return call_item(self.call_id, self.name, self.text, self.status)
@@ -63,10 +69,18 @@ class OutputStream:
     def output(self) -> list[dict[str, Any]]:
         return [item.json() for item in self.items]
 
+    def reasoning(self, text: str) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        if self.open is None or not self.items[self.open].reasoning:
+            chunks = self._start(Item(reasoning_id(), reasoning=True))
+        self._open_item().text += text
+        chunks.append(self._on_open("response.reasoning_text.delta", content_index=0, delta=text))
+        return chunks
+
     def text(self, text: str) -> list[Chunk]:
         """Message text; an empty `text` only opens the message."""
         chunks: list[Chunk] = []
-        if self.open is None or self.items[self.open].call_id is not None:
+        if self.open is None or self.items[self.open].call_id is not None or self.items[self.open].reasoning:
             chunks = self._start(Item(message_id()))
             chunks.append(self._on_open("response.content_part.added", content_index=0, part=text_part("")))
         if text:
@@ -98,7 +112,9 @@ class OutputStream:
             return []
         item = self._open_item()
         item.status = item_status
-        if item.call_id is None:
+        if item.reasoning:
+            chunks = [self._on_open("response.reasoning_text.done", content_index=0, text=item.text)]
+        elif item.call_id is None:
             chunks = [self._on_open("response.output_text.done", content_index=0, text=item.text, logprobs=[]),
                       self._on_open("response.content_part.done", content_index=0, part=text_part(item.text))]
         else:
@@ -141,6 +157,9 @@ class ResponsesFormat:
         return [self._stream.event("response.created", response=response),
                 self._stream.event("response.in_progress", response=response)]
 
+    def reasoning(self, choice: Choice, text: str) -> list[Chunk]:
+        return self._stream.reasoning(text)
+
     def deltas(self, choice: Choice, output: RequestOutput) -> list[Chunk]:
         if self.tools is not None:
             return self._stream.parsed(self.tools.feed(choice, output.text))
@@ -148,7 +167,7 @@ class ResponsesFormat:
 
     def flush(self, choice: Choice) -> list[Chunk]:
         chunks = self._stream.parsed(self.tools.finish(choice)) if self.tools is not None else []
-        if not self._stream.items:
+        if not any(not item.reasoning for item in self._stream.items):
             chunks += self._stream.text("")   # an empty message, as the body has one
         return chunks + self._stream.close(status(choice))
 

@@ -2,7 +2,8 @@
 messages for the template: message items with their text parts joined by newlines
 (developer is system, as on the chat route), function_call items as the `tool_calls`
 of the assistant message before them (or of a new one), function_call_output items
-as `tool` messages, all in OpenAI's chat form, so every chat template renders them as
+as `tool` messages, reasoning items as the `reasoning_content` of the assistant turn
+they open, all in OpenAI's chat form, so every chat template renders them as
 it renders a chat request. Each malformed item is a 400 naming its path
 (`input[1].content[0].type`)."""
 
@@ -17,7 +18,7 @@ from ruvllm_cli.server.fields import invalid_type, invalid_value
 # An item's role as the chat template's.
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def parse_input(value: Any) -> list[dict[str, Any]]:
@@ -38,7 +39,14 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise invalid_type(where, "an object (an input item)", item)
     kind = item.get("type") or "message"   # a message may leave its type out
     if kind == "message":
-        messages.append(_message(item, where))
+        message = _message(item, where)
+        last = messages[-1] if messages else None
+        if message["role"] == "assistant" and last is not None and _reasoning_only(last):
+            last["content"] = message["content"]   # the turn its reasoning item opened
+        else:
+            messages.append(message)
+    elif kind == "reasoning":
+        messages.append({"role": "assistant", "content": None, "reasoning_content": _reasoning(item, where)})
     elif kind == "function_call":
         _add_call(messages, _function_call(item, where))
     elif kind == "function_call_output":
@@ -47,8 +55,31 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise invalid_value(f"{where}.type", "this server stores no items (it is stateless): send the item "
                                              "itself, not a reference", kind)
     else:
-        raise invalid_value(f"{where}.type", f"must be {', '.join(ITEM_TYPES)} (reasoning, hosted tools' and "
-                                             "other items are not supported)", kind)
+        raise invalid_value(f"{where}.type", f"must be {', '.join(ITEM_TYPES)} (hosted tools' and other items "
+                                             "are not supported)", kind)
+
+
+def _reasoning_only(message: dict[str, Any]) -> bool:
+    return message["role"] == "assistant" and message["content"] is None and "tool_calls" not in message
+
+
+def _reasoning(item: dict[str, Any], where: str) -> str:
+    """A past turn's reasoning: its reasoning_text parts, else its summary's texts
+    (encrypted_content, OpenAI's, is not readable here and is dropped)."""
+    texts = []
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise invalid_type(f"{where}.{key}", "an array", parts)
+        for i, part in enumerate(parts):
+            if not isinstance(part, dict) or part.get("type") != kind or not isinstance(part.get("text"), str):
+                raise invalid_value(f"{where}.{key}[{i}]", f"must be a {kind} part with its text", part)
+            texts.append(part["text"])
+        if texts:
+            break
+    return "\n".join(texts)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -127,5 +158,9 @@ FUNCTION_CALL_ITEM = {"type": "object", "required": ["type", "call_id", "name", 
     "arguments": {"type": "string", "description": "The arguments object as JSON text."}}}
 CALL_OUTPUT_ITEM = {"type": "object", "required": ["type", "call_id", "output"], "properties": {
     "type": {"const": "function_call_output"}, "call_id": _STRING, "output": _CONTENT}}
+_PARTS = {kind: {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": kind}, "text": _STRING}}} for kind in ("reasoning_text", "summary_text")}
+REASONING_ITEM = {"type": "object", "required": ["type"], "properties": {
+    "type": {"const": "reasoning"}, "content": _PARTS["reasoning_text"], "summary": _PARTS["summary_text"]}}
 INPUT_SCHEMA = {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": {
-    "anyOf": [MESSAGE_ITEM, FUNCTION_CALL_ITEM, CALL_OUTPUT_ITEM]}}]}
+    "anyOf": [MESSAGE_ITEM, FUNCTION_CALL_ITEM, CALL_OUTPUT_ITEM, REASONING_ITEM]}}]}

@@ -1,7 +1,7 @@
 """The Response object and its output items, from the choice routes.generate
 accumulates (one: the API has no `n`), in the shapes of the openai SDK's
-`types/responses` (Response, ResponseOutputMessage, ResponseFunctionToolCall,
-ResponseUsage)."""
+`types/responses` (Response, ResponseReasoningItem, ResponseOutputMessage,
+ResponseFunctionToolCall, ResponseUsage)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,32 @@ def status(choice: Choice) -> str:
 
 def usage(choice: Choice) -> dict[str, Any]:
     """OpenAI's counts: `input_tokens` are all the prompt's, `cached_tokens` those the
-    prefix cache held; nothing is billed for writing, and no model here reasons apart."""
+    prefix cache held; nothing is billed for writing. `reasoning_tokens`: a reasoning
+    model's, up to its end marker (0 where that marker is not one token: not counted)."""
     prompt, output = choice.num_prompt_tokens, choice.num_output_tokens
     return {"input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": choice.num_cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens or 0},
             "total_tokens": prompt + output}
 
 
 def message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
+
+
+def reasoning_id() -> str:
+    return f"rs_{uuid.uuid4().hex}"
+
+
+def reasoning_item(item_id: str, text: str, item_status: str) -> dict[str, Any]:
+    """A reasoning model's reasoning, as vLLM returns it: the text itself in `content`
+    (OpenAI's own models send only a summary, here none)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [reasoning_part(text)],
+            "status": item_status}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def call_item_id(call_id: str) -> str:
@@ -56,10 +72,11 @@ def call_item(call_id: str, name: str, arguments: str, item_status: str) -> dict
 
 
 def body_output(choice: Choice, calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """A whole reply's items: its text (if any, or if there is nothing else), then its
-    calls; the last one takes the reply's status (incomplete where the token limit cut
+    """A whole reply's items: a reasoning model's reasoning, its text (if any, or if
+    there is nothing else), then its calls; the last one takes the reply's status (incomplete where the token limit cut
     it), the others are completed, as the stream closes them."""
-    items = [message_item(message_id(), choice.text, "completed")] if choice.text or not calls else []
+    items = [reasoning_item(reasoning_id(), choice.reasoning, "completed")] if choice.reasoning else []
+    items += [message_item(message_id(), choice.text, "completed")] if choice.text or not calls else []
     items += [call_item(call.id, call.name, call.arguments, "completed") for call in calls]
     items[-1]["status"] = status(choice)
     return items
@@ -94,6 +111,10 @@ MESSAGE_OUTPUT = {"type": "object", "required": ["id", "type", "status", "role",
     "content": {"type": "array", "items": {"type": "object", "required": ["type", "text", "annotations"],
                                            "properties": {"type": {"const": "output_text"}, "text": _STRING,
                                                           "annotations": {"type": "array", "maxItems": 0}}}}}}
+REASONING_OUTPUT = {"type": "object", "required": ["id", "type", "summary"], "properties": {
+    "id": _STRING, "type": {"const": "reasoning"}, "status": _ITEM_STATUS, "summary": {"type": "array", "maxItems": 0},
+    "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "reasoning_text"}, "text": _STRING}}}}}
 CALL_OUTPUT = {"type": "object", "required": ["id", "type", "status", "call_id", "name", "arguments"],
                "properties": {"id": _STRING, "type": {"const": "function_call"}, "status": _ITEM_STATUS,
                               "call_id": _STRING, "name": _STRING, "arguments": _STRING}}
@@ -105,11 +126,11 @@ RESPONSE_SCHEMA = {
         "status": {"enum": list(STATUSES)}, "model": _STRING,
         "incomplete_details": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
             "reason": {"const": "max_output_tokens"}}}]},
-        "output": {"type": "array", "items": {"anyOf": [MESSAGE_OUTPUT, CALL_OUTPUT]}},
+        "output": {"type": "array", "items": {"anyOf": [REASONING_OUTPUT, MESSAGE_OUTPUT, CALL_OUTPUT]}},
         "parallel_tool_calls": {"type": "boolean"}, "tools": {"type": "array"},
         "tool_choice": {"anyOf": [_STRING, {"type": "object"}]}, "store": {"const": False},
         "metadata": {"type": "object", "additionalProperties": _STRING},
         "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"], "properties": {
             "input_tokens": _COUNT, "output_tokens": _COUNT, "total_tokens": _COUNT,
             "input_tokens_details": {"type": "object", "properties": {"cached_tokens": _COUNT}},
-            "output_tokens_details": {"type": "object", "properties": {"reasoning_tokens": {"const": 0}}}}}}}
+            "output_tokens_details": {"type": "object", "properties": {"reasoning_tokens": _COUNT}}}}}}

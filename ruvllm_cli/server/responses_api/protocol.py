@@ -70,7 +70,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         max_tokens=values["max_output_tokens"], max_tokens_param="max_output_tokens",
         temperature=values["temperature"], top_p=values["top_p"],
         top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"], ignore_eos=values["ignore_eos"],
-        structured=text_format.structured)
+        logit_bias=values["logit_bias"] or (), structured=text_format.structured)
     tools = _tool_request(values)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and 'text.format' both constrain the reply; give "
@@ -263,7 +263,7 @@ RESPONSES_FIELDS = (
     Field("truncation", "string", "Accepted; nothing is ever dropped (a conversation beyond the context is a 400).",
           "disabled", enum=("auto", "disabled")),
     # ruvllm's and vLLM's extensions, which OpenAI's SDK sends through `extra_body`.
-    _SHARED["top_k"], _SHARED["seed"], _SHARED["ignore_eos"], _SHARED["cache_salt"], _SHARED["priority"],
-    _SHARED["session_id"],
+    _SHARED["top_k"], _SHARED["seed"], _SHARED["ignore_eos"], _SHARED["logit_bias"], _SHARED["cache_salt"],
+    _SHARED["priority"], _SHARED["session_id"],
 )
 REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {PATH: RESPONSES_FIELDS}

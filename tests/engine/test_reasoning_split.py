@@ -1,0 +1,84 @@
+"""The reasoning splitter: a reply's reasoning and answer, the same whether it arrives
+whole or cut anywhere, and never taking back what it gave."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ruvllm_cli.engine.reasoning import (FORMATS, Reasoning, ReasoningSplitter, detect_format, get_format,
+                                         split_reasoning)
+from ruvllm_cli.errors import UsageError
+
+THINK = FORMATS["think"]
+
+CASES = [
+    # (reply, starts inside the block, reasoning, answer)
+    ("\nWhat is 2+2? Four.\n\n</think>\n\nThe answer is 4.", True, "What is 2+2? Four.", "The answer is 4."),
+    ("<think>\nhmm\n</think>\n\nok", False, "hmm", "ok"),
+    ("  \n<think>a</think>b", False, "a", "b"),
+    ("Hello <think>x</think>", False, "", "Hello <think>x</think>"),   # a block counts only at the start
+    ("<thi", False, "", "<thi"),                                       # a start marker that never completed
+    ("cut off while thinking  \n", True, "cut off while thinking", ""),
+    ("<think>open forever", False, "open forever", ""),
+    ("</think>answer</think>", True, "", "answer</think>"),
+    ("a  </thinking> b</think>", True, "a  </thinking> b", ""),        # not the marker: still reasoning
+    ("   ", False, "", "   "),
+    ("", True, "", ""),
+]
+
+
+@pytest.mark.parametrize("text, inside, reasoning, answer", CASES)
+def test_a_reply_is_split_the_same_whole_or_in_any_pieces(text, inside, reasoning, answer):
+    whole = split_reasoning(THINK, text, inside)
+    assert (whole.reasoning, whole.content) == (reasoning, answer)
+    rng = random.Random(text)
+    for _ in range(100):
+        splitter, got = ReasoningSplitter(THINK, inside), ["", ""]
+        start = 0
+        while start < len(text):
+            end = start + rng.randint(1, 5)
+            piece = splitter.feed(text[start:end])
+            got = [got[0] + piece.reasoning, got[1] + piece.content]
+            start = end
+        piece = splitter.finish()
+        assert [got[0] + piece.reasoning, got[1] + piece.content] == [reasoning, answer]
+
+
+def test_nothing_is_given_out_that_a_marker_could_still_take_back():
+    splitter = ReasoningSplitter(THINK, in_reasoning=True)
+    assert splitter.feed("step one </thi").reasoning == "step one"
+    assert splitter.in_reasoning
+    piece = splitter.feed("nk> done")
+    assert piece.reasoning == "" and piece.content == "done" and not splitter.in_reasoning
+
+
+def test_formats_by_name_and_from_the_template():
+    assert get_format("deepseek_r1") is get_format("qwen3") is THINK
+    assert get_format("mistral").start == "[THINK]"
+    with pytest.raises(UsageError):
+        get_format("granite")
+    assert detect_format("{{ '<think>' }} ... {{ '</think>' }}") is THINK
+    assert detect_format("[THINK]{{ x }}[/THINK]") is FORMATS["mistral"]
+    assert detect_format("<|im_start|>assistant") is None and detect_format(None) is None
+
+
+def test_markers_and_reasoning_tokens_from_the_tokenizer(make_tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tiny_model(reasoning="opens"))
+    reasoning = Reasoning.of(THINK, tokenizer)
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert (reasoning.start_id, reasoning.end_id) == (start, end)
+    opened = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    closed = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False, enable_thinking=False)
+    assert reasoning.opens_in_reasoning(tokenizer, opened) and not reasoning.opens_in_reasoning(tokenizer, closed)
+    assert reasoning.reasoning_tokens([7, 8, end, 9], had_reasoning=True) == 3
+    assert reasoning.reasoning_tokens([7, 8, 9], had_reasoning=True) == 3
+    assert reasoning.reasoning_tokens([7, end], had_reasoning=False) == 0
+    plain = AutoTokenizer.from_pretrained(make_tiny_model())   # no such tokens: several pieces each
+    assert Reasoning.of(THINK, plain).end_id is None
+    assert Reasoning.of(THINK, plain).reasoning_tokens([1, 2], had_reasoning=True) is None
