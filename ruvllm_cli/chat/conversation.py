@@ -10,7 +10,7 @@ the whole conversation once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ from ruvllm_cli.errors import UsageError
 if TYPE_CHECKING:
     from ruvllm_cli.chat.render import Renderer
     from ruvllm_cli.engine.loop import EngineLoop
+    from ruvllm_cli.engine.reasoning import Reasoning
 
 # `/adapter base` (or `none`) and `--adapter base` mean the base model; chat refuses
 # adapters named so.
@@ -36,6 +37,7 @@ class Conversation:
     chats_dir: Path                      # where /save writes when given no file
     last_reply: Reply | None = None
     adapters: tuple[str, ...] = ()       # the LoRA adapters the engine serves, by name
+    reasoning: "Reasoning | None" = None  # a reasoning model's markers: its reasoning shown apart, not kept
 
     def use_adapter(self, name: str | None) -> None:
         """Generate the next replies with LoRA adapter `name` (None: the base model);
@@ -76,8 +78,15 @@ class Conversation:
             turns = "turn" if fit.dropped_turns == 1 else "turns"
             self.renderer.warn(f"dropped the {fit.dropped_turns} oldest {turns} to fit the "
                                f"{self.session.context_limit}-token context window")
-        reply = stream_reply(self.loop, fit.prompt_ids, self.session.sampling_params(),
-                             self.renderer.reply_text, self.session.adapter)
+        params, splitter = self.session.sampling_params(), None
+        if self.reasoning is not None:
+            inside, wait_for = self.reasoning.plan(self.session.template.tokenizer, fit.prompt_ids,
+                                                   params.structured is not None)
+            params = replace(params, structured_after=wait_for,
+                             kept_special_tokens=(*params.kept_special_tokens, *self.reasoning.markers))
+            splitter = self.reasoning.splitter(inside)
+        reply = stream_reply(self.loop, fit.prompt_ids, params, self.renderer.reply_text, self.session.adapter,
+                             splitter, self.renderer.reply_reasoning if splitter is not None else None)
         self.renderer.reply_end(reply, self.session.settings.max_tokens)
         if reply.finish_reason is FinishReason.ERROR:
             return reply

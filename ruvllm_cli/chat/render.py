@@ -78,6 +78,7 @@ def format_stats_details(reply: "Reply") -> list[tuple[str, str]]:
 
 class Renderer(Protocol):
     def reply_text(self, text: str) -> None: ...
+    def reply_reasoning(self, text: str) -> None: ...   # a reasoning model's, before its answer
     def reply_end(self, reply: "Reply", max_tokens: int) -> None: ...
     def rows(self, rows: list[tuple[str, str]]) -> None: ...
     def info(self, message: str) -> None: ...
@@ -88,8 +89,10 @@ class Renderer(Protocol):
 class TerminalRenderer:
     """Rich output for the interactive REPL."""
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, show_reasoning: bool = True) -> None:
         self.console = console
+        self.show_reasoning = show_reasoning
+        self._thinking = False   # reasoning is on screen and the answer has not begun
 
     def banner(self, description: str, session: "ChatSession", adapters: Sequence[str] = ()) -> None:
         self.console.print(f"[bold]ruvllm chat[/bold] · {escape(description)}")
@@ -102,10 +105,26 @@ class TerminalRenderer:
         self.console.print('[dim]/help for commands · """ for multi-line input · '
                            'Ctrl-C stops a reply · Ctrl-D quits[/dim]\n')
 
+    def reply_reasoning(self, text: str) -> None:
+        """A reasoning model's reasoning, dim under a "Thinking" line (--hide-thinking: not shown)."""
+        if not self.show_reasoning:
+            return
+        if not self._thinking:
+            self._thinking = True
+            self.console.print("[dim]Thinking…[/dim]")
+        self.console.out(terminal_safe(text), end="", style="dim italic", highlight=False)
+
     def reply_text(self, text: str) -> None:
+        self._end_thinking()
         self.console.out(terminal_safe(text), end="", highlight=False)
 
+    def _end_thinking(self) -> None:
+        if self._thinking:
+            self._thinking = False
+            self.console.print("\n[dim]…done thinking.[/dim]\n")
+
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
+        self._end_thinking()
         self.console.out("")
         if reply.interrupted:
             self.console.print("[yellow]Interrupted:[/yellow] the partial reply stays in the "
@@ -142,12 +161,28 @@ class PipeRenderer:
     With `whole` (a JSON reply), the reply goes out at its end, and only if the token
     limit did not cut it: stdout is then one JSON document or nothing."""
 
-    def __init__(self, notices: Console, whole: bool = False) -> None:
+    def __init__(self, notices: Console, whole: bool = False, show_reasoning: bool = True) -> None:
         self.notices = notices
         self.whole = whole
+        self.show_reasoning = show_reasoning
         self._held: list[str] = []
+        self._thinking = False
+
+    def reply_reasoning(self, text: str) -> None:
+        """A reasoning model's reasoning goes to stderr: stdout holds the answer alone."""
+        if self.show_reasoning:
+            self._thinking = True
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    def _end_thinking(self) -> None:
+        if self._thinking:
+            self._thinking = False
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
     def reply_text(self, text: str) -> None:
+        self._end_thinking()
         if self.whole:
             self._held.append(text)
             return
@@ -155,6 +190,7 @@ class PipeRenderer:
         sys.stdout.flush()
 
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
+        self._end_thinking()
         held, self._held = "".join(self._held), []
         if self.whole and reply.finish_reason is FinishReason.LENGTH:
             self.info(f"The reply so far: {held}")

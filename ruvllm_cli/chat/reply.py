@@ -17,6 +17,7 @@ from ruvllm_cli.engine.request import FinishReason
 
 if TYPE_CHECKING:
     from ruvllm_cli.engine.loop import EngineLoop, RequestStream
+    from ruvllm_cli.engine.reasoning import ReasoningSplitter
     from ruvllm_cli.engine.outputs import RequestOutput
     from ruvllm_cli.engine.sampling import SamplingParams
 
@@ -49,10 +50,11 @@ class ReplyStats:
 
 @dataclass(frozen=True)
 class Reply:
-    text: str
+    text: str                    # the answer (a reasoning model's reasoning apart)
     finish_reason: FinishReason
     stats: ReplyStats
     error: str | None = None
+    reasoning: str = ""
 
     @property
     def interrupted(self) -> bool:
@@ -60,23 +62,43 @@ class Reply:
 
 
 def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "SamplingParams",
-                 on_text: Callable[[str], Any], adapter: str | None = None) -> Reply:
+                 on_text: Callable[[str], Any], adapter: str | None = None,
+                 splitter: "ReasoningSplitter | None" = None,
+                 on_reasoning: Callable[[str], Any] | None = None) -> Reply:
     """Generate a reply with LoRA `adapter` (None: the base model), handing each new
-    piece of text to `on_text` as it arrives.
+    piece of text to `on_text` as it arrives; with a reasoning model's `splitter`, its
+    reasoning goes to `on_reasoning` and the answer to `on_text`.
 
     Ctrl-C (SIGINT) cancels the request instead of raising: the stream then ends with
     a `cancelled` output, and the text so far is the reply."""
     stream = loop.submit(list(prompt_ids), params, adapter=adapter)
     parts: list[str] = []
+    thoughts: list[str] = []
+
+    def hand_out(reasoning: str, text: str) -> None:
+        if reasoning:
+            thoughts.append(reasoning)
+            if on_reasoning is not None:
+                on_reasoning(reasoning)
+        if text:
+            parts.append(text)
+            on_text(text)
+
     final: RequestOutput | None = None
     with cancel_on_interrupt(stream):
         for output in stream:
-            if output.text:
-                parts.append(output.text)
-                on_text(output.text)
+            if splitter is None:
+                hand_out("", output.text)
+            else:
+                split = splitter.feed(output.text)
+                hand_out(split.reasoning, split.content)
             final = output
+    if splitter is not None:
+        split = splitter.finish()
+        hand_out(split.reasoning, split.content)
     assert final is not None and final.finished
-    return Reply("".join(parts), final.finish_reason or FinishReason.STOP, ReplyStats.from_output(final), final.error)
+    return Reply("".join(parts), final.finish_reason or FinishReason.STOP, ReplyStats.from_output(final), final.error,
+                 "".join(thoughts))
 
 
 @contextmanager

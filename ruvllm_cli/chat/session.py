@@ -36,16 +36,18 @@ ROLES = ("user", "assistant")
 class ChatTemplate:
     """Renders messages to token ids with the tokenizer's own chat template."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, kwargs: dict[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ModelLoadError("this model's tokenizer has no chat template",
                                  "chat needs an instruct/chat model; base models only continue text")
         self.tokenizer = tokenizer
+        self.kwargs = kwargs   # the template's own variables (enable_thinking)
 
     def __call__(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if not messages:
             return []
-        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+        return render_chat(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                           template_kwargs=self.kwargs)
 
 
 # ---------------------------------------------------------------- sampling settings

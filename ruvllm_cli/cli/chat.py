@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
+@click.option("--think/--no-think", default=None,
+              help="A reasoning model whose chat template takes enable_thinking (Qwen3): reason before "
+                   "answering, or not.  [default: the template's]")
+@click.option("--hide-thinking", is_flag=True,
+              help="Do not show a reasoning model's reasoning (shown dim before the answer; piped, on stderr).")
 @load_quantization_option()
 @prefix_cache_option()
 @weight_cache_option()
@@ -59,6 +64,10 @@ def command(**options: Any) -> None:
 
     --lora NAME=PATH loads PEFT LoRA adapters beside the model: replies come from the
     base model, or from the adapter --adapter names, and /adapter switches between them.
+
+    A reasoning model's reasoning (DeepSeek-R1, QwQ, Qwen3: <think>...</think>) is
+    shown dim before its answer and is not kept in the conversation; piped, it goes to
+    stderr and stdout holds the answer alone.
 
     \b
     Examples:
@@ -171,17 +180,22 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     from ruvllm_cli.chat.conversation import Conversation
     from ruvllm_cli.chat.render import PipeRenderer, TerminalRenderer
     from ruvllm_cli.chat.session import ChatSession, ChatTemplate
+    from ruvllm_cli.engine.reasoning import model_reasoning
     from ruvllm_cli.paths import chats_dir
 
     engine = opened.engine
-    session = ChatSession(ChatTemplate(engine.tokenizer), engine.max_model_len,
+    think = options.get("think")
+    template = ChatTemplate(engine.tokenizer, None if think is None else {"enable_thinking": think})
+    session = ChatSession(template, engine.max_model_len,
                           model=opened.located.served_name, system_prompt=options["system"] or None,
                           settings=resolve_settings(options, recommended_sampling(opened)),
                           structured=options["structured"], adapter=options["adapter"])
     out = app.output()
-    renderer = (TerminalRenderer(out.out) if interactive
-                else PipeRenderer(out.err, whole=options["structured"] is not None))
-    return Conversation(session, loop, renderer, chats_dir=chats_dir(), adapters=tuple(engine.lora.names()))
+    show = not options.get("hide_thinking", False)
+    renderer = (TerminalRenderer(out.out, show_reasoning=show) if interactive
+                else PipeRenderer(out.err, whole=options["structured"] is not None, show_reasoning=show))
+    return Conversation(session, loop, renderer, chats_dir=chats_dir(), adapters=tuple(engine.lora.names()),
+                        reasoning=model_reasoning(engine.tokenizer))
 
 
 def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conversation") -> None:

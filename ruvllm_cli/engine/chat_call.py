@@ -1,5 +1,6 @@
 """The engine's chat call for Python callers: messages (and tools) in, a finished
-reply out, with any tool calls parsed into data."""
+reply out, with any tool calls parsed into data and a reasoning model's reasoning
+apart from its answer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ruvllm_cli.engine.chat_template import render_chat
+from ruvllm_cli.engine.reasoning import model_reasoning, split_reasoning
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tool_parsers import ToolCall, ToolParser, detect_parser, get_parser
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
@@ -23,6 +25,7 @@ class ChatReply:
     completion: "Completion"
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""   # a reasoning model's, before its answer
 
 
 def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: SamplingParams | None = None,
@@ -36,11 +39,20 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
                          stop=() if forced else params.stop)   # a forced reply is calls only (prompts.tool_sampling)
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
+    reasoning, inside = model_reasoning(engine.tokenizer), False
+    if reasoning is not None:
+        inside, wait_for = reasoning.plan(engine.tokenizer, prompt, params.structured is not None)
+        params = replace(params, structured_after=wait_for,
+                         kept_special_tokens=(*params.kept_special_tokens, *reasoning.markers))
     [completion] = engine.generate([prompt], params)
+    thought, text = "", completion.text
+    if reasoning is not None:
+        split = split_reasoning(reasoning.format, text, inside)
+        thought, text = split.reasoning, split.content
     if parser is None:
-        return ChatReply(completion, completion.text)
-    parsed = parser.parse(completion.text)
-    return ChatReply(completion, parsed.content, list(parsed.tool_calls))
+        return ChatReply(completion, text, reasoning=thought)
+    parsed = parser.parse(text)
+    return ChatReply(completion, parsed.content, list(parsed.tool_calls), thought)
 
 
 def model_tool_parser(engine: "LLMEngine", name: str | None = None) -> ToolParser:

@@ -63,6 +63,18 @@ class Reasoning:
     def markers(self) -> tuple[str, str]:
         return self.format.start, self.format.end
 
+    def plan(self, tokenizer: Any, prompt_ids: Sequence[int], constrained: bool) -> tuple[bool, int | None]:
+        """(the reply starts inside its block, the token a constraint on it waits for).
+        A constraint (a JSON schema, a forced tool call) on a reply that starts inside
+        the block starts after the end marker: from the first token it would write the
+        answer inside the block, and the reply would be all reasoning. Where that marker
+        is not one token the constraint holds from the first token and the reply is all
+        answer (the model does not reason)."""
+        inside = self.opens_in_reasoning(tokenizer, prompt_ids)
+        if not (constrained and inside):
+            return inside, None
+        return (True, self.end_id) if self.end_id is not None else (False, None)
+
     def opens_in_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
         """The prompt leaves the reply inside an open block (its generation prompt ends
         with the start marker, as DeepSeek-R1's and QwQ's templates write it)."""
@@ -80,6 +92,15 @@ class Reasoning:
         if self.end_id is None:
             return None
         return token_ids.index(self.end_id) + 1 if self.end_id in token_ids else len(token_ids)
+
+
+def model_reasoning(tokenizer: Any, name: str = "auto") -> Reasoning | None:
+    """The named reasoning markers ("none": none), else ("auto") those the model's chat
+    template writes; None for a model that does not reason."""
+    if name == "none":
+        return None
+    fmt = detect_format(getattr(tokenizer, "chat_template", None)) if name == "auto" else get_format(name)
+    return Reasoning.of(fmt, tokenizer) if fmt is not None else None
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:

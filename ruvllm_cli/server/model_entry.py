@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ruvllm_cli.engine.loop import EngineLoop
+from ruvllm_cli.engine.reasoning import model_reasoning
 from ruvllm_cli.server.engine_client import EngineClient, as_client
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.token_text import TokenTexts
@@ -63,7 +64,7 @@ class ServedModel:
         self.engine_loop = engine if isinstance(engine, EngineLoop) else None
         self.token_texts = TokenTexts(self.client.engine.tokenizer)
         self.tool_parser = pick_tool_parser(self.client.engine, tool_call_parser)
-        self.reasoning = pick_reasoning(self.client.engine.tokenizer, reasoning_parser)
+        self.reasoning = model_reasoning(self.client.engine.tokenizer, reasoning_parser)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread this process runs for it (if any)."""
@@ -80,17 +81,6 @@ def pick_tool_parser(engine: Any, name: str | None) -> ToolParser | None:
         return model_tool_parser(engine, name)
     except UsageError:
         return None
-
-
-def pick_reasoning(tokenizer: Any, name: str) -> Reasoning | None:
-    """The configured reasoning markers ("none": none), else those the model's chat
-    template writes; None for a model that does not reason."""
-    from ruvllm_cli.engine.reasoning import Reasoning, detect_format, get_format
-
-    if name == "none":
-        return None
-    fmt = detect_format(getattr(tokenizer, "chat_template", None)) if name == "auto" else get_format(name)
-    return Reasoning.of(fmt, tokenizer) if fmt is not None else None
 
 
 @dataclass

@@ -87,20 +87,12 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
 
 def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingFields,
                        prompt_ids: list[int]) -> tuple[SamplingFields, bool]:
-    """Sampling for a reasoning model's reply, and whether it starts inside its block.
-    The markers reach the splitter even where they are special tokens. A constraint
-    (response_format, a forced tool call) on a reply that starts inside the block
-    starts after the block's end marker: from the first token it would write the
-    answer inside the block, and the reply would be all reasoning. Where that marker
-    is not one token the constraint holds from the first token, and the reply is all
-    answer (the model does not reason)."""
-    in_reasoning = reasoning.opens_in_reasoning(tokenizer, prompt_ids)
-    sampling = replace(sampling, kept_special_tokens=(*sampling.kept_special_tokens, *reasoning.markers))
-    if sampling.structured is not None and in_reasoning:
-        if reasoning.end_id is None:
-            return sampling, False
-        sampling = replace(sampling, structured_after=reasoning.end_id)
-    return sampling, in_reasoning
+    """Sampling for a reasoning model's reply (its markers reach the splitter even where
+    they are special tokens; a constraint waits for the block's end: `Reasoning.plan`),
+    and whether it starts inside its block."""
+    inside, wait_for = reasoning.plan(tokenizer, prompt_ids, sampling.structured is not None)
+    return replace(sampling, kept_special_tokens=(*sampling.kept_special_tokens, *reasoning.markers),
+                   structured_after=wait_for), inside
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:

@@ -82,3 +82,26 @@ def test_markers_and_reasoning_tokens_from_the_tokenizer(make_tiny_model):
     plain = AutoTokenizer.from_pretrained(make_tiny_model())   # no such tokens: several pieces each
     assert Reasoning.of(THINK, plain).end_id is None
     assert Reasoning.of(THINK, plain).reasoning_tokens([1, 2], had_reasoning=True) is None
+
+
+def test_the_engines_chat_call_gives_the_reasoning_apart(make_tiny_model):
+    from ruvllm_cli.engine.chat_template import render_chat
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.engine.sampling import SamplingParams
+    from ruvllm_cli.quantization import Quantization
+
+    engine = LLMEngine(load_model(make_tiny_model(reasoning="opens"), "cpu", Quantization.F32),
+                       EngineConfig(device="cpu"))
+    end = engine.tokenizer.convert_tokens_to_ids("</think>")
+    messages = [{"role": "user", "content": "hi"}]
+    both = 0
+    for seed in range(6):
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, logit_bias={end: 3.5})
+        reply = engine.chat(messages, params)
+        [raw] = engine.generate([render_chat(engine.tokenizer, messages)], params)
+        expected = split_reasoning(THINK, raw.text, in_reasoning=True)
+        assert (reply.reasoning, reply.content) == (expected.reasoning, expected.content)
+        both += bool(reply.reasoning and reply.content)
+    assert both
