@@ -1,8 +1,9 @@
 """The chat page in a real headless Chromium against the real server on the tiny
 model: a reply streams in and ends with its stats, Stop and Esc cancel the request
 on the server, LoRA adapters are picked under their base model, markup in a reply
-stays text, the API key is asked for, a reload keeps the conversation, and light,
-dark and phone-width screenshots are taken.
+stays text, the API key is asked for, a reload keeps the conversation, a reasoning
+model's reasoning is folded above its answer, and light, dark and phone-width
+screenshots are taken.
 
 Replies whose words matter are forced through the server's own `structured_outputs`
 choice, typed into the page's "Extra request fields" setting: the text still comes
@@ -31,8 +32,9 @@ from ruvllm_cli.engine.loader import load_model
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.testing.browser import INSTALL_HINT, BrowserPaths, browser_required, find_browser, start_chromium
 from ruvllm_cli.testing.tiny_lora import MLP, build_lora_adapter
+from ruvllm_cli.testing.tiny_model import THINK_END
 
-from tests.server.conftest import LiveServer, start_adapter_server
+from tests.server.conftest import LiveServer, build_server, start_adapter_server
 
 pytestmark = pytest.mark.timeout(120)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -488,3 +490,120 @@ def test_new_chat_closes_the_list_on_a_phone(server, page_for):
     page.wait(lambda: page.el("#new-chat").rect["x"] >= 0)
     page.el("#new-chat").click()
     assert not page.js("return document.body.classList.contains('show-chats')")
+
+
+@pytest.fixture
+def reasoning_server(make_tiny_model) -> Iterator[LiveServer]:
+    """A server on a reasoning model whose template opens the <think> block in the
+    generation prompt (DeepSeek-R1's, QwQ's): every reply starts inside its reasoning."""
+    live = build_server(load_model(make_tiny_model(reasoning="opens"), "cpu", Quantization.F32),
+                        engine={"max_num_seqs": 4})
+    yield live
+    live.assert_clean()
+    live.stop()
+
+
+def thinking(page: ChatPage, reply: Any) -> dict[str, Any] | None:
+    """The reply's "Thinking" section as shown (None where it has none)."""
+    return page.js("const d = arguments[0].querySelector(':scope > details.thinking');"
+                   "const text = d && d.querySelector('.reasoning');"
+                   "return d && {summary: d.querySelector('summary').textContent, open: d.open,"
+                   "  text: text.textContent, elements: text.childElementCount}", reply)
+
+
+def record_requests(page: ChatPage) -> None:
+    """Each chat completion request the page makes, its body in `window.bodies`."""
+    page.js("window.bodies = []; const original = window.fetch; window.fetch = (url, init) => {"
+            "  if (String(url).endsWith('/chat/completions')) window.bodies.push(JSON.parse(init.body));"
+            "  return original(url, init); };")
+
+
+ANSWER = "In Paris."
+
+
+def thinking_then_answering(live: LiveServer, question: str) -> tuple[int, dict[str, Any]]:
+    """A seed and extra request fields under which the reply to `question` reasons a
+    while, closes its block and answers ANSWER. Random weights write </think> only now
+    and then: logit_bias makes it likely (as tests/server/test_reasoning.py does), and
+    structured_outputs, which waits for the end of the reasoning, fixes the answer."""
+    end = live.engine(lambda e: e.tokenizer.convert_tokens_to_ids(THINK_END))
+    extra = {"logit_bias": {str(end): 3.5}, "structured_outputs": {"choice": [ANSWER]}}
+    for seed in range(16):
+        body = {"model": live.model, "messages": [{"role": "user", "content": question}], "temperature": 1,
+                "seed": seed, "max_tokens": 60, **extra}
+        message = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        if len(message["reasoning"] or "") >= 8 and message["content"] == ANSWER:
+            return seed, extra
+    raise AssertionError("no seed gave a reply that reasoned, then answered")
+
+
+def test_a_reasoning_models_thinking_is_folded_above_its_answer(reasoning_server, page_for):
+    question = "Where is the Eiffel Tower?"
+    seed, extra = thinking_then_answering(reasoning_server, question)
+    page = page_for(reasoning_server.url).open()
+    record_requests(page)
+    page.settings(temperature="1", seed=str(seed), maxTokens="60", extra=json.dumps(extra))
+    page.send(question)
+    reply = page.wait_reply()
+    # The page's own request, whole: what it shows is what the API gives.
+    [body] = page.js("return window.bodies")
+    whole = {key: value for key, value in body.items() if key != "stream_options"}
+    message = httpx.post(reasoning_server.url + "/v1/chat/completions", json={**whole, "stream": False},
+                         timeout=60).json()["choices"][0]["message"]
+    assert message["content"] == ANSWER and len(message["reasoning"]) >= 8
+    shown = thinking(page, reply)
+    assert shown == {"summary": "Thought", "open": False, "text": message["reasoning"], "elements": 0}
+    assert page.js("return arguments[0].textContent", reply.find_element("css selector", ".body")) == ANSWER
+    assert STATS.match(reply.find_element("css selector", ".stats").text)
+    text = reply.find_element("css selector", ".thinking .reasoning")
+    assert not text.is_displayed()   # folded until asked for
+    reply.find_element("css selector", ".thinking summary").click()
+    assert text.is_displayed() and thinking(page, reply)["open"]
+    # The next turn sends the answer only.
+    page.send("And the Colosseum?")
+    page.wait_reply()
+    sent = page.js("return window.bodies")[-1]["messages"]
+    assert sent[:2] == [{"role": "user", "content": question}, {"role": "assistant", "content": ANSWER}]
+    assert all(set(m) == {"role", "content"} for m in sent)
+    # A reload shows it again, folded: it is kept with the conversation.
+    page.open()
+    assert thinking(page, page.all(".message.assistant")[0]) == shown
+    saved = json.loads(page.js("return localStorage.getItem('ruvllm.chats')"))
+    assert saved[0]["messages"][1]["reasoning"] == message["reasoning"]
+    assert page.severe_logs() == []
+
+
+def test_stop_mid_reasoning_keeps_the_thinking_that_came(reasoning_server, page_for):
+    page = page_for(reasoning_server.url).open()
+    end = reasoning_server.engine(lambda e: e.tokenizer.convert_tokens_to_ids(THINK_END))
+    # </think> ruled out (random weights write it now and then): reasoning all along
+    page.settings(maxTokens="900", extra=json.dumps({"ignore_eos": True, "logit_bias": {str(end): -100}}))
+    page.send("Think about a long story")
+    page.wait(lambda: (thinking(page, page.reply()) or {}).get("text"))
+    streaming = thinking(page, page.reply())
+    assert streaming["summary"] == "Thinking…" and not streaming["open"]
+    wait_gauge(reasoning_server.url, "ruvllm_num_requests_running", 1)
+    page.el("#stop").click()
+    reply = page.wait_reply(("stopped",))
+    wait_gauge(reasoning_server.url, "ruvllm_num_requests_running", 0)
+    kept = thinking(page, reply)
+    assert kept["summary"] == "Thought" and kept["text"].startswith(streaming["text"])
+    page.open()
+    assert page.reply().get_attribute("data-state") == "stopped"
+    assert thinking(page, page.reply()) == kept
+
+
+def test_a_reply_without_reasoning_shows_no_thinking(server, page_for):
+    page = page_for(server.url).open()
+    page.settings(maxTokens="4")
+    page.send("Hello")
+    assert thinking(page, page.wait_reply()) is None and page.all("#messages details") == []
+    # A conversation saved before the page kept reasoning still loads.
+    old = [{"id": "old-1", "title": "From before", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello **there**.", "state": "done", "stats": "3 tokens"}]}]
+    page.js("localStorage.setItem('ruvllm.chats', arguments[0]); localStorage.setItem('ruvllm.active', '\"old-1\"')",
+            json.dumps(old))
+    page.open()
+    assert [m.find_element("css selector", ".body").text for m in page.all(".message")] == ["Hi", "Hello there."]
+    assert page.all("#messages details") == []

@@ -1,6 +1,7 @@
 // The chat page: conversations on the left, the reply streaming in as the server
-// sends it, settings on the right. Every model text goes through renderMarkdown or
-// textContent, never through innerHTML.
+// sends it (a reasoning model's reasoning folded above its answer), settings on the
+// right. Every model text goes through renderMarkdown or textContent, never through
+// innerHTML.
 
 import { Api, ApiError } from './api.js';
 import { renderMarkdown } from './markdown.js';
@@ -101,11 +102,35 @@ function messageView(message) {
 function updateView(message) {
   const view = views.get(message);
   if (!view) return;   // its conversation is not the one on screen
-  const [body, stats] = view.children;
-  if (message.role === 'assistant') renderMarkdown(body, message.content);
-  else body.textContent = message.content;
-  stats.textContent = message.stats ?? '';
+  const body = view.querySelector(':scope > .body');
+  if (message.role === 'assistant') {
+    updateThinking(view, message);
+    renderMarkdown(body, message.content);
+  } else {
+    body.textContent = message.content;
+  }
+  view.querySelector(':scope > .stats').textContent = message.stats ?? '';
   view.dataset.state = message.state ?? 'done';
+}
+
+/** A reasoning model's reasoning, above its answer: folded (the answer is what was
+ * asked for; a click shows how it came) and plain text (model output, not written to
+ * be read as Markdown). A reply without reasoning, or saved before the page showed
+ * it, gets no section. */
+function updateThinking(view, message) {
+  if (!message.reasoning) return;
+  let details = view.querySelector(':scope > .thinking');
+  if (!details) {
+    details = document.createElement('details');
+    details.className = 'thinking';
+    const text = document.createElement('div');
+    text.className = 'reasoning';
+    details.append(document.createElement('summary'), text);
+    view.prepend(details);   // created once: the user's open or closed stays as it streams
+  }
+  const [summary, text] = details.children;
+  summary.textContent = message.state === 'streaming' && !message.content ? 'Thinking…' : 'Thought';
+  text.textContent = message.reasoning;
 }
 
 function scrollToEnd(force = false) {
@@ -185,10 +210,14 @@ async function readReply(body, reply, clock) {
   for await (const chunk of api.chat(body, state.controller.signal)) {
     usage = chunk.usage ?? usage;
     for (const choice of chunk.choices ?? []) {
+      // The server sends reasoning twice, as `reasoning` and as `reasoning_content`
+      // (the older name): one of them is taken.
+      const thought = choice.delta?.reasoning ?? choice.delta?.reasoning_content ?? '';
       const piece = choice.delta?.content ?? '';
-      if (piece) {
+      if (thought) reply.reasoning = (reply.reasoning ?? '') + thought;
+      if (piece) reply.content += piece;
+      if (thought || piece) {
         clock.first ??= performance.now();
-        reply.content += piece;
         redraw(reply);
         saveSoon();
       }
@@ -259,8 +288,9 @@ function seconds(ms) {
 }
 
 /** The conversation as the next request sends it: a turn whose reply failed or never
- * came (an error, a stop before the first token) is left out; sent again, it would fail
- * again (a prompt too long) or break the alternation of roles templates require. */
+ * came (an error, a stop before the first token, a reply that never got past its
+ * reasoning) is left out; sent again, it would fail again (a prompt too long) or break
+ * the alternation of roles templates require. */
 function history() {
   const system = state.settings.system.trim();
   const messages = state.chat.messages;
@@ -276,6 +306,8 @@ function history() {
 }
 
 // A model can write a NUL, which the server refuses in a request: sent as U+FFFD.
+// A reply's reasoning stays on the page, out of requests: the reasoning models' own
+// templates (DeepSeek-R1, QwQ, Qwen3) leave earlier turns' reasoning out of the prompt.
 function sendable(message) {
   return { role: message.role, content: message.content.replaceAll('\u0000', '\ufffd') };
 }
