@@ -50,7 +50,9 @@ SCHEMAS: dict[str, JsonSchema] = {
     "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
         "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
         "total_tokens": {"type": "integer"},
-        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+        "completion_tokens_details": {"type": "object", "description": "A reasoning model's replies only.",
+                                      "properties": {"reasoning_tokens": _COUNT}}}},
     "ChatCompletion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                        "properties": {**_HEAD, "object": {"const": "chat.completion"}, "choices": {
                            "type": "array", "items": {
@@ -58,7 +60,10 @@ SCHEMAS: dict[str, JsonSchema] = {
                                    "index": {"type": "integer"}, "logprobs": _LOGPROBS, "finish_reason": _FINISH,
                                    "message": {"type": "object", "required": ["role", "content"], "properties": {
                                        "role": {"const": "assistant"}, "content": _NULL_STRING,
-                                       "refusal": {"type": "null"}, "tool_calls": {"type": "array"}}}}}},
+                                       "refusal": {"type": "null"}, "tool_calls": {"type": "array"},
+                                       "reasoning": {**_NULL_STRING, "description": "A reasoning model's "
+                                                     "reasoning (absent for other models)."},
+                                       "reasoning_content": _NULL_STRING}}}}},
                            "usage": {"$ref": "#/components/schemas/Usage"}}},
     "Completion": {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
                    "properties": {**_HEAD, "object": {"const": "text_completion"}, "choices": {

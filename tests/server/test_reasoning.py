@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -107,6 +108,9 @@ def test_the_reasoning_is_split_from_the_answer_streamed_or_not(reasoning_server
         assert streamed[2] == whole.choices[0].finish_reason
         assert streamed[3].completion_tokens_details.reasoning_tokens == (spent if had else 0)
         kinds.add((bool(expected.reasoning), bool(expected.content)))
+        document = httpx.get(live.url + "/openapi.json", timeout=10).json()
+        jsonschema.validate(whole.model_dump(exclude_unset=True),
+                            {"$ref": "#/components/schemas/ChatCompletion", "components": document["components"]})
     assert (True, True) in kinds   # some replies closed their block and answered
     live.assert_clean()
 
