@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ruvllm_cli.cli.context import AppContext
-from ruvllm_cli.errors import ModelLoadError
+from ruvllm_cli.errors import ModelLoadError, RuvllmError
 from ruvllm_cli.quantization import Quantization, quantization_of_gguf
 from ruvllm_cli.registry.locate import LocatedModel, locate_model
 
@@ -132,9 +132,12 @@ class OpenedEngine:
 
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
                 device: str = "auto", weight_cache: bool = True, adapters: Sequence[tuple[str, Path]] = (),
-                kernels: bool = True, **engine_options: Any) -> OpenedEngine:
+                kernels: bool = True, skip_bad_adapters: bool = False, **engine_options: Any) -> OpenedEngine:
     """Locate MODEL, load it with a spinner on stderr, and build the engine, serving
-    the LoRA `adapters` ((name, directory) from `locate_adapters`).
+    the LoRA `adapters` ((name, directory) from `locate_adapters`); with
+    `skip_bad_adapters` one that cannot be read or does not fit the model is left out
+    with a warning instead of failing the load (a pool's reload: the model must come
+    back even when an adapter's directory went away).
 
     `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, max_loras, ...);
     `kernels=False` (--no-compile) keeps ruvllm's C kernels out, for this process."""
@@ -158,13 +161,21 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
         config_fields = {k: v for k, v in engine_options.items() if v is not None}
         config = EngineConfig(device=device, quantization=quantization, **config_fields)
         loaded = load_model(located.path, config.device, config.quantization, use_cache=weight_cache)
-        loras = read_adapters(adapters)
+        skip = (lambda name, error: out.warn(f"LoRA adapter {name} left out: {error}")) if skip_bad_adapters \
+            else None
+        loras = read_adapters(adapters, skip)
         if loras and "max_lora_rank" not in config_fields:
             config = dataclasses.replace(config, max_lora_rank=max(EngineConfig.max_lora_rank,
                                                                    *(a.rank for a in loras)))
         engine = LLMEngine(loaded, config)
-        for lora in loras:
-            engine.add_lora(lora.name, lora)
+        for lora in list(loras):
+            try:
+                engine.add_lora(lora.name, lora)
+            except RuvllmError as error:
+                if skip is None:
+                    raise
+                skip(lora.name, error.message)
+                loras.remove(lora)
     opened = OpenedEngine(engine, located)
     fused = "; decode steps fused (C kernels)" if engine.runner.fused is not None else ""
     out.info(f"[dim]Loaded {opened.describe()} in {loaded.load_seconds:.1f} s; "
@@ -188,7 +199,17 @@ def locate_adapters(app: AppContext, specs: Sequence[str]) -> list[tuple[str, Pa
     return found
 
 
-def read_adapters(paths: Sequence[tuple[str, Path]]) -> list[Any]:
+def read_adapters(paths: Sequence[tuple[str, Path]],
+                  skip: Callable[[str, str], None] | None = None) -> list[Any]:
+    """The adapters read; one that cannot be is an error, or with `skip` reported and left out."""
     from ruvllm_cli.engine.lora import read_adapter
 
-    return [read_adapter(name, path) for name, path in paths]
+    adapters = []
+    for name, path in paths:
+        try:
+            adapters.append(read_adapter(name, path))
+        except RuvllmError as error:
+            if skip is None:
+                raise
+            skip(name, error.message)
+    return adapters

@@ -167,14 +167,27 @@ def command(**options: Any) -> None:
         raise UsageError("--swap-space sizes the pool of --preemption-mode swap",   # it had been ignored
                          "add --preemption-mode swap, or leave --swap-space out")
     # A missing or undownloaded model fails here, before the port is bound or announced.
-    for model in options["models"]:
-        locate_model(model, app.cache_dir, options["quantization"])
+    names = {name for model in options["models"]
+             for name in served_names(locate_model(model, app.cache_dir, options["quantization"]), model,
+                                      options["served_model_name"])}
+    check_adapter_names(options["lora"], names)
     options["adapters"] = locate_adapters(app, options["lora"])
     options["cluster"] = cluster_options(options)
     options["api_key_from_flag"] = ctx.get_parameter_source("api_key") is ParameterSource.COMMANDLINE
     options["max_context_from_flag"] = ctx.get_parameter_source("max_context") is ParameterSource.COMMANDLINE
     asyncio.run(serve(app, options))
     exit_now()
+
+
+def check_adapter_names(specs: Sequence[str], model_names: set[str]) -> None:
+    """A --lora adapter named as a model would be unreachable (the model takes the name)."""
+    from ruvllm_cli.registry.adapters import parse_lora_specs
+
+    for name, _ in parse_lora_specs(specs):
+        if name in model_names:
+            raise UsageError(f"--lora {name}: {name} is also a name of a MODEL (its alias, hub id or the name "
+                             "as typed), which requests naming it would reach",
+                             f"give the adapter another name: --lora OTHER={name}'s path")
 
 
 def exit_now() -> None:

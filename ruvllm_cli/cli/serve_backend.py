@@ -70,7 +70,8 @@ def load_local(app: AppContext, options: dict[str, Any]) -> LocalBackend:
 
     from ruvllm_cli.engine.tokenizer import warm_up
 
-    opened = open_engine(app, options["model"], adapters=options["adapters"], **engine_options(options))
+    opened = open_engine(app, options["model"], adapters=options["adapters"],
+                         skip_bad_adapters=options.get("skip_bad_adapters", False), **engine_options(options))
     warm_up(opened.engine.tokenizer)   # before the first chat request, not during it
     return LocalBackend(opened)
 

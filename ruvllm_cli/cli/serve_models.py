@@ -139,7 +139,10 @@ def loader(app: "AppContext", options: dict[str, Any], model: str,
 
     def load_model(adapters: Sequence[Any]) -> EngineLoop:
         with LOAD_LOCK:
-            backend = load_local(app, {**options, "model": model, "adapters": list(adapters)})
+            # A reload must bring the model back even when an adapter went bad since (its
+            # directory removed); the pool then forgets that adapter (ModelPool._load).
+            backend = load_local(app, {**options, "model": model, "adapters": list(adapters),
+                                       "skip_bad_adapters": True})
         return backend.start(on_failure)
 
     return load_model

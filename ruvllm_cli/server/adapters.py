@@ -6,7 +6,9 @@ fetches a hub id) that a request names, which an exposed server must not do for
 anyone who can reach it. With --api-key both routes need the key like the rest.
 
 With several models the body's `model` names the base (default: the first); the
-pool remembers the adapter, so it comes back when its model is loaded again.
+pool remembers the adapter, so it comes back when its model is loaded again. The
+engine's change and the pool's record happen together even when the client leaves
+mid-request (a shielded task), and a name being loaded is reserved until it is done.
 """
 
 from __future__ import annotations
@@ -32,13 +34,17 @@ from ruvllm_cli.server.state import ServerState, get_state
 async def load_lora_adapter(request: web.Request) -> web.Response:
     state = _runtime_lora(request)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), LOAD_LORA_FIELDS)
-    name, path = values["lora_name"], values["lora_path"]
-    if state.models.adapter_owner(name) is not None:
+    name, path = values["lora_name"].strip(), values["lora_path"]
+    if not name:   # the rule --lora's names follow
+        raise ApiError(400, "'lora_name' must not be blank.", param="lora_name", code="invalid_value")
+    if state.models.adapter_owner(name) is not None or name in state.models.adapters_loading:
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                        code="invalid_value")
     if name in state.models.all_names():
         raise ApiError(400, f"'{name}' is the name of a model this server serves; give the adapter another "
                             "lora_name.", param="lora_name", code="invalid_value")
+    state.models.adapters_loading.add(name)   # until the engine has it or the load failed
+    installing: asyncio.Future[None] | None = None
     try:
         located = await _off_loop(state, lambda: _locate(state, path))
         adapter = await _off_loop(state, lambda: read_adapter(name, located))
@@ -46,8 +52,15 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             if model.adapter is not None:
                 raise ApiError(400, f"'{model.adapter}' is a LoRA adapter; name its base model.", param="model",
                                code="invalid_value")
-            await _off_loop(state, lambda: model.client.call(lambda engine: engine.add_lora(name, adapter)))
-            state.models.keep_adapter(model.entry, name, located)
+            client, entry = model.client, model.entry
+
+            async def install() -> None:
+                await _off_loop(state, lambda: client.call(lambda engine: engine.add_lora(name, adapter)))
+                state.models.keep_adapter(entry, name, located)
+
+            installing = asyncio.ensure_future(install())
+            installing.add_done_callback(lambda _: state.models.adapters_loading.discard(name))
+            await asyncio.shield(installing)   # a client that leaves does not part engine and record
     except ApiError:
         raise
     except (RepoUnavailableError, UsageError, ModelNotFoundError) as error:
@@ -57,6 +70,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise ApiError(503, error.message, param="lora_path", code="adapter_download_failed") from error
     except RuvllmError as error:
         raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
+    finally:
+        if installing is None:
+            state.models.adapters_loading.discard(name)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -79,7 +95,13 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     try:
         if entry.status not in (ModelStatus.UNLOADED, ModelStatus.FAILED):   # else only its record goes
             async with state.model_for(name) as model:
-                await _off_loop(state, lambda: model.client.call(lambda engine: engine.remove_lora(name)))
+                client = model.client
+
+                async def remove() -> None:
+                    await _off_loop(state, lambda: client.call(lambda engine: engine.remove_lora(name)))
+                    entry.adapters.pop(name, None)
+
+                await asyncio.shield(asyncio.ensure_future(remove()))   # engine and record change together
     except AdapterNotFoundError as error:
         raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                        code="model_not_found") from error

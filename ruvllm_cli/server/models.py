@@ -42,6 +42,8 @@ class ModelPool:
         self.report: Callable[[str], None] = log.info   # one line per load failure and unload
         self._parser = tool_call_parser
         self._reasoning_parser = reasoning_parser
+        self.adapters_loading: set[str] = set()   # names a runtime load has reserved
+        self._draining = False
         self._executor = executor
         self._change = asyncio.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -130,6 +132,9 @@ class ModelPool:
         """Wait until `entry` is loaded, loading it (and unloading another) if need be."""
         deadline: float | None = None
         while True:
+            if self._draining:   # not admitted yet, so the shutdown would not wait for it: answered now
+                raise ApiError(503, "The request was cancelled because the server is shutting down.",
+                               code="shutting_down")
             if entry.status is ModelStatus.LOADED:
                 assert entry.served is not None
                 return entry.served
@@ -211,6 +216,10 @@ class ModelPool:
                 return
             entry.status, entry.served, entry.error = ModelStatus.LOADED, served, None
             entry.counts["loads"] += 1
+            serving = set(served.client.engine.lora.names())
+            for name in [name for name in entry.adapters if name not in serving]:
+                del entry.adapters[name]   # its loader left it out (unreadable, another base): gone for good
+                self.report(f"{entry.name}: LoRA adapter {name} did not load with it and is no longer served")
         self._notify()
         self._idle(entry)
 
@@ -253,6 +262,11 @@ class ModelPool:
             entry.counts["unloads"] += 1
             self.report(f"Unloaded {entry.name} ({reason})")
             self._notify()
+
+    def drain(self) -> None:
+        """The server is stopping: requests waiting for a model get a 503 now."""
+        self._draining = True
+        self._notify()
 
     def close(self, timeout: float) -> None:
         """Stop the engines the pool loaded (each waited for at most `timeout` s)."""

@@ -110,7 +110,7 @@ class ServerState:
         self.limits = config.limits
         self.started = time.monotonic()
         self.ready_at: float | None = None
-        self.draining = False
+        self._draining = False
         # Set when the shutdown timeout runs out: every generation still going ends at once.
         self.expired = asyncio.Event()
 
@@ -134,6 +134,17 @@ class ServerState:
         self.admission.capacity = max_num_seqs + self.config.max_queue
         self.limits = self.config.limits.within(self.admission.capacity)
         self.ready_at = time.monotonic()
+
+    @property
+    def draining(self) -> bool:
+        """The server is stopping: new requests get a 503, and so do those waiting for a model."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value:
+            self.models.drain()
 
     @property
     def model_name(self) -> str:

@@ -183,3 +183,23 @@ def test_no_compile_keeps_our_kernels_out(tiny_model_dir, monkeypatch, capsys) -
             loader.cache_clear()
     for command in ("chat", "serve", "benchmark"):
         assert "--no-compile" in CliRunner().invoke(cli, [command, "--help"]).output
+
+
+def test_a_reload_leaves_out_an_adapter_that_went_bad(tiny_model_dir, make_tiny_model, tmp_path, capsys) -> None:
+    """serve's pooled loads (skip_bad_adapters): an unreadable adapter or one of another base
+    model is left out with a warning; without it, either fails the load."""
+    from ruvllm_cli.errors import RuvllmError
+    from ruvllm_cli.testing.tiny_lora import MLP, build_lora_adapter
+
+    good = build_lora_adapter(tiny_model_dir, tmp_path / "good", rank=4, targets=MLP)
+    other = build_lora_adapter(make_tiny_model(hidden_size=96, num_heads=4), tmp_path / "other", rank=4, targets=MLP)
+    adapters = [("good", good), ("gone", tmp_path / "gone"), ("other", other)]
+    opened = open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32,
+                         device="cpu", adapters=adapters, skip_bad_adapters=True)
+    assert opened.engine.lora.names() == ["good"]
+    warnings = capsys.readouterr().err
+    assert "LoRA adapter gone left out" in warnings and "LoRA adapter other left out" in warnings
+    for bad in adapters[1:]:
+        with pytest.raises(RuvllmError):
+            open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32,
+                        device="cpu", adapters=[adapters[0], bad])

@@ -255,3 +255,14 @@ def test_serve_refuses_a_missing_adapter_before_binding(ruvllm, tiny_model_dir, 
     assert result.returncode != 0
     assert "Error: no adapter directory" in result.stderr and "Traceback" not in result.stderr
     assert "Listening" not in result.stderr
+
+
+def test_serve_refuses_an_adapter_named_as_a_model(ruvllm, tiny_model_dir, make_tiny_model, adapters, free_port):
+    """The model would take every request naming it: the adapter could never be reached."""
+    other = make_tiny_model(num_layers=3)
+    for models, name in (([tiny_model_dir], tiny_model_dir.name), ([tiny_model_dir, other], other.name)):
+        result = ruvllm("serve", *map(str, models), "--port", str(free_port), "--lora",
+                        f"{name}={adapters['mlp']}", timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert f"Error: --lora {name}: {name} is also a name of a MODEL" in result.stderr
+        assert "Traceback" not in result.stderr and "ValueError" not in result.stderr
