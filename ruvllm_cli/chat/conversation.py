@@ -10,7 +10,7 @@ the whole conversation once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,7 +55,7 @@ class Conversation:
         except BaseException:
             self.session.drop_last_user()
             raise
-        if reply.finish_reason is FinishReason.ERROR:
+        if reply.finish_reason is FinishReason.ERROR or reply.thinking_only:
             self.session.drop_last_user()
         return reply
 
@@ -67,7 +67,7 @@ class Conversation:
         except BaseException:
             self.session.messages.append(previous)
             raise
-        if reply.finish_reason is FinishReason.ERROR:
+        if reply.finish_reason is FinishReason.ERROR or reply.thinking_only:
             self.session.messages.append(previous)
         return reply
 
@@ -80,16 +80,14 @@ class Conversation:
                                f"{self.session.context_limit}-token context window")
         params, splitter = self.session.sampling_params(), None
         if self.reasoning is not None:
-            inside, wait_for = self.reasoning.plan(self.session.template.tokenizer, fit.prompt_ids,
-                                                   params.structured is not None)
-            params = replace(params, structured_after=wait_for,
-                             kept_special_tokens=(*params.kept_special_tokens, *self.reasoning.markers))
-            splitter = self.reasoning.splitter(inside)
+            plan = self.reasoning.plan(self.session.template.tokenizer, fit.prompt_ids, params.structured is not None)
+            params = plan.sampling(params, self.reasoning)
+            splitter = self.reasoning.splitter(plan.inside)
         reply = stream_reply(self.loop, fit.prompt_ids, params, self.renderer.reply_text, self.session.adapter,
                              splitter, self.renderer.reply_reasoning if splitter is not None else None)
         self.renderer.reply_end(reply, self.session.settings.max_tokens)
-        if reply.finish_reason is FinishReason.ERROR:
-            return reply
+        if reply.finish_reason is FinishReason.ERROR or reply.thinking_only:
+            return reply   # nothing to keep: the caller takes the turn back
         self.session.add_reply(reply.text, reply.interrupted)
         self.last_reply = reply
         warning = self.session.context_warning()

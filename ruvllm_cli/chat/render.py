@@ -64,6 +64,18 @@ def format_adapters(current: str | None, loaded: Sequence[str]) -> str:
     return f"Replies come from {adapter_label(current)} (LoRA adapters: {', '.join(loaded)}; /adapter switches)"
 
 
+def no_answer(reply: "Reply", max_tokens: int) -> str:
+    """Why a reasoning model's reply has no answer (Reply.thinking_only)."""
+    if reply.interrupted:
+        why = "it was stopped"
+    elif reply.finish_reason is FinishReason.LENGTH:
+        why = (f"it reached the {max_tokens}-token limit (/max raises it)" if reply.stats.tokens >= max_tokens
+               else "the context window is full (/clear starts afresh)")
+    else:
+        why = "the model ended it"
+    return f"no answer: the reply ended while the model was thinking ({why})"
+
+
 def format_stats_details(reply: "Reply") -> list[tuple[str, str]]:
     """The rows of /stats."""
     stats = reply.stats
@@ -118,14 +130,18 @@ class TerminalRenderer:
         self._end_thinking()
         self.console.out(terminal_safe(text), end="", highlight=False)
 
-    def _end_thinking(self) -> None:
+    def _end_thinking(self, done: bool = True) -> None:
         if self._thinking:
             self._thinking = False
-            self.console.print("\n[dim]…done thinking.[/dim]\n")
+            self.console.print("\n[dim]…done thinking.[/dim]\n" if done else "")
 
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
-        self._end_thinking()
+        self._end_thinking(done=False)   # a reply that ends while thinking: nothing was done
         self.console.out("")
+        if reply.thinking_only:
+            self.warn(no_answer(reply, max_tokens) + "; your message is not kept (send it again)")
+            self.console.print(f"[dim]{escape(format_stats_line(reply.stats))}[/dim]")
+            return
         if reply.interrupted:
             self.console.print("[yellow]Interrupted:[/yellow] the partial reply stays in the "
                                "conversation (/retry generates it again)")
@@ -191,6 +207,9 @@ class PipeRenderer:
 
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
         self._end_thinking()
+        if reply.thinking_only:   # stdout stays empty: there is no answer to print
+            self.error(no_answer(reply, max_tokens).replace("/max", "--max-tokens"))
+            return
         held, self._held = "".join(self._held), []
         if self.whole and reply.finish_reason is FinishReason.LENGTH:
             self.info(f"The reply so far: {held}")

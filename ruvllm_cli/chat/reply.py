@@ -60,6 +60,12 @@ class Reply:
     def interrupted(self) -> bool:
         return self.finish_reason is FinishReason.CANCELLED
 
+    @property
+    def thinking_only(self) -> bool:
+        """A reasoning model's reply that ended (stopped, cut by the token limit, or by the
+        model) before its answer began: there is nothing to keep."""
+        return not self.text and bool(self.reasoning) and self.finish_reason is not FinishReason.ERROR
+
 
 def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "SamplingParams",
                  on_text: Callable[[str], Any], adapter: str | None = None,

@@ -185,6 +185,9 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
 
     engine = opened.engine
     think = options.get("think")
+    if think is not None and "enable_thinking" not in (getattr(engine.tokenizer, "chat_template", None) or ""):
+        app.output().warn(f"--{'' if think else 'no-'}think changes nothing: this model's chat template has no "
+                          "enable_thinking switch")
     template = ChatTemplate(engine.tokenizer, None if think is None else {"enable_thinking": think})
     session = ChatSession(template, engine.max_model_len,
                           model=opened.located.served_name, system_prompt=options["system"] or None,
@@ -214,6 +217,8 @@ def answer_once(conversation: "Conversation", message: str) -> None:
         raise click.exceptions.Exit(1)  # the renderer has printed the error
     if reply.interrupted:
         raise click.exceptions.Exit(130)
+    if reply.thinking_only:
+        raise click.exceptions.Exit(1)   # the renderer has said why there is no answer
     session = conversation.session
     if session.structured is not None and reply.finish_reason is FinishReason.LENGTH:
         raise RuvllmError(f"the reply reached the {session.settings.max_tokens}-token limit before its JSON "

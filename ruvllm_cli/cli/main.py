@@ -115,14 +115,16 @@ def main(argv: list[str] | None = None) -> None:
     atexit.register(_quick_exit)
     app = AppContext()
     try:
-        cli.main(args=argv, prog_name="ruvllm", standalone_mode=False, obj=app)
+        # Outside standalone mode click gives a command's click.exceptions.Exit back as
+        # main's return value, the exit code (it was dropped: rc 0 after such an Exit(1)).
+        code = cli.main(args=argv, prog_name="ruvllm", standalone_mode=False, obj=app)
     except click.exceptions.Exit as done:
         sys.exit(done.exit_code)
     except BaseException as error:  # noqa: BLE001 - this is the one place errors become exit codes
         if isinstance(error, SystemExit):
             raise
         sys.exit(_handle_error(error, app))
-    sys.exit(0)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _quick_exit() -> None:

@@ -41,9 +41,8 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
     prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
     reasoning, inside = model_reasoning(engine.tokenizer), False
     if reasoning is not None:
-        inside, wait_for = reasoning.plan(engine.tokenizer, prompt, params.structured is not None)
-        params = replace(params, structured_after=wait_for,
-                         kept_special_tokens=(*params.kept_special_tokens, *reasoning.markers))
+        plan = reasoning.plan(engine.tokenizer, prompt, params.structured is not None)
+        params, inside = plan.sampling(params, reasoning), plan.inside
     [completion] = engine.generate([prompt], params)
     thought, text = "", completion.text
     if reasoning is not None:

@@ -90,7 +90,8 @@ class LLMEngine:
                           priority=int(options.priority), user=options.user, session_id=options.session_id,
                           adapter_uid=adapter.uid if adapter else 0,
                           swappable=not (adapter is not None and adapter.mixture),
-                          grammar_waits=params.structured is not None and params.structured_after is not None)
+                          grammar_waits=params.structured is not None and params.structured_after is not None
+                          and params.structured_opener is None)
         if request_id is not None:
             request.request_id = request_id
         if request.request_id in self.requests:

@@ -102,6 +102,9 @@ class OutputProcessor:
         if request.grammar_waits:   # reasoning first: the constraint starts after its end marker
             request.grammar_waits = token != request.params.structured_after
             return True, False
+        if len(request.output_ids) == 1 and token == request.params.structured_opener:
+            request.grammar_waits = True   # the model opened its reasoning block: the constraint waits
+            return True, False
         accepted = request.grammar.accept(token)
         return accepted, accepted and request.grammar.is_finished
 

@@ -13,7 +13,7 @@ what it gave: a tail that could still become a marker is held until it cannot.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ruvllm_cli.errors import UsageError
@@ -40,9 +40,11 @@ def get_format(name: str) -> ReasoningFormat:
 
 
 def detect_format(chat_template: str | None) -> ReasoningFormat | None:
-    """The markers a model's chat template writes or strips from earlier turns, if any."""
+    """The markers a model's chat template writes or strips from earlier turns, if any:
+    the end marker is enough (DeepSeek-R1's first template only strips `...</think>`
+    from earlier turns, and its model writes both)."""
     template = chat_template or ""
-    return next((fmt for fmt in FORMATS.values() if fmt.start in template and fmt.end in template), None)
+    return next((fmt for fmt in FORMATS.values() if fmt.end in template), None)
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,24 @@ class Reasoning:
     def markers(self) -> tuple[str, str]:
         return self.format.start, self.format.end
 
-    def plan(self, tokenizer: Any, prompt_ids: Sequence[int], constrained: bool) -> tuple[bool, int | None]:
-        """(the reply starts inside its block, the token a constraint on it waits for).
-        A constraint (a JSON schema, a forced tool call) on a reply that starts inside
-        the block starts after the end marker: from the first token it would write the
-        answer inside the block, and the reply would be all reasoning. Where that marker
-        is not one token the constraint holds from the first token and the reply is all
-        answer (the model does not reason)."""
-        inside = self.opens_in_reasoning(tokenizer, prompt_ids)
-        if not (constrained and inside):
-            return inside, None
-        return (True, self.end_id) if self.end_id is not None else (False, None)
+    def plan(self, tokenizer: Any, prompt_ids: Sequence[int], constrained: bool,
+             continued: str | None = None) -> "ReplyPlan":
+        """Where a reply starts, and how a constraint on it (a JSON schema, a forced tool
+        call) lets it reason: one on a reply that starts inside the block starts after
+        the end marker (from the first token it would write the answer inside the block,
+        and the reply would be all reasoning); on a reply that may open a block (Qwen3)
+        the first token may also be the start marker, and then the constraint waits for
+        the end marker. Where the markers are not single tokens the constraint holds
+        from the first token and the reply is all answer (the model does not reason).
+        `continued`: the assistant's text a reply continues (continue_final_message),
+        inside the block where it opened one and did not close it."""
+        inside = self.opens_in_reasoning(tokenizer, prompt_ids) if continued is None else \
+            continued.rfind(self.format.start) > continued.rfind(self.format.end)
+        if not constrained or self.end_id is None:
+            return ReplyPlan(inside and not (constrained and self.end_id is None))
+        if inside:
+            return ReplyPlan(True, self.end_id)
+        return ReplyPlan(False, self.end_id, self.start_id) if self.start_id is not None else ReplyPlan(False)
 
     def opens_in_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
         """The prompt leaves the reply inside an open block (its generation prompt ends
@@ -101,6 +110,18 @@ def model_reasoning(tokenizer: Any, name: str = "auto") -> Reasoning | None:
         return None
     fmt = detect_format(getattr(tokenizer, "chat_template", None)) if name == "auto" else get_format(name)
     return Reasoning.of(fmt, tokenizer) if fmt is not None else None
+
+
+@dataclass(frozen=True)
+class ReplyPlan:
+    inside: bool                      # the reply starts inside its reasoning block
+    wait_for: int | None = None       # SamplingParams.structured_after: the block's end marker
+    opener: int | None = None         # SamplingParams.structured_opener: its start marker, as a first token
+
+    def sampling(self, params: Any, reasoning: Reasoning) -> Any:
+        """`params` (SamplingParams or the server's SamplingFields) for this reply."""
+        return replace(params, structured_after=self.wait_for, structured_opener=self.opener,
+                       kept_special_tokens=(*params.kept_special_tokens, *reasoning.markers))
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:
@@ -133,6 +154,7 @@ class ReasoningSplitter:
         self._held = ""               # text not yet given out
         self._space = ""              # reasoning's trailing whitespace, given out when more reasoning follows
         self._given_reasoning = False
+        self._may_reopen = in_reasoning   # a model may write the start marker the prompt already wrote
         self.had_reasoning = in_reasoning
 
     @property
@@ -158,6 +180,14 @@ class ReasoningSplitter:
                     self._held, self._state, self.had_reasoning = text[len(start):], _State.REASONING, True
                 elif (text and not start.startswith(text)) or final:
                     self._state = _State.CONTENT
+                else:
+                    break   # nothing yet, or a tail that may still become the start marker
+            elif state is _State.REASONING and self._may_reopen:
+                text, start = self._held.lstrip(), self.format.start
+                if text.startswith(start):
+                    self._held, self._may_reopen = text[len(start):], False
+                elif (text and not start.startswith(text)) or final:
+                    self._may_reopen = False
                 else:
                     break   # nothing yet, or a tail that may still become the start marker
             elif state is _State.REASONING:

@@ -104,7 +104,12 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> No
         return
     bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
     for slot, i in enumerate(rows):
-        requests[i].grammar.fill_bitmask(bitmask, slot)  # type: ignore[union-attr]
+        request = requests[i]
+        request.grammar.fill_bitmask(bitmask, slot)  # type: ignore[union-attr]
+        opener = request.params.structured_opener
+        if opener is not None and not request.output_ids:   # a reasoning block may come before the constraint
+            word, bit = divmod(opener, 32)
+            bitmask[slot, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
     torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)  # inf + -inf is NaN
     apply_bitmask(logits, bitmask, rows)
 

@@ -45,6 +45,7 @@ class SamplingParams(SamplingKnobs):
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]), OpenAI's semantics
     structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
     structured_after: int | None = None             # the constraint starts after this token (a reasoning block's end)
+    structured_opener: int | None = None            # as a first token, opens that block first (Qwen3's <think>)
     skip_special_tokens: bool = True                # False: special tokens reach the text
     kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
     min_tokens: int = 0                             # EOS and stop_token_ids held off until this many (vLLM's)

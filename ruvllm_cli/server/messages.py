@@ -36,12 +36,11 @@ def _message(item: Any, where: str) -> dict[str, Any]:
             raise invalid_value(f"{where}.tool_calls", "only assistant messages carry an array of tool calls",
                                 tool_calls)
         message["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(tool_calls)]
-    reasoning = next((item[key] for key in ("reasoning", "reasoning_content") if item.get(key) is not None), None)
-    if reasoning is not None:   # a reasoning model's earlier turn (Qwen3's template keeps the last one's)
-        if role != "assistant" or not isinstance(reasoning, str):
-            raise invalid_value(f"{where}.reasoning", "only assistant messages carry reasoning, as a string",
-                                reasoning)
-        message["reasoning_content"] = reasoning
+    key = next((key for key in ("reasoning", "reasoning_content") if item.get(key) is not None), None)
+    if key is not None:   # a reasoning model's earlier turn (Qwen3's template keeps the last one's)
+        if role != "assistant" or not isinstance(item[key], str):
+            raise invalid_value(f"{where}.{key}", "only assistant messages carry reasoning, as a string", item[key])
+        message["reasoning_content"] = item[key]
     for key in ("name", "tool_call_id"):
         if item.get(key) is not None:
             if not isinstance(item[key], str):

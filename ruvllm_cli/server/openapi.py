@@ -18,7 +18,7 @@ from aiohttp import web
 from ruvllm_cli import __version__
 from ruvllm_cli.server.errors import ERROR_TYPES
 from ruvllm_cli.server.messages_api import errors as anthropic_errors, protocol as messages_protocol
-from ruvllm_cli.server.messages_api.blocks import TEXT_BLOCK, TOOL_USE_BLOCK
+from ruvllm_cli.server.messages_api.blocks import TEXT_BLOCK, THINKING_BLOCK, TOOL_USE_BLOCK
 from ruvllm_cli.server.messages_api.responses import STOP_REASONS
 from ruvllm_cli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ruvllm_cli.server.middlewares import PUBLIC_PATHS
@@ -88,7 +88,7 @@ SCHEMAS: dict[str, JsonSchema] = {
     "Message": {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason",
                                                "stop_sequence", "usage"], "properties": {
         "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
-        "model": {"type": "string"}, "content": {"type": "array", "items": {"anyOf": [TEXT_BLOCK, TOOL_USE_BLOCK]}},
+        "model": {"type": "string"}, "content": {"type": "array", "items": {"anyOf": [THINKING_BLOCK, TEXT_BLOCK, TOOL_USE_BLOCK]}},
         "stop_reason": {"enum": list(STOP_REASONS)}, "stop_sequence": _NULL_STRING,
         "usage": {"type": "object", "required": ["input_tokens", "output_tokens"], "properties": {
             "input_tokens": _COUNT, "output_tokens": _COUNT, "cache_read_input_tokens": _COUNT,

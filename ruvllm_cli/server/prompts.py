@@ -85,14 +85,13 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
     return replace(sampling, structured=Structured(spec, "tools", parts=parts), stop=())
 
 
-def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingFields,
-                       prompt_ids: list[int]) -> tuple[SamplingFields, bool]:
+def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingFields, prompt_ids: list[int],
+                       continued: str | None = None) -> tuple[SamplingFields, bool]:
     """Sampling for a reasoning model's reply (its markers reach the splitter even where
-    they are special tokens; a constraint waits for the block's end: `Reasoning.plan`),
-    and whether it starts inside its block."""
-    inside, wait_for = reasoning.plan(tokenizer, prompt_ids, sampling.structured is not None)
-    return replace(sampling, kept_special_tokens=(*sampling.kept_special_tokens, *reasoning.markers),
-                   structured_after=wait_for), inside
+    they are special tokens; a constraint lets it reason first: `Reasoning.plan`), and
+    whether it starts inside its block."""
+    plan = reasoning.plan(tokenizer, prompt_ids, sampling.structured is not None, continued)
+    return plan.sampling(sampling, reasoning), plan.inside
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:

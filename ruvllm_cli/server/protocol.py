@@ -57,6 +57,7 @@ class SamplingFields(SamplingKnobs):
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
     structured_after: int | None = None    # the constraint starts after this token (a reasoning block's end)
+    structured_opener: int | None = None   # as a first token, opens that block first (engine's SamplingParams)
     kept_special_tokens: tuple[str, ...] = ()   # a tool-call format's markers, for its parser
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -74,6 +75,7 @@ class SamplingFields(SamplingKnobs):
                                   logit_bias=self.logit_bias, kept_special_tokens=self.kept_special_tokens,
                                   structured=self.structured.spec if self.structured else None,
                                   structured_after=self.structured_after,
+                                  structured_opener=self.structured_opener,
                                   min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   skip_special_tokens=self.skip_special_tokens)

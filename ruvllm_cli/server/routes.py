@@ -210,11 +210,18 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
         prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param, template)
         in_reasoning = False
         if reasoning is not None:
-            plan_sampling, in_reasoning = reasoning_sampling(engine.tokenizer, reasoning, plan_sampling, prompt_ids)
+            continued = _text_of(messages[-1]) if template.continue_final_message else None
+            plan_sampling, in_reasoning = reasoning_sampling(engine.tokenizer, reasoning, plan_sampling, prompt_ids,
+                                                             continued)
         return plan_sequences([prompt_ids], plan_sampling, engine.max_model_len, param, options, reasoning,
                               in_reasoning)
 
     return prepare
+
+
+def _text_of(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

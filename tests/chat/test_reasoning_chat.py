@@ -78,6 +78,22 @@ def test_the_reasoning_is_shown_apart_and_not_kept(reasoning_tokenizer, tmp_path
     assert "sunny." not in reasoning_tokenizer.decode(prompt)       # earlier reasoning is not sent again
 
 
+def test_a_reply_that_ends_while_thinking_keeps_nothing(reasoning_tokenizer, tmp_path) -> None:
+    """Stopped, cut by the limit or ended by the model before its answer: an empty turn would
+    go into every later prompt, so the user's message is taken back as after an error."""
+    session = ChatSession(ChatTemplate(reasoning_tokenizer), 4096, model="thinker")
+    loop, renderer = ScriptedLoop(), Recorder()
+    conversation = Conversation(session, loop, renderer, chats_dir=tmp_path,   # type: ignore[arg-type]
+                                reasoning=model_reasoning(reasoning_tokenizer))
+    PIECES[:] = ["\nstill ", "thinking"]
+    try:
+        reply = conversation.send("Weather?")
+    finally:
+        PIECES[:] = ["\nIt is ", "sunny.\n</thi", "nk>\n\nSunny", " today."]
+    assert reply.thinking_only and reply.reasoning == "still thinking" and reply.text == ""
+    assert session.messages == []
+
+
 def test_a_json_reply_waits_for_the_end_of_the_reasoning(reasoning_tokenizer, tmp_path) -> None:
     from ruvllm_cli.engine.grammar import GrammarSpec
 
@@ -108,19 +124,28 @@ def test_piped_the_answer_alone_is_on_stdout(ruvllm: Run, make_tiny_model) -> No
     model = make_tiny_model(reasoning="opens")
     raw = raw_reply(model, "hello", 12)
     expected = split_reasoning(FORMATS["think"], raw, in_reasoning=True)
-    assert expected.reasoning   # the template opened the block: the reply starts inside it
+    # the template opened the block, and 12 greedy tokens do not close it: reasoning, no answer
+    assert expected.reasoning and not expected.content
     result = ruvllm("chat", str(model), "-q", "none", "-t", "0", "--max-tokens", "12", input="hello\n")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == expected.content + "\n"
-    assert expected.reasoning in result.stderr
+    assert result.returncode == 1 and result.stdout == ""   # nothing to print, and a script must know
+    assert expected.reasoning in result.stderr and "no answer: the reply ended while the model was thinking " \
+        "(it reached the 12-token limit (--max-tokens raises it))" in " ".join(result.stderr.split())
     hidden = ruvllm("chat", str(model), "-q", "none", "-t", "0", "--max-tokens", "12", "--hide-thinking",
                     input="hello\n")
-    assert hidden.stdout == result.stdout and expected.reasoning not in hidden.stderr
+    assert hidden.stdout == "" and expected.reasoning not in hidden.stderr
     # --no-think: the template closes an empty block, and the reply is all answer
     plain = raw_reply(model, "hello", 12, enable_thinking=False)
     off = ruvllm("chat", str(model), "-q", "none", "-t", "0", "--max-tokens", "12", "--no-think", input="hello\n")
     assert off.returncode == 0, off.stderr
     assert off.stdout == split_reasoning(FORMATS["think"], plain, in_reasoning=False).content + "\n"
+    assert "changes nothing" not in off.stderr
+
+
+def test_think_on_a_template_without_the_switch_says_it_changes_nothing(ruvllm: Run, tiny_model_dir) -> None:
+    result = ruvllm("chat", str(tiny_model_dir), "-q", "none", "--max-tokens", "2", "--no-think", input="hi\n")
+    assert result.returncode == 0, result.stderr
+    assert "--no-think changes nothing: this model's chat template has no enable_thinking switch" in \
+        " ".join(result.stderr.split())
 
 
 def test_the_terminal_shows_the_reasoning_dim_before_the_answer() -> None:
@@ -147,3 +172,11 @@ def test_the_terminal_shows_the_reasoning_dim_before_the_answer() -> None:
             assert "\x1b[2;3m" in shown   # dim italic
         else:
             assert "Thinking" not in shown and "It is" not in shown and "Sunny." in shown
+    cut = Reply("", FinishReason.CANCELLED, ReplyStats(3, 5, 0, 0.1, 20.0, 0.2), reasoning="It is")
+    screen = io.StringIO()
+    renderer = TerminalRenderer(Console(file=screen, force_terminal=False, width=200))
+    renderer.reply_reasoning("It is")
+    renderer.reply_end(cut, 64)
+    shown = screen.getvalue()
+    assert "done thinking" not in shown and "Interrupted" not in shown
+    assert "no answer: the reply ended while the model was thinking (it was stopped)" in shown

@@ -26,6 +26,9 @@ CASES = [
     ("a  </thinking> b</think>", True, "a  </thinking> b", ""),        # not the marker: still reasoning
     ("   ", False, "", "   "),
     ("", True, "", ""),
+    ("\n<think>\nagain</think>ok", True, "again", "ok"),             # the prompt's marker written again
+    ("<thin", True, "<thin", ""),
+    ("x <think> y</think>", True, "x <think> y", ""),
 ]
 
 
@@ -60,6 +63,8 @@ def test_formats_by_name_and_from_the_template():
     with pytest.raises(UsageError):
         get_format("granite")
     assert detect_format("{{ '<think>' }} ... {{ '</think>' }}") is THINK
+    # DeepSeek-R1's first template: only strips earlier turns' reasoning
+    assert detect_format("{% set content = content.split('</think>')[-1] %}") is THINK
     assert detect_format("[THINK]{{ x }}[/THINK]") is FORMATS["mistral"]
     assert detect_format("<|im_start|>assistant") is None and detect_format(None) is None
 

@@ -150,7 +150,7 @@ _TEXTS = {"type": "array", "items": TEXT_BLOCK}
 TOOL_USE_BLOCK = {"type": "object", "required": ["type", "id", "name", "input"], "properties": {
     "type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"},
     "input": {"type": "object"}}}
-_THINKING = {"type": "object", "required": ["type", "thinking"], "properties": {
+THINKING_BLOCK = {"type": "object", "required": ["type", "thinking"], "properties": {
     "type": {"const": "thinking"}, "thinking": {"type": "string"}, "signature": {"type": "string"}}}
 _REDACTED = {"type": "object", "required": ["type"], "properties": {"type": {"const": "redacted_thinking"}}}
 _TOOL_RESULT = {"type": "object", "required": ["type", "tool_use_id"], "properties": {
@@ -168,5 +168,5 @@ def _turn_schema(role: str, blocks: list[Any]) -> dict[str, Any]:
 SYSTEM_SCHEMA = {"anyOf": [{"type": "string"}, _TEXTS]}
 MESSAGES_SCHEMA = {"type": "array", "minItems": 1, "description": "The last message is the user's.",
                    "items": {"anyOf": [_turn_schema("user", [TEXT_BLOCK, _TOOL_RESULT]),
-                                       _turn_schema("assistant", [TEXT_BLOCK, TOOL_USE_BLOCK, _THINKING,
+                                       _turn_schema("assistant", [TEXT_BLOCK, TOOL_USE_BLOCK, THINKING_BLOCK,
                                                                   _REDACTED])]}}

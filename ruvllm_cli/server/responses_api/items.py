@@ -31,6 +31,11 @@ def parse_input(value: Any) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         _add_item(messages, item, f"input[{i}]")
+    # Reasoning that opened no turn (no message or call after it) belongs to no reply.
+    messages = [m for m in messages if not _reasoning_only(m)]
+    if not messages:
+        raise bad_request("'input' holds no message, call or call output (reasoning items alone open no "
+                          "turn).", "input")
     return messages
 
 
@@ -46,7 +51,11 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         else:
             messages.append(message)
     elif kind == "reasoning":
-        messages.append({"role": "assistant", "content": None, "reasoning_content": _reasoning(item, where)})
+        text = _reasoning(item, where)
+        if messages and _reasoning_only(messages[-1]):   # items of one turn's reasoning, in order
+            messages[-1]["reasoning_content"] += "\n" + text
+        else:
+            messages.append({"role": "assistant", "content": None, "reasoning_content": text})
     elif kind == "function_call":
         _add_call(messages, _function_call(item, where))
     elif kind == "function_call_output":
