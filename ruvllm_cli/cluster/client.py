@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 from collections import Counter
 from typing import Any, AsyncIterator, Callable, Sequence
 
