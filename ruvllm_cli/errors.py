@@ -45,6 +45,10 @@ class RepoUnavailableError(DownloadError):
     """The hub has no such repo, revision or file for us: missing, private or gated."""
 
 
+class RevisionNotFoundError(RepoUnavailableError):
+    """The repo is there, the branch, tag or commit asked for is not."""
+
+
 class ModelLoadError(RuvllmError):
     """A directory that is no model, an unsupported architecture, too little memory."""
 

@@ -10,7 +10,7 @@ import click
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.options import quantization_option
-from ruvllm_cli.errors import RepoUnavailableError, UsageError
+from ruvllm_cli.errors import RepoUnavailableError, RevisionNotFoundError, UsageError
 from ruvllm_cli.quantization import Quantization
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
                 download_model(gguf_ref, quantization, cache, force=force, revision=revision, progress=progress,
                                file_name=file_name)
         except RepoUnavailableError as error:
+            if isinstance(error, RevisionNotFoundError):   # missing there too, likely: keep its own hint
+                raise
             # The alias's own safetensors repo is another way to get the model.
             raise RepoUnavailableError(error.message, f"fetch the safetensors from {ref.repo_id} instead: "
                                        f"ruvllm download {model} --safetensors") from error

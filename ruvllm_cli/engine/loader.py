@@ -204,12 +204,63 @@ def _gguf_memory(path: Path, device: torch.device, dtype: torch.dtype, quantizat
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on `device`: the GPU's free memory, else the host's available memory."""
+    """Bytes free for new tensors on `device`: the GPU's free memory, else the host's
+    available memory, or less where this process's cgroup (a container's --memory, a
+    systemd MemoryMax) leaves less: past its limit the kernel kills the process without
+    a word, so the memory check must see that limit, not the host's 23 GiB."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    available = int(psutil.virtual_memory().available)
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def cgroup_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 or v1), the reclaimable
+    page cache counted as room; None where no limit is set or none can be read."""
+    for limit_file, usage_file, stat_file, inactive_key in _cgroup_memory_files(proc_cgroup, root):
+        try:
+            limit_text = limit_file.read_text().strip()
+            if limit_text == "max":
+                return None
+            limit, usage = int(limit_text), int(usage_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit >= 1 << 60:   # v1 writes "no limit" as a page-rounded 2^63
+            return None
+        stats = dict(line.split() for line in _read_lines(stat_file) if len(line.split()) == 2)
+        cache = int(stats.get(inactive_key, 0))
+        return max(0, limit - (usage - cache))
+    return None
+
+
+def _cgroup_memory_files(proc_cgroup: Path, root: Path) -> list[tuple[Path, Path, Path, str]]:
+    """(limit, usage, stat, its inactive page-cache key) for the process's own cgroup,
+    then the root of the mount (a container's namespace shows its cgroup as "/")."""
+    places: list[tuple[Path, Path, Path, str]] = []
+    for line in _read_lines(proc_cgroup):
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        base = root / path.lstrip("/")
+        if hierarchy == "0" and not controllers:
+            places.append((base / "memory.max", base / "memory.current", base / "memory.stat", "inactive_file"))
+        elif "memory" in controllers.split(","):
+            v1 = root / "memory" / path.lstrip("/")
+            places.append((v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat",
+                           "total_inactive_file"))
+    places.append((root / "memory.max", root / "memory.current", root / "memory.stat", "inactive_file"))
+    v1 = root / "memory"
+    places.append((v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat",
+                   "total_inactive_file"))
+    return places
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
 
 
 def _check_memory(path: Path, config: dict[str, Any] | None, device: torch.device,

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from rich.filesize import decimal as format_size
 
-from ruvllm_cli.errors import CacheError, DownloadError, RepoUnavailableError, RuvllmError, UsageError
+from ruvllm_cli.errors import (CacheError, DownloadError, RepoUnavailableError, RevisionNotFoundError, RuvllmError,
+                               UsageError)
 from ruvllm_cli.quantization import Quantization, parse_quantization
 from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache
 from ruvllm_cli.registry.progress import DownloadObserver
@@ -295,8 +296,8 @@ def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
         return RepoUnavailableError(f"{repo_id} is a gated repo and {refused} (HTTP {status})",
                                     "accept its terms on the hub and set HF_TOKEN to a token of that account")
     if isinstance(error, hf.RevisionNotFoundError):
-        return RepoUnavailableError(f"revision '{rev}' not found in {repo_id}",
-                                    "check the branch, tag or commit name")
+        return RevisionNotFoundError(f"revision '{rev}' not found in {repo_id}",
+                                     "check the branch, tag or commit name")
     if isinstance(error, hf.HfHubHTTPError):
         return _http_error(error, repo_id, rev)
     if isinstance(error, hf.OfflineModeIsEnabled):
@@ -310,6 +311,9 @@ def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
                              "free some space or choose another --cache-dir")
     if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
         return _cache_write_error(error, cache)
+    if isinstance(error, OSError) and error.errno == errno.EFBIG:   # FAT32's 4 GiB, `ulimit -f`: again fails too
+        return CacheError(f"the cache dir {cache.root} cannot hold a file this large ({error.strerror})",
+                          "choose another --cache-dir (or RUVLLM_CACHE_DIR) on a filesystem that can")
     if isinstance(error, OSError):
         return DownloadError(f"download of {repo_id} failed: {error}", "run the download again")
     return None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ruvllm_cli.errors import NotDownloadedError
 from ruvllm_cli.quantization import Quantization
-from ruvllm_cli.registry.cache import ModelCache
+from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.registry import ModelRef, resolve_model
 
 
@@ -60,7 +60,7 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     served = ref.entry.alias if ref.kind == "registry" and ref.entry else ref.repo_id
     found = cache.find(ref.repo_id, ref.revision)
     if found is not None:
-        return LocatedModel(ref, found.path, served)
+        return LocatedModel(ref, _model_path(ref, found, quantization), served)
     gguf = _downloaded_gguf(ref, cache, quantization)
     if gguf is not None:
         return LocatedModel(ref, gguf, served)
@@ -69,6 +69,28 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     quant = f" -q {quantization.value}" if quantization else ""
     raise NotDownloadedError(f"{ref.display_name} is not downloaded",
                              f"run: ruvllm download {target}{quant}{revision}")
+
+
+def _model_path(ref: ModelRef, found: DownloadedModel, quantization: Quantization | None) -> Path:
+    """A download's snapshot directory; for a repo of GGUF files (no config.json), the
+    file `quantization` names, else the first of q4k, q8, f16, f32 there, as `download`
+    picks them. It was the directory, which no loader takes ("not a model directory")."""
+    ggufs = [f.name for f in found.files if f.name.lower().endswith(".gguf")]
+    if not ggufs or (found.path / "config.json").is_file():
+        return found.path
+    from ruvllm_cli.errors import DownloadError
+    from ruvllm_cli.registry.download import choose_gguf
+
+    for quant in [quantization] if quantization else list(Quantization):
+        try:
+            return found.path / choose_gguf(ggufs, quant)
+        except DownloadError:
+            continue
+    if quantization is not None:
+        raise NotDownloadedError(f"{ref.display_name} has no {quantization.label} GGUF file downloaded "
+                                 f"(it has {', '.join(sorted(ggufs))})",
+                                 f"run: ruvllm download {ref.repo_id} -q {quantization.value}")
+    return found.path / sorted(ggufs)[0]
 
 
 def _downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantization | None) -> Path | None:

@@ -290,7 +290,9 @@ def _local_ref(name: str) -> ModelRef | None:
     if path.is_dir() and (path / "config.json").is_file():
         return ModelRef(kind="local", repo_id=None, local_path=path.resolve())
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return ModelRef(kind="local", repo_id=None, local_path=path.resolve())
+        # Absolute, links kept: the cache's files (and an Ollama blob linked as x.gguf) are
+        # links to blobs without the suffix, which then no longer read as GGUF.
+        return ModelRef(kind="local", repo_id=None, local_path=path.absolute())
     if _looks_like_path(name):
         raise _not_a_model(name, path)
     return None

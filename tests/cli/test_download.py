@@ -321,6 +321,33 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
                               "tiny-Q8_0.gguf)", "choose another --quantization")
 
 
+def test_a_gguf_repo_downloaded_by_its_hub_id_is_what_chat_loads(ruvllm: Run, fake_hub: FakeHub,
+                                                                  tiny_model_dir: Path, isolated_env,
+                                                                  tmp_path: Path) -> None:
+    """Found by an audit: locate_model gave the snapshot directory ("not a model directory
+    (no config.json)", hint "download the model first"); now the file -q names, else the
+    first of q4k, q8, f16, f32. The cache's file is a link to a blob without the suffix,
+    and its path as `list -d` shows it loads too (it had read as "not a directory")."""
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    repo_id = unique_repo("gguf-hub")
+    tiny = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf").read_bytes()
+    commit = fake_hub.add_repo(repo_id, {"tiny-Q8_0.gguf": tiny, "tiny-F16.gguf": tiny, "README.md": b"# x"})
+    assert ruvllm("download", repo_id, "-q", "q8").returncode == 0
+    snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
+    chat = ruvllm("chat", repo_id, "--max-tokens", "3", input="hello\n")
+    assert chat.returncode == 0 and "tiny-Q8_0.gguf" in chat.stderr, chat.stderr
+    missing = ruvllm("chat", repo_id, "-q", "q4k", input="hello\n")
+    assert_one_error(missing, f"{repo_id} has no Q4_K_M GGUF file downloaded (it has tiny-Q8_0.gguf)",
+                     f"run: ruvllm download {repo_id} -q q4k")
+    linked = snapshot / "tiny-Q8_0.gguf"
+    assert linked.is_symlink() or linked.resolve() == linked   # a link where the platform has them
+    by_path = ruvllm("chat", str(linked), "--max-tokens", "3", input="hello\n")
+    assert by_path.returncode == 0, by_path.stderr
+    info = json.loads(ruvllm("info", str(linked), "--json").stdout)
+    assert info.get("gguf"), info
+
+
 def test_local_path_is_already_local(ruvllm: Run, tiny_model_dir: Path, fake_hub: FakeHub) -> None:
     result = ruvllm("download", str(tiny_model_dir))
     assert result.returncode == 0
@@ -396,6 +423,31 @@ def test_unknown_revision(ruvllm: Run, repo) -> None:
     result = ruvllm("download", repo_id, "--revision", "no-such-branch")
     assert_one_error(result, f"revision 'no-such-branch' not found in {repo_id}",
                      "check the branch, tag or commit name")
+
+
+def test_an_aliass_unknown_revision_keeps_the_revision_hint(ruvllm: Run, fake_hub: FakeHub) -> None:
+    """Not "fetch the safetensors instead", which fails the same way (found by an audit)."""
+    from ruvllm_cli.registry.registry import builtin_entries
+
+    entry = builtin_entries()["qwen-0.5b"]
+    fake_hub.add_repo(entry.gguf_repo, {entry.gguf_files[entry.recommended_quantization]: b"x" * 64})
+    result = ruvllm("download", "qwen-0.5b@nosuch")
+    assert_one_error(result, f"revision 'nosuch' not found in {entry.gguf_repo}",
+                     "check the branch, tag or commit name")
+
+
+def test_a_file_too_large_for_the_cache_says_so(repo, cli_env: dict[str, str]) -> None:
+    """EFBIG (FAT32's 4 GiB, `ulimit -f`): "run the download again" would fail the same way."""
+    import resource
+    import subprocess
+    import sys
+
+    repo_id, _ = repo
+    result = subprocess.run([sys.executable, "-m", "ruvllm_cli", "download", repo_id], env=cli_env,
+                            capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)))
+    assert result.returncode == 1 and "cannot hold a file this large" in result.stderr, result.stderr
+    assert "choose another --cache-dir" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_unknown_alias(ruvllm: Run) -> None:

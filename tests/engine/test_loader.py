@@ -209,3 +209,32 @@ def test_with_streaming_off_the_first_check_uses_transformers_peak(make_tiny_mod
     monkeypatch.setattr(loader, "_tokenizer", lambda *a, **k: pytest.fail("read before the check"))
     with pytest.raises(ModelLoadError, match=r"^not enough memory: the weights need about .* GiB, "):
         load_model(path, "cpu", Q.Q8_0, use_cache=False)
+
+
+def test_the_memory_check_sees_a_containers_memory_limit(tmp_path, monkeypatch):
+    """docker --memory (cgroup v2 or v1): the host's available memory can be far more than
+    the limit, past which the kernel kills the process without a word (found by an audit)."""
+    from ruvllm_cli.engine import loader
+
+    gib = 1 << 30
+    v2 = tmp_path / "v2"
+    (v2 / "job").mkdir(parents=True)
+    (tmp_path / "cgroup2").write_text("0::/job\n")
+    (v2 / "job" / "memory.max").write_text(f"{2 * gib}\n")
+    (v2 / "job" / "memory.current").write_text(f"{gib}\n")
+    (v2 / "job" / "memory.stat").write_text(f"anon 1\ninactive_file {gib // 2}\n")
+    assert loader.cgroup_room(tmp_path / "cgroup2", v2) == gib + gib // 2   # the inactive page cache is room
+    (v2 / "job" / "memory.max").write_text("max\n")
+    assert loader.cgroup_room(tmp_path / "cgroup2", v2) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (tmp_path / "cgroup1").write_text("9:cpu,cpuacct:/\n4:memory:/\n")
+    (v1 / "memory.limit_in_bytes").write_text(f"{3 * gib}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{gib}\n")
+    (v1 / "memory.stat").write_text("total_inactive_file 0\n")
+    assert loader.cgroup_room(tmp_path / "cgroup1", tmp_path / "v1") == 2 * gib
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1's "no limit"
+    assert loader.cgroup_room(tmp_path / "cgroup1", tmp_path / "v1") is None
+    assert loader.cgroup_room(tmp_path / "none", tmp_path / "nothing") is None
+    monkeypatch.setattr(loader, "cgroup_room", lambda: 123 << 20)
+    assert loader.free_memory(torch.device("cpu")) == 123 << 20
