@@ -12,6 +12,9 @@ APP_NAME = "ruvllm"
 CACHE_ENV = "RUVLLM_CACHE_DIR"
 CONFIG_ENV = "RUVLLM_CONFIG_DIR"
 DATA_ENV = "RUVLLM_DATA_DIR"
+# Inside a model's directory: ruvllm's quantized weights and checked tokenizer
+# (engine/weight_cache.py), which `list -d` counts and `rm` removes with the model.
+WEIGHT_CACHE_DIR = ".ruvllm-weights"
 
 
 def resolve_cache_dir(option: str | os.PathLike | None = None) -> Path:

@@ -123,9 +123,17 @@ def render_registry_long(out: Output, records: list[dict[str, Any]]) -> None:
 
 
 def _total_line(records: list[dict[str, Any]]) -> str:
-    total = sum(r["total_bytes"] for r in records)
+    total = sum(r["total_bytes"] + r["weight_cache_bytes"] for r in records)
     noun = "model" if len(records) == 1 else "models"
-    return f"Total: {len(records)} {noun}, {format_size(total)}"
+    cached = sum(r["weight_cache_bytes"] for r in records)
+    note = f" (of which {format_size(cached)} ruvllm's quantized-weight cache)" if cached else ""
+    return f"Total: {len(records)} {noun}, {format_size(total)}{note}"
+
+
+def _size_cell(record: dict[str, Any]) -> str:
+    cached = record["weight_cache_bytes"]
+    size = format_size(record["total_bytes"] + cached)
+    return f"{size}\n(cache {format_size(cached)})" if cached else size
 
 
 def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) -> None:
@@ -138,7 +146,7 @@ def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) ->
         revision = r["revision"] if r["revision"] == r["commit"] else f"{r['revision']} ({r['commit'][:7]})"
         path = r["path"] + ("\n" + "\n".join(f["name"] for f in r["files"]) if long else "")
         rows.append((escape(name), escape(revision), escape(r["stored_as"]),
-                     format_size(r["total_bytes"]), escape(path)))
+                     _size_cell(r), escape(path)))
     out.table(["Model", "Revision", "Stored as", "Size", "Path"], rows, title="Downloaded models",
               caption=_total_line(records))
 

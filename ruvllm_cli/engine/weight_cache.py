@@ -37,6 +37,7 @@ from torch import nn
 from ruvllm_cli.engine.int8 import Int8Linear, int8_linear
 from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Embedding, Int4Linear, Int4TiedEmbedding,
                                         Int8Embedding, set_input_embeddings)
+from ruvllm_cli.paths import WEIGHT_CACHE_DIR
 from ruvllm_cli.quantization import Quantization
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 # 3: an untied q8 table's scales in the activations' dtype (float32 beside our int8 kernel);
 # 4: a tied q4k head in groups of 32, its embedding reading the head's packed table.
 LAYOUT = 4
-CACHE_DIR = ".ruvllm-weights"
+CACHE_DIR = WEIGHT_CACHE_DIR
 ENV = "RUVLLM_WEIGHT_CACHE"  # "0": neither read nor write the cache
 CACHED = (Quantization.Q8_0, Quantization.Q4_K_M)
 KINDS = {cls.__name__: cls for cls in (DynamicInt8Linear, Int8Linear, Int4Linear, Int8Embedding, Int4Embedding,

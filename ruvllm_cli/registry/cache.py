@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 from ruvllm_cli import __version__
 from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import CacheError, NotDownloadedError
+from ruvllm_cli.paths import WEIGHT_CACHE_DIR
 from ruvllm_cli.registry.weights import weights_label
 
 DEFAULT_REVISION = "main"
@@ -49,12 +50,19 @@ class DownloadedModel:
     total_bytes: int
     downloaded_at: str
 
+    @property
+    def weight_cache_bytes(self) -> int:
+        """ruvllm's quantized weights kept beside the download (`rm` removes them with it)."""
+        folder = self.path / WEIGHT_CACHE_DIR
+        return sum(_size(p) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit,
             "stored_as": self.stored_as, "path": str(self.path),
             "files": [{"name": f.name, "size": f.size} for f in self.files],
-            "total_bytes": self.total_bytes, "downloaded_at": self.downloaded_at,
+            "total_bytes": self.total_bytes, "weight_cache_bytes": self.weight_cache_bytes,
+            "downloaded_at": self.downloaded_at,
         }
 
 

@@ -183,7 +183,15 @@ def test_labels_say_what_the_files_are_and_q_applies_at_load(ruvllm: Run, fake_h
     row = next(line for line in listed.stdout.splitlines() if repo_id in line)
     assert "safetensors f32" in row and "q4k" not in row and "Stored as" in listed.stdout
     data = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
-    assert next(m for m in data["models"] if m["repo_id"] == repo_id)["stored_as"] == "safetensors f32"
+    model = next(m for m in data["models"] if m["repo_id"] == repo_id)
+    assert model["stored_as"] == "safetensors f32" and model["weight_cache_bytes"] == 0
+    # ruvllm's quantized-weight cache beside the files counts (rm removes it with them)
+    (Path(model["path"]) / ".ruvllm-weights").mkdir()
+    (Path(model["path"]) / ".ruvllm-weights" / "q8-layout.safetensors").write_bytes(b"x" * 5000)
+    data = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    assert next(m for m in data["models"] if m["repo_id"] == repo_id)["weight_cache_bytes"] == 5000
+    listed = ruvllm("list", "--downloaded", env={**cli_env, "COLUMNS": "300"})
+    assert "(cache 5.0 kB)" in listed.stdout and "quantized-weight cache" in listed.stdout
 
 
 def test_each_command_help_shows_its_quantization_default(ruvllm: Run, cli_env: dict[str, str]) -> None:
