@@ -136,6 +136,16 @@ def _size_cell(record: dict[str, Any]) -> str:
     return f"{size}\n(cache {format_size(cached)})" if cached else size
 
 
+def render_unfinished(out: Output, unfinished: list[tuple[str, int]]) -> None:
+    """What `downloaded` leaves out still takes disk: say so, and how to finish or free it."""
+    if not unfinished:
+        return
+    noun = "download" if len(unfinished) == 1 else "downloads"
+    names = ", ".join(f"{repo} ({format_size(size)})" for repo, size in unfinished)
+    out.info(escape(f"Not listed: {len(unfinished)} incomplete or damaged {noun}: {names}. Finish one with "
+                    f"ruvllm download ID, or free the space with ruvllm rm ID."))
+
+
 def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) -> None:
     if not records:
         out.info("No models downloaded yet. Download one with: ruvllm download qwen-0.5b")
@@ -174,11 +184,14 @@ def command(downloaded: bool, long_: bool, as_json: bool) -> None:
     if downloaded:
         index = _aliases_by_repo(registry)
         records = [downloaded_record(model, index) for model in cached]
+        unfinished = cache.unfinished(cached)
         if as_json:
             out.json({"models": records, "count": len(records),
-                      "total_bytes": sum(r["total_bytes"] for r in records)})
+                      "total_bytes": sum(r["total_bytes"] for r in records),
+                      "unfinished": [{"repo_id": repo, "bytes": size} for repo, size in unfinished]})
         else:
             render_downloaded(out, records, long_)
+            render_unfinished(out, unfinished)
         return
     records = [registry_record(entry, cached, cache) for entry in registry.values()]
     if as_json:

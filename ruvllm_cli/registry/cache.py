@@ -129,6 +129,20 @@ class ModelCache:
         complete = [model for model in models if model is not None]
         return sorted(complete, key=lambda m: (m.repo_id.lower(), m.downloaded_at))
 
+    def unfinished(self, complete: Sequence[DownloadedModel] | None = None) -> list[tuple[str, int]]:
+        """(repo id, bytes on disk) of each repo in the cache with no complete download: a
+        run killed or interrupted, files since deleted or truncated, a damaged manifest.
+        `list -d` names them, since `downloaded` leaves them out."""
+        if not self.hub_dir.is_dir():
+            return []
+        done = {m.repo_id for m in (self.downloaded() if complete is None else complete)}
+        found = []
+        for folder in sorted(self.hub_dir.glob("models--*")):
+            repo_id = folder.name.removeprefix("models--").replace("--", "/", 1)
+            if repo_id not in done and folder.is_dir():
+                found.append((repo_id, sum(_size(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())))
+        return found
+
     def find(self, repo_id: str, revision: str | None = None) -> DownloadedModel | None:
         """The complete download of `repo_id` at `revision`, or None.
 

@@ -67,7 +67,9 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     target = name.split("@")[0] if ref.kind == "registry" else ref.repo_id
     revision = f" --revision {ref.revision}" if ref.revision else ""
     quant = f" -q {quantization.value}" if quantization else ""
-    raise NotDownloadedError(f"{ref.display_name} is not downloaded",
+    partly = " (only partly: the download did not finish, or its files changed since)" \
+        if cache.repo_dir(ref.repo_id).is_dir() else ""
+    raise NotDownloadedError(f"{ref.display_name} is not downloaded{partly}",
                              f"run: ruvllm download {target}{quant}{revision}")
 
 

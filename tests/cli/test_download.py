@@ -595,6 +595,13 @@ def test_killed_download_is_not_downloaded_and_next_run_completes(
     cache = ModelCache(isolated_env.cache_dir)
     assert cache.find(repo_id) is None
     assert cache.orphaned_incomplete_files(repo_id) == [orphan]
+    # not listed as downloaded, but named, with the disk it takes and what to do (found by an audit)
+    [(unfinished, size)] = [(u["repo_id"], u["bytes"]) for u in json.loads(listed.stdout)["unfinished"]]
+    assert unfinished == repo_id and size >= orphan.stat().st_size
+    shown = " ".join(ruvllm("list", "--downloaded").stderr.split())
+    assert f"Not listed: 1 incomplete or damaged download: {repo_id}" in shown and "ruvllm rm ID" in shown
+    chat = ruvllm("chat", repo_id, input="hi\n")
+    assert f"{repo_id} is not downloaded (only partly: the download did not finish" in " ".join(chat.stderr.split())
 
     partial = orphan.stat().st_size
     fake_hub.reset()

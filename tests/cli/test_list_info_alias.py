@@ -111,7 +111,7 @@ def test_list_downloaded_when_empty(ruvllm: Run) -> None:
     assert result.returncode == 0 and result.stdout == ""
     assert "No models downloaded yet" in result.stderr
     data = json.loads(ruvllm("list", "-d", "--json").stdout)
-    assert data == {"models": [], "count": 0, "total_bytes": 0}
+    assert data == {"models": [], "count": 0, "total_bytes": 0, "unfinished": []}
 
 
 def test_an_alias_with_its_safetensors_downloaded_is_estimated_from_them(ruvllm: Run, isolated_env: Any,
