@@ -334,8 +334,10 @@ def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:
         return DownloadError("the hub rejected the token in HF_TOKEN (HTTP 401: invalid credentials)",
                              "set HF_TOKEN to a valid token, or unset it for public repos")
     if status == 401:
+        # The hub answers a misspelt id so too: the spelling first, for a newcomer
         return RepoUnavailableError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does "
-                                    "not exist", "set HF_TOKEN to a token that can read it")
+                                    "not exist", "check the id's spelling (org/name); if it is private or gated, "
+                                    "set HF_TOKEN to a token that can read it")
     if status == 403:
         return RepoUnavailableError(f"access to {repo_id} is forbidden with this token (HTTP 403)",
                                     "set HF_TOKEN to a token with read access to the repo")

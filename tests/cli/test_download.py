@@ -384,7 +384,8 @@ def test_private_repo_needs_hf_token(ruvllm: Run, fake_hub: FakeHub, repo, cli_e
     fake_hub.require_token(repo_id, "secret-token")
     result = ruvllm("download", repo_id)
     assert_one_error(result, f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does not exist",
-                     "set HF_TOKEN to a token that can read it")
+                     "check the id's spelling (org/name); if it is private or gated, set HF_TOKEN to a token "
+                     "that can read it")
     assert ModelCache(isolated_env.cache_dir).find(repo_id) is None
     ok = ruvllm("download", repo_id, env={**cli_env, "HF_TOKEN": "secret-token"})
     assert ok.returncode == 0, ok.stderr
