@@ -110,3 +110,35 @@ def test_the_engines_chat_call_gives_the_reasoning_apart(make_tiny_model):
         assert (reply.reasoning, reply.content) == (expected.reasoning, expected.content)
         both += bool(reply.reasoning and reply.content)
     assert both
+
+
+def test_constraints_that_wait_batch_with_others_as_they_run_alone(make_tiny_model):
+    """One step's mask stage over rows that wait for </think>, rows whose first token may
+    open a block, plainly constrained rows and free rows: each request's tokens are those
+    it gets alone (the masks are per row; a waiting row is left unmasked)."""
+    from ruvllm_cli.engine.chat_template import render_chat
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.grammar import GrammarSpec
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.engine.sampling import SamplingParams
+    from ruvllm_cli.quantization import Quantization
+
+    engine = LLMEngine(load_model(make_tiny_model(reasoning="model"), "cpu", Quantization.F32),
+                       EngineConfig(device="cpu"))
+    start, end = engine.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    prompt = render_chat(engine.tokenizer, [{"role": "user", "content": "hi"}])
+    schema = GrammarSpec.json_schema({"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}})
+    bias = {start: 6.0, end: 3.0}
+    kinds = [SamplingParams(max_tokens=40, temperature=1.0, seed=1, logit_bias=bias),
+             SamplingParams(max_tokens=40, temperature=1.0, seed=2, logit_bias=bias, structured=schema),
+             SamplingParams(max_tokens=40, temperature=1.0, seed=3, logit_bias=bias, structured=schema,
+                            structured_after=end),
+             SamplingParams(max_tokens=40, temperature=1.0, seed=4, logit_bias=bias, structured=schema,
+                            structured_after=end, structured_opener=start)]
+    alone = [engine.generate([prompt], params)[0].token_ids for params in kinds]
+    together = [c.token_ids for c in engine.generate([prompt] * len(kinds), kinds)]
+    assert together == alone
+    waited, opened = alone[2], alone[3]
+    assert end in waited   # the waiting row wrote freely until </think>, then JSON
+    assert opened[0] == start   # the first mask let the block open
