@@ -170,6 +170,43 @@ def _gguf_files(ref: ModelRef, downloads: list[DownloadedModel]) -> list[Path]:
             if f.name.lower().endswith(".gguf") and (d.path / f.name).is_file()]
 
 
+def chat_template_of(directory: Path | None, layouts: list[Any]) -> str | None:
+    """The model's chat template: chat_template.jinja, tokenizer_config.json's (the
+    default of a named list), or a GGUF header's; None where it has none."""
+    import json
+
+    if directory is not None:
+        jinja = directory / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(errors="replace")
+        try:
+            template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            template = None
+        if isinstance(template, list):   # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, str):
+            return template
+    for layout in layouts:
+        template = layout.metadata.get("tokenizer.chat_template")
+        if isinstance(template, str):
+            return template
+    return None
+
+
+def capabilities(template: str | None, architecture: str | None) -> dict[str, Any]:
+    """What a model's own files say it can do beyond completing text (Ollama's `show`
+    lists the like): chat, the tool-call format serve would parse, the reasoning markers."""
+    from ruvllm_cli.engine.reasoning import detect_format
+    from ruvllm_cli.engine.tool_parsers import detect_parser
+
+    thinking = detect_format(template) if template else None
+    return {"chat": template is not None,
+            "tools": detect_parser(template, architecture) if template and "tools" in template else None,
+            "reasoning": f"{thinking.start}...{thinking.end}" if thinking else None}
+
+
 def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
     """Everything `info` shows, as JSON-ready data."""
     downloads = [] if ref.kind == "local" else find_downloads(ref, cache)
@@ -190,6 +227,8 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         # A GGUF file given by path (the only one then), or a downloaded GGUF repo's first
         # readable file: no config.json, but its header holds what the table needs.
         (params, memory), source = gguf_memory(readable[0]), "GGUF header"
+    files_read = bool(directory) or bool(readable)
+    template = chat_template_of(directory, readable) if files_read else None
     return {
         "model": name,
         "kind": ref.kind,
@@ -207,6 +246,8 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "memory": memory,
         "memory_context": DEFAULT_CONTEXT,
         "gguf": [gguf_record(path, layout) for path, layout in ggufs.items()],
+        # None where no file of it is at hand (an alias not downloaded)
+        "capabilities": capabilities(template, shape.architecture if shape else None) if files_read else None,
     }
 
 
@@ -253,6 +294,18 @@ def _render_config(out: Output, data: dict[str, Any]) -> None:
             ("Tied embeddings", "yes" if config["tie_word_embeddings"] else "no"),
             ("Dtype", config["torch_dtype"])]
     _kv(out, f"Config ({data['config_path']})", rows)
+
+
+def _render_capabilities(out: Output, data: dict[str, Any]) -> None:
+    can = data["capabilities"]
+    if can is None:
+        return
+    listed = ["completion", *(["chat"] if can["chat"] else [])]
+    if can["tools"]:
+        listed.append(f"tools ({can['tools']})")
+    if can["reasoning"]:
+        listed.append(f"reasoning ({can['reasoning']})")
+    out.print(f"Capabilities: {escape(', '.join(listed))}")
 
 
 def _render_storage(out: Output, title: str, storage: dict[str, Any], extra: list[tuple[str, Any]]) -> None:
@@ -306,6 +359,7 @@ def _render_gguf(out: Output, record: dict[str, Any]) -> None:
 def render(out: Output, data: dict[str, Any]) -> None:
     _render_model(out, data)
     _render_config(out, data)
+    _render_capabilities(out, data)
     _render_cache(out, data)
     for record in data["gguf"]:
         _render_gguf(out, record)

@@ -240,6 +240,17 @@ def test_info_local_tiny_model_json(ruvllm: Run, tiny_model_dir: Path) -> None:
     assert data["memory"]["f16"]["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 2 * 4096
 
 
+def test_info_says_what_the_model_can_do_from_its_own_files(ruvllm: Run, tiny_model_dir: Path, make_tiny_model,
+                                                           cli_env: dict[str, str]) -> None:
+    """Ollama's `show` lists capabilities; ours come from the chat template serve would use."""
+    plain = json.loads(ruvllm("info", str(tiny_model_dir), "--json").stdout)["capabilities"]
+    assert plain == {"chat": True, "tools": "hermes", "reasoning": None}
+    thinker = make_tiny_model(reasoning="opens")
+    shown = ruvllm("info", str(thinker), env=wide_env(cli_env)).stdout
+    assert "Capabilities: completion, chat, tools (hermes), reasoning (<think>...</think>)" in shown
+    assert json.loads(ruvllm("info", "qwen", "--json").stdout)["capabilities"] is None   # no file at hand
+
+
 def test_info_gguf_file_memory_from_its_header(ruvllm: Run, cli_env: dict[str, str], tiny_model_dir: Path,
                                                tmp_path: Path) -> None:
     """A GGUF file has no config.json beside it: its header gives the parameter count,
