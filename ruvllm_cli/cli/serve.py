@@ -257,7 +257,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         names = served_names(backend.located, options["model"], options["served_model_name"])
         attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)
         print_banner(app, server.url, backend.describe(), names, options, backend.kv_summary(),
-                     backend.replicas_line())
+                     backend.replicas_line(), formats=formats_line(web_app))
         note = backend.context_note(options["max_context"])
         if note and options.get("max_context_from_flag"):
             out.warn(note)
@@ -370,8 +370,23 @@ async def until_stopped(work: "asyncio.Future[T]", stop: asyncio.Event) -> T | N
     return None
 
 
+def formats_line(web_app: Any) -> str | None:
+    """What the one served model's replies are parsed for: its tool calls' format and its
+    reasoning markers (--tool-call-parser, --reasoning-parser, else its chat template)."""
+    from ruvllm_cli.server.state import get_state
+
+    served = get_state(web_app).models.entries[0].served
+    if served is None:
+        return None
+    parts = [f"tool calls {served.tool_parser.name}" if served.tool_parser else "tool calls: format not known",
+             f"reasoning {served.reasoning.format.start}...{served.reasoning.format.end}"
+             if served.reasoning else "no reasoning markers"]
+    return ", ".join(parts)
+
+
 def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any],
-                 kv_cache: str | None = None, replicas: str | None = None, models: Sequence[str] = ()) -> None:
+                 kv_cache: str | None = None, replicas: str | None = None, models: Sequence[str] = (),
+                 formats: str | None = None) -> None:
     from rich.markup import escape
 
     out = app.output()
@@ -390,6 +405,8 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
     out.info(escape(f"  Metrics     {url}/metrics"))
     if kv_cache:
         out.info(escape(f"  KV cache    {kv_cache}"))
+    if formats:
+        out.info(escape(f"  Parsing     {formats}"))
     if replicas:
         out.info(escape(f"  Replicas    {replicas}"))
     if options.get("scheduling_policy", "fcfs") != "fcfs" or options.get("preemption_mode", "recompute") != "recompute":

@@ -128,6 +128,7 @@ def test_serve_starts_answers_and_stops_cleanly_on_sigterm(tiny_model_dir, cli_e
     assert stdout == ""
     assert f"OpenAI API  {url}/v1" in stderr
     assert re.search(r"KV cache    [34] MiB, [\d,]+ tokens of context \(--kv-cache-memory\)", stderr), stderr
+    assert "Parsing     tool calls hermes, no reasoning markers" in stderr   # read from the chat template
     assert f"curl {url}/v1/chat/completions" in stderr and '"model": "tiny"' in stderr
     assert "Shutting down" in stderr and "Stopped." in stderr
     assert "Traceback" not in stderr
