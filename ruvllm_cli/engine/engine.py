@@ -92,6 +92,8 @@ class LLMEngine:
                           swappable=not (adapter is not None and adapter.mixture),
                           grammar_waits=params.structured is not None and params.structured_after is not None
                           and params.structured_opener is None)
+        if params.thinking_budget is not None and params.thinking_budget.inside:
+            request.thinking = 0
         if request_id is not None:
             request.request_id = request_id
         if request.request_id in self.requests:

@@ -46,6 +46,7 @@ class OutputProcessor:
         request.append_token(token)
         self.stats.generated_tokens += 1
         grammar_ok, grammar_done = self._advance_grammar(request, token)
+        self._count_thinking(request, token)
         is_eos = self._is_eos(request, token)
         text, hit_stop = ("", False) if is_eos else self._text(request, token)
         reason = self._finish_reason(request, is_eos or hit_stop or grammar_done)
@@ -94,6 +95,21 @@ class OutputProcessor:
         if request.timings.first_token is None:
             request.timings.first_token = now
         request.timings.token_times.append(now)
+
+    @staticmethod
+    def _count_thinking(request: Request, token: int) -> None:
+        """Reasoning tokens against a thinking budget: the block opens in the prompt or
+        with the start marker as the first token, and closes at the end marker."""
+        budget = request.params.thinking_budget
+        if budget is None:
+            return
+        if request.thinking is None:
+            if len(request.output_ids) == 1 and token == budget.start_id:
+                request.thinking = 0
+        elif token == budget.end_id:
+            request.thinking = None   # closed for good: only a first token opens a block
+        else:
+            request.thinking += 1
 
     def _advance_grammar(self, request: Request, token: int) -> tuple[bool, bool]:
         """(the grammar took the token, the grammar is complete and allows no more)."""

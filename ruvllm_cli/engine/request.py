@@ -127,6 +127,7 @@ class Request:
     stop_matcher: "StopMatcher | None" = None            # stop strings on that text
     grammar: "GrammarMatcher | None" = None              # constrained decoding, when asked for
     grammar_waits: bool = False                          # until params.structured_after is generated
+    thinking: int | None = None                          # reasoning tokens so far while its block is open
     held_ids: tuple[int, ...] = ()                       # masked until params.min_tokens (EOS, stop ids)
     adapter_uid: int = 0                                 # LoRA adapter (LoRAAdapter.uid); 0 is the base model
     swappable: bool = True                               # False: its KV has a second pool (X-LoRA)

@@ -130,6 +130,16 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
                           torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
+def apply_thinking_budgets(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """A request whose reasoning has used its thinking budget gets the block's end marker."""
+    for i, request in enumerate(requests):
+        budget = request.params.thinking_budget
+        if budget is not None and request.thinking is not None and request.thinking >= budget.tokens:
+            end = logits[i, budget.end_id].clone()
+            logits[i] = float("-inf")
+            logits[i, budget.end_id] = end if torch.isfinite(end) else 0.0
+
+
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """vLLM's `min_tokens`: EOS and the stop token ids masked off until a request has
     generated that many tokens."""
@@ -167,11 +177,13 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]
            ) -> tuple[list[int | SamplingFailure], list[TokenLogprob | None]]:
     """One next token per row of `logits` [S, V], with the row's request's parameters."""
     plain = all(r.params.greedy and not r.params.needs_history and r.params.logprobs is None for r in requests)
-    if plain and all(r.grammar is None and not r.params.logit_bias and not r.holds_ids for r in requests):
+    if plain and all(r.grammar is None and not r.params.logit_bias and not r.holds_ids
+                     and r.params.thinking_budget is None for r in requests):
         return greedy_tokens(logits), [None] * len(requests)   # the logits as they are: no float32 copy
     logits = logits.float()
     apply_logit_bias(logits, requests)
     apply_min_tokens(logits, requests)
+    apply_thinking_budgets(logits, requests)
     apply_grammar_masks(logits, requests)
     if plain:
         return greedy_tokens(logits), [None] * len(requests)

@@ -36,6 +36,18 @@ class SamplingKnobs:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `tokens` tokens of reasoning, then the block's end marker is forced
+    (Anthropic's `thinking.budget_tokens`). The block opens in the prompt (`inside`) or
+    with `start_id` as the reply's first token."""
+
+    tokens: int
+    end_id: int
+    start_id: int | None = None
+    inside: bool = False
+
+
+@dataclass(frozen=True)
 class SamplingParams(SamplingKnobs):
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -46,6 +58,7 @@ class SamplingParams(SamplingKnobs):
     structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
     structured_after: int | None = None             # the constraint starts after this token (a reasoning block's end)
     structured_opener: int | None = None            # as a first token, opens that block first (Qwen3's <think>)
+    thinking_budget: ThinkingBudget | None = None   # reasoning cut at this many tokens
     skip_special_tokens: bool = True                # False: special tokens reach the text
     kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
     min_tokens: int = 0                             # EOS and stop_token_ids held off until this many (vLLM's)

@@ -142,3 +142,30 @@ def test_constraints_that_wait_batch_with_others_as_they_run_alone(make_tiny_mod
     waited, opened = alone[2], alone[3]
     assert end in waited   # the waiting row wrote freely until </think>, then JSON
     assert opened[0] == start   # the first mask let the block open
+
+
+def test_a_thinking_budget_closes_the_block_at_its_count(make_tiny_model):
+    """Anthropic's budget_tokens: at most that many reasoning tokens, then </think>; the
+    answer after it is sampled as before (the same seed gives the same tokens up to the cut)."""
+    from ruvllm_cli.engine.chat_template import render_chat
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.engine.sampling import SamplingParams, ThinkingBudget
+    from ruvllm_cli.quantization import Quantization
+
+    for mode in ("opens", "model"):
+        engine = LLMEngine(load_model(make_tiny_model(reasoning=mode), "cpu", Quantization.F32),
+                           EngineConfig(device="cpu"))
+        start, end = engine.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+        prompt = render_chat(engine.tokenizer, [{"role": "user", "content": "hi"}])
+        bias = {start: 30.0} if mode == "model" else {}   # the model opens its block at once
+        budget = ThinkingBudget(5, end, start, inside=mode == "opens")
+        free = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=1.0, seed=7, logit_bias=bias,
+                                                        ignore_eos=True))[0].token_ids
+        cut = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=1.0, seed=7, logit_bias=bias,
+                                                       ignore_eos=True, thinking_budget=budget))[0].token_ids
+        opened = 1 if mode == "model" else 0
+        assert mode == "opens" or cut[0] == start
+        assert end not in free[:opened + 5]   # unbudgeted, it would have gone on reasoning
+        assert cut[:opened + 5] == free[:opened + 5] and cut[opened + 5] == end

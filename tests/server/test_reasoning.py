@@ -324,3 +324,19 @@ def test_reasoning_items_join_the_turn_they_open():
     assert turn["reasoning_content"] == "a" and turn["tool_calls"][0]["id"] == "c"
     with pytest.raises(ApiError):
         parse_input([reasoning("alone")])
+
+
+def test_anthropics_budget_tokens_ends_the_thinking_there(opens_server):
+    """budget_tokens: at most that many tokens of reasoning, then the model's end marker
+    is forced and it answers (the same seed writes the same reasoning up to the cut)."""
+    client = anthropic.Anthropic(base_url=opens_server.url, api_key="unused", max_retries=0, timeout=60)
+    for seed in range(3):
+        _, tokens = raw_reply(opens_server, HELLO, temperature=1.0, seed=seed, max_tokens=24)
+        reply = client.messages.create(model=opens_server.model, max_tokens=24, messages=HELLO,
+                                       thinking={"type": "enabled", "budget_tokens": 4},
+                                       extra_body={"temperature": 1.0, "seed": seed})
+        blocks = {b.type: getattr(b, "thinking", None) or getattr(b, "text", None) for b in reply.content}
+        if THINK_END in tokens[:5]:
+            continue   # it closed the block on its own within the budget
+        assert blocks["thinking"] == split_reasoning(THINK, "".join(tokens[:4]), True).reasoning
+        assert blocks.get("text") and reply.stop_reason in ("end_turn", "max_tokens")

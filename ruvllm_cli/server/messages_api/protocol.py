@@ -44,7 +44,8 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     sampling = SamplingFields(
         max_tokens=values["max_tokens"], stop=values["stop_sequences"], temperature=values["temperature"],
         top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
-        ignore_eos=values["ignore_eos"], logit_bias=values["logit_bias"] or (), structured=values["output_config"])
+        ignore_eos=values["ignore_eos"], logit_bias=values["logit_bias"] or (), structured=values["output_config"],
+        thinking_tokens=_thinking_tokens(values["thinking"]))
     tools = _tool_request(values)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request("'tool_choice' and 'output_config.format' both constrain the reply; give one.",
@@ -55,6 +56,13 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     thinking = values["thinking"]
     return MessagesRequest(values["model"], [*messages, *values["messages"]], sampling, values["stream"],
                            tools, options, thinking is not None and thinking.get("type") != "disabled")
+
+
+def _thinking_tokens(thinking: dict[str, Any] | None) -> int | None:
+    """`budget_tokens` of enabled thinking: a reasoning model's reasoning ends there."""
+    if thinking is None or thinking.get("type") != "enabled":
+        return None
+    return thinking.get("budget_tokens")
 
 
 def _tool_request(values: dict[str, Any]) -> ToolRequest | None:
@@ -163,8 +171,8 @@ MESSAGES_FIELDS = (
     Field("thinking", "object", "Extended thinking: with type enabled, a reasoning model's reasoning comes back "
           "as thinking blocks (without it the reply holds its answer alone).", properties=(
               Field("type", "string", required=True, enum=("enabled", "disabled", "adaptive")),
-              Field("budget_tokens", "integer", "Accepted; the model's reasoning is not cut at it (max_tokens "
-                                                "bounds the whole reply).", low=1))),
+              Field("budget_tokens", "integer", "At most this many tokens of reasoning: then the model's end "
+                                                "marker is forced and it answers.", low=1))),
     Field("metadata", "object", properties=(
         Field("user_id", "string", "Who the request is for: kept with the request, logged."),)),
     Field("output_config", "object", "Structured output: the reply's text follows `format`'s JSON schema.",
