@@ -103,6 +103,23 @@ def cmd_set(conv: Conversation, arg: str) -> None:
     _show_or_set(conv, name, parts[1] if len(parts) > 1 else "")
 
 
+def cmd_think(conv: Conversation, arg: str) -> None:
+    """Ollama's /set think and nothink: the chat template's enable_thinking (Qwen3)."""
+    template = conv.session.template
+    kwargs = dict(getattr(template, "kwargs", None) or {})
+    if not arg:
+        state = {True: "on", False: "off"}.get(kwargs.get("enable_thinking"), "as the chat template has it")
+        conv.renderer.info(f"Thinking: {state}.")
+        return
+    value = {"on": True, "off": False}.get(arg.lower())
+    if value is None:
+        raise UsageError(f"/think takes on or off, not {arg!r}")
+    if "enable_thinking" not in (getattr(getattr(template, "tokenizer", None), "chat_template", None) or ""):
+        raise UsageError("this model's chat template has no enable_thinking switch: /think changes nothing")
+    template.kwargs = {**kwargs, "enable_thinking": value}   # type: ignore[attr-defined]
+    conv.renderer.info(f"Thinking {arg.lower()}: the next replies {'reason first' if value else 'answer at once'}.")
+
+
 def cmd_adapter(conv: Conversation, arg: str) -> None:
     if arg:
         conv.use_adapter(adapter_choice(arg))
@@ -244,6 +261,8 @@ COMMANDS: list[Command] = [
     Command("temp", "[value]", "Show or set the temperature (0 to 2; 0 is greedy).", cmd_temp),
     Command("max", "[n]", "Show or set the most tokens per reply.", cmd_max),
     Command("set", "[param value]", f"Show or set a sampling parameter: {', '.join(param_names())}.", cmd_set),
+    Command("think", "[on|off]", "Show or switch a reasoning model's thinking (templates with enable_thinking, "
+                                 "as Qwen3's).", cmd_think),
     Command("adapter", "[name|base]", "Show the LoRA adapter replies come from and the loaded ones, or switch "
             "(base: the base model).", cmd_adapter),
     Command("save", "[file]", "Save the chat (model, system prompt, parameters, adapter, messages) as JSON "

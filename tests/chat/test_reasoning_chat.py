@@ -180,3 +180,34 @@ def test_the_terminal_shows_the_reasoning_dim_before_the_answer() -> None:
     shown = screen.getvalue()
     assert "done thinking" not in shown and "Interrupted" not in shown
     assert "no answer: the reply ended while the model was thinking (it was stopped)" in shown
+
+
+def test_slash_think_switches_the_templates_thinking(reasoning_tokenizer, tokenizer, tmp_path) -> None:
+    from ruvllm_cli.chat.commands import run_command
+    from ruvllm_cli.errors import UsageError
+
+    @dataclass
+    class Lines(Recorder):
+        lines: list[str] = field(default_factory=list)
+
+        def info(self, message: str) -> None:
+            self.lines.append(message)
+
+    session = ChatSession(ChatTemplate(reasoning_tokenizer), 4096, model="thinker")
+    loop, renderer = ScriptedLoop(), Lines()
+    conversation = Conversation(session, loop, renderer, chats_dir=tmp_path,   # type: ignore[arg-type]
+                                reasoning=model_reasoning(reasoning_tokenizer))
+    run_command(conversation, "/think")
+    run_command(conversation, "/think off")
+    conversation.send("Weather?")
+    assert reasoning_tokenizer.decode(loop.asked[-1][0]).endswith("<think>\n\n</think>\n\n")   # an empty block
+    run_command(conversation, "/think on")
+    run_command(conversation, "/think")
+    assert renderer.lines == ["Thinking: as the chat template has it.", "Thinking off: the next replies answer at once.",
+                              "Thinking on: the next replies reason first.", "Thinking: on."]
+    with pytest.raises(UsageError):
+        run_command(conversation, "/think maybe")
+    plain = Conversation(ChatSession(ChatTemplate(tokenizer), 4096, model="tiny"), loop, renderer,  # type: ignore[arg-type]
+                         chats_dir=tmp_path)
+    with pytest.raises(UsageError, match="no enable_thinking switch"):
+        run_command(plain, "/think off")
