@@ -90,10 +90,8 @@ class LLMEngine:
                           priority=int(options.priority), user=options.user, session_id=options.session_id,
                           adapter_uid=adapter.uid if adapter else 0,
                           swappable=not (adapter is not None and adapter.mixture),
-                          grammar_waits=params.structured is not None and params.structured_after is not None
-                          and params.structured_opener is None)
-        if params.thinking_budget is not None and params.thinking_budget.inside:
-            request.thinking = 0
+                          thinking=0 if params.reasoning_block is not None and params.reasoning_block.inside
+                          else None)
         if request_id is not None:
             request.request_id = request_id
         if request.request_id in self.requests:

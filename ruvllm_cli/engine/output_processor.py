@@ -45,8 +45,8 @@ class OutputProcessor:
         self._stamp(request)
         request.append_token(token)
         self.stats.generated_tokens += 1
-        grammar_ok, grammar_done = self._advance_grammar(request, token)
-        self._count_thinking(request, token)
+        reasoning = self._advance_reasoning(request, token)
+        grammar_ok, grammar_done = (True, False) if reasoning else self._advance_grammar(request, token)
         is_eos = self._is_eos(request, token)
         text, hit_stop = ("", False) if is_eos else self._text(request, token)
         reason = self._finish_reason(request, is_eos or hit_stop or grammar_done)
@@ -97,29 +97,25 @@ class OutputProcessor:
         request.timings.token_times.append(now)
 
     @staticmethod
-    def _count_thinking(request: Request, token: int) -> None:
-        """Reasoning tokens against a thinking budget: the block opens in the prompt or
-        with the start marker as the first token, and closes at the end marker."""
-        budget = request.params.thinking_budget
-        if budget is None:
-            return
-        if request.thinking is None:
-            if len(request.output_ids) == 1 and token == budget.start_id:
-                request.thinking = 0
-        elif token == budget.end_id:
-            request.thinking = None   # closed for good: only a first token opens a block
-        else:
-            request.thinking += 1
+    def _advance_reasoning(request: Request, token: int) -> bool:
+        """Whether the token belongs to the reply's reasoning block (its markers too),
+        which the constraint does not see and a thinking budget counts: open from the
+        start or from a first token that is the start marker, closed for good at the
+        end marker (a start marker later is text)."""
+        block = request.params.reasoning_block
+        if block is None:
+            return False
+        if request.thinking is not None:
+            request.thinking = None if token == block.end_id else request.thinking + 1
+            return True
+        if len(request.output_ids) == 1 and token == block.start_id:
+            request.thinking = 0
+            return True
+        return False
 
     def _advance_grammar(self, request: Request, token: int) -> tuple[bool, bool]:
         """(the grammar took the token, the grammar is complete and allows no more)."""
         if request.grammar is None:
-            return True, False
-        if request.grammar_waits:   # reasoning first: the constraint starts after its end marker
-            request.grammar_waits = token != request.params.structured_after
-            return True, False
-        if len(request.output_ids) == 1 and token == request.params.structured_opener:
-            request.grammar_waits = True   # the model opened its reasoning block: the constraint waits
             return True, False
         accepted = request.grammar.accept(token)
         return accepted, accepted and request.grammar.is_finished

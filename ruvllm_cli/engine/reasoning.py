@@ -16,6 +16,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from ruvllm_cli.engine.sampling import ReasoningBlock
 from ruvllm_cli.errors import UsageError
 
 
@@ -66,23 +67,23 @@ class Reasoning:
         return self.format.start, self.format.end
 
     def plan(self, tokenizer: Any, prompt_ids: Sequence[int], constrained: bool,
-             continued: str | None = None) -> "ReplyPlan":
-        """Where a reply starts, and how a constraint on it (a JSON schema, a forced tool
-        call) lets it reason: one on a reply that starts inside the block starts after
-        the end marker (from the first token it would write the answer inside the block,
-        and the reply would be all reasoning); on a reply that may open a block (Qwen3)
-        the first token may also be the start marker, and then the constraint waits for
-        the end marker. Where the markers are not single tokens the constraint holds
-        from the first token and the reply is all answer (the model does not reason).
+             continued: str | None = None, budgeted: bool = False) -> "ReplyPlan":
+        """Where a reply starts, and the block the engine follows in it where a
+        constraint (a JSON schema, a forced tool call) or a thinking budget needs it:
+        a constraint waits out the block (from the first token it would write the answer
+        inside it, and the reply would be all reasoning), and on a reply that may open
+        one (Qwen3) it also lets the first token be the start marker. Where the end
+        marker is not one token nothing can follow the block: a constraint holds from
+        the first token and the reply is all answer (the model does not reason).
         `continued`: the assistant's text a reply continues (continue_final_message),
         inside the block where it opened one and did not close it."""
         inside = self.opens_in_reasoning(tokenizer, prompt_ids) if continued is None else \
             continued.rfind(self.format.start) > continued.rfind(self.format.end)
-        if not constrained or self.end_id is None:
-            return ReplyPlan(inside and not (constrained and self.end_id is None))
-        if inside:
-            return ReplyPlan(True, self.end_id)
-        return ReplyPlan(False, self.end_id, self.start_id) if self.start_id is not None else ReplyPlan(False)
+        if self.end_id is None:
+            return ReplyPlan(inside and not constrained)
+        if not (constrained or budgeted):
+            return ReplyPlan(inside)
+        return ReplyPlan(inside, ReasoningBlock(self.end_id, self.start_id, inside))
 
     def opens_in_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
         """The prompt leaves the reply inside an open block (its generation prompt ends
@@ -114,13 +115,12 @@ def model_reasoning(tokenizer: Any, name: str = "auto") -> Reasoning | None:
 
 @dataclass(frozen=True)
 class ReplyPlan:
-    inside: bool                      # the reply starts inside its reasoning block
-    wait_for: int | None = None       # SamplingParams.structured_after: the block's end marker
-    opener: int | None = None         # SamplingParams.structured_opener: its start marker, as a first token
+    inside: bool                              # the reply starts inside its reasoning block
+    block: ReasoningBlock | None = None       # SamplingParams.reasoning_block
 
     def sampling(self, params: Any, reasoning: Reasoning) -> Any:
         """`params` (SamplingParams or the server's SamplingFields) for this reply."""
-        return replace(params, structured_after=self.wait_for, structured_opener=self.opener,
+        return replace(params, reasoning_block=self.block,
                        kept_special_tokens=(*params.kept_special_tokens, *reasoning.markers))
 
 

@@ -126,8 +126,7 @@ class Request:
     detokenizer: "IncrementalDetokenizer | None" = None  # token ids -> text deltas
     stop_matcher: "StopMatcher | None" = None            # stop strings on that text
     grammar: "GrammarMatcher | None" = None              # constrained decoding, when asked for
-    grammar_waits: bool = False                          # until params.structured_after is generated
-    thinking: int | None = None                          # reasoning tokens so far while its block is open
+    thinking: int | None = None                          # tokens in params.reasoning_block while it is open
     held_ids: tuple[int, ...] = ()                       # masked until params.min_tokens (EOS, stop ids)
     adapter_uid: int = 0                                 # LoRA adapter (LoRAAdapter.uid); 0 is the base model
     swappable: bool = True                               # False: its KV has a second pool (X-LoRA)
@@ -139,8 +138,8 @@ class Request:
 
     @property
     def constrained(self) -> bool:
-        """Its grammar masks this step's token (it has one, and is not waiting for it)."""
-        return self.grammar is not None and not self.grammar_waits
+        """Its grammar masks this step's token (it has one, and no reasoning block is open)."""
+        return self.grammar is not None and self.thinking is None
 
     @property
     def holds_ids(self) -> bool:

@@ -106,9 +106,9 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> No
     for slot, i in enumerate(rows):
         request = requests[i]
         request.grammar.fill_bitmask(bitmask, slot)  # type: ignore[union-attr]
-        opener = request.params.structured_opener
-        if opener is not None and not request.output_ids:   # a reasoning block may come before the constraint
-            word, bit = divmod(opener, 32)
+        block = request.params.reasoning_block
+        if block is not None and block.start_id is not None and not request.output_ids:
+            word, bit = divmod(block.start_id, 32)   # the first token may open a reasoning block instead
             bitmask[slot, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
     torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)  # inf + -inf is NaN
     apply_bitmask(logits, bitmask, rows)
@@ -133,11 +133,11 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
 def apply_thinking_budgets(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """A request whose reasoning has used its thinking budget gets the block's end marker."""
     for i, request in enumerate(requests):
-        budget = request.params.thinking_budget
-        if budget is not None and request.thinking is not None and request.thinking >= budget.tokens:
-            end = logits[i, budget.end_id].clone()
+        budget, block = request.params.thinking_budget, request.params.reasoning_block
+        if budget is not None and block is not None and request.thinking is not None and request.thinking >= budget:
+            end = logits[i, block.end_id].clone()
             logits[i] = float("-inf")
-            logits[i, budget.end_id] = end if torch.isfinite(end) else 0.0
+            logits[i, block.end_id] = end if torch.isfinite(end) else 0.0
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:

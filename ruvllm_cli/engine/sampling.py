@@ -36,12 +36,11 @@ class SamplingKnobs:
 
 
 @dataclass(frozen=True)
-class ThinkingBudget:
-    """At most `tokens` tokens of reasoning, then the block's end marker is forced
-    (Anthropic's `thinking.budget_tokens`). The block opens in the prompt (`inside`) or
-    with `start_id` as the reply's first token."""
+class ReasoningBlock:
+    """A reasoning model's block in a reply, which a constraint waits out and a thinking
+    budget counts: open from the start (`inside`: the prompt opened it) or from the
+    reply's first token where that is `start_id`, until `end_id`."""
 
-    tokens: int
     end_id: int
     start_id: int | None = None
     inside: bool = False
@@ -56,9 +55,8 @@ class SamplingParams(SamplingKnobs):
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]), OpenAI's semantics
     structured: "GrammarSpec | None" = None         # constrained decoding (JSON schema, regex, choice, ...)
-    structured_after: int | None = None             # the constraint starts after this token (a reasoning block's end)
-    structured_opener: int | None = None            # as a first token, opens that block first (Qwen3's <think>)
-    thinking_budget: ThinkingBudget | None = None   # reasoning cut at this many tokens
+    reasoning_block: ReasoningBlock | None = None   # the constraint and thinking_budget skip / count it
+    thinking_budget: int | None = None              # its end marker forced after this many tokens in it
     skip_special_tokens: bool = True                # False: special tokens reach the text
     kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
     min_tokens: int = 0                             # EOS and stop_token_ids held off until this many (vLLM's)

@@ -12,7 +12,7 @@ from ruvllm_cli.engine.chat_template import render_chat as engine_render_chat
 from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.reasoning import Reasoning
 from ruvllm_cli.engine.request import RequestOptions
-from ruvllm_cli.engine.sampling import SamplingParams, ThinkingBudget
+from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
 from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.errors import UsageError
@@ -90,12 +90,9 @@ def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingF
     """Sampling for a reasoning model's reply (its markers reach the splitter even where
     they are special tokens; a constraint lets it reason first: `Reasoning.plan`), and
     whether it starts inside its block."""
-    plan = reasoning.plan(tokenizer, prompt_ids, sampling.structured is not None, continued)
-    sampling = plan.sampling(sampling, reasoning)
-    if sampling.thinking_tokens is not None and reasoning.end_id is not None:   # else nothing can close the block
-        sampling = replace(sampling, thinking_budget=ThinkingBudget(sampling.thinking_tokens, reasoning.end_id,
-                                                                    reasoning.start_id, plan.inside))
-    return sampling, plan.inside
+    plan = reasoning.plan(tokenizer, prompt_ids, sampling.structured is not None, continued,
+                          budgeted=sampling.thinking_budget is not None)
+    return plan.sampling(sampling, reasoning), plan.inside
 
 
 def tokenize_prompts(tokenizer: Any, prompts: Sequence[Prompt], vocab_size: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ruvllm_cli.engine.request import RequestOptions
-from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams, ThinkingBudget
+from ruvllm_cli.engine.sampling import ReasoningBlock, SamplingKnobs, SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
@@ -56,10 +56,8 @@ class SamplingFields(SamplingKnobs):
     logprobs: int | None = None       # alternatives per token; None: no logprobs at all
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: Structured | None = None   # response_format / structured_outputs
-    structured_after: int | None = None    # the constraint starts after this token (a reasoning block's end)
-    structured_opener: int | None = None   # as a first token, opens that block first (engine's SamplingParams)
-    thinking_tokens: int | None = None     # a reasoning budget asked for (Anthropic's thinking.budget_tokens)
-    thinking_budget: ThinkingBudget | None = None   # that budget with the model's markers (prompts.reasoning_sampling)
+    reasoning_block: ReasoningBlock | None = None   # a reasoning model's block (prompts.reasoning_sampling)
+    thinking_budget: int | None = None     # most tokens in it (Anthropic's thinking.budget_tokens)
     kept_special_tokens: tuple[str, ...] = ()   # a tool-call format's markers, for its parser
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -76,8 +74,7 @@ class SamplingFields(SamplingKnobs):
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                                   logit_bias=self.logit_bias, kept_special_tokens=self.kept_special_tokens,
                                   structured=self.structured.spec if self.structured else None,
-                                  structured_after=self.structured_after,
-                                  structured_opener=self.structured_opener, thinking_budget=self.thinking_budget,
+                                  reasoning_block=self.reasoning_block, thinking_budget=self.thinking_budget,
                                   min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   skip_special_tokens=self.skip_special_tokens)

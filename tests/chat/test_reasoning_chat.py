@@ -72,7 +72,7 @@ def test_the_reasoning_is_shown_apart_and_not_kept(reasoning_tokenizer, tmp_path
     assert "".join(renderer.text) == reply.text == "Sunny today."
     assert session.messages[-1].content == "Sunny today."          # the answer alone is kept
     _, params = loop.asked[0]
-    assert {"<think>", "</think>"} <= set(params.kept_special_tokens) and params.structured_after is None
+    assert {"<think>", "</think>"} <= set(params.kept_special_tokens) and params.reasoning_block is None
     conversation.send("And tomorrow?")
     prompt, _ = loop.asked[1]
     assert "sunny." not in reasoning_tokenizer.decode(prompt)       # earlier reasoning is not sent again
@@ -103,7 +103,8 @@ def test_a_json_reply_waits_for_the_end_of_the_reasoning(reasoning_tokenizer, tm
     conversation = Conversation(session, loop, Recorder(), chats_dir=tmp_path,   # type: ignore[arg-type]
                                 reasoning=model_reasoning(reasoning_tokenizer))
     conversation.send("Weather?")
-    assert loop.asked[0][1].structured_after == reasoning_tokenizer.convert_tokens_to_ids("</think>")
+    block = loop.asked[0][1].reasoning_block   # the template opened the block: the constraint waits for its end
+    assert block.inside and block.end_id == reasoning_tokenizer.convert_tokens_to_ids("</think>")
 
 
 def raw_reply(model: Path, message: str, max_tokens: int, **template: Any) -> str:

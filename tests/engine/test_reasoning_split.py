@@ -121,7 +121,7 @@ def test_constraints_that_wait_batch_with_others_as_they_run_alone(make_tiny_mod
     from ruvllm_cli.engine.engine import LLMEngine
     from ruvllm_cli.engine.grammar import GrammarSpec
     from ruvllm_cli.engine.loader import load_model
-    from ruvllm_cli.engine.sampling import SamplingParams
+    from ruvllm_cli.engine.sampling import ReasoningBlock, SamplingParams
     from ruvllm_cli.quantization import Quantization
 
     engine = LLMEngine(load_model(make_tiny_model(reasoning="model"), "cpu", Quantization.F32),
@@ -133,9 +133,9 @@ def test_constraints_that_wait_batch_with_others_as_they_run_alone(make_tiny_mod
     kinds = [SamplingParams(max_tokens=40, temperature=1.0, seed=1, logit_bias=bias),
              SamplingParams(max_tokens=40, temperature=1.0, seed=2, logit_bias=bias, structured=schema),
              SamplingParams(max_tokens=40, temperature=1.0, seed=3, logit_bias=bias, structured=schema,
-                            structured_after=end),
+                            reasoning_block=ReasoningBlock(end, inside=True)),
              SamplingParams(max_tokens=40, temperature=1.0, seed=4, logit_bias=bias, structured=schema,
-                            structured_after=end, structured_opener=start)]
+                            reasoning_block=ReasoningBlock(end, start))]
     alone = [engine.generate([prompt], params)[0].token_ids for params in kinds]
     together = [c.token_ids for c in engine.generate([prompt] * len(kinds), kinds)]
     assert together == alone
@@ -151,7 +151,7 @@ def test_a_thinking_budget_closes_the_block_at_its_count(make_tiny_model):
     from ruvllm_cli.engine.config import EngineConfig
     from ruvllm_cli.engine.engine import LLMEngine
     from ruvllm_cli.engine.loader import load_model
-    from ruvllm_cli.engine.sampling import SamplingParams, ThinkingBudget
+    from ruvllm_cli.engine.sampling import ReasoningBlock, SamplingParams
     from ruvllm_cli.quantization import Quantization
 
     for mode in ("opens", "model"):
@@ -160,11 +160,12 @@ def test_a_thinking_budget_closes_the_block_at_its_count(make_tiny_model):
         start, end = engine.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
         prompt = render_chat(engine.tokenizer, [{"role": "user", "content": "hi"}])
         bias = {start: 30.0} if mode == "model" else {}   # the model opens its block at once
-        budget = ThinkingBudget(5, end, start, inside=mode == "opens")
+        block = ReasoningBlock(end, start, inside=mode == "opens")
         free = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=1.0, seed=7, logit_bias=bias,
                                                         ignore_eos=True))[0].token_ids
         cut = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=1.0, seed=7, logit_bias=bias,
-                                                       ignore_eos=True, thinking_budget=budget))[0].token_ids
+                                                       ignore_eos=True, reasoning_block=block,
+                                                       thinking_budget=5))[0].token_ids
         opened = 1 if mode == "model" else 0
         assert mode == "opens" or cut[0] == start
         assert end not in free[:opened + 5]   # unbudgeted, it would have gone on reasoning

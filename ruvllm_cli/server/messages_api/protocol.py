@@ -45,7 +45,7 @@ def parse_messages_request(body: Any) -> MessagesRequest:
         max_tokens=values["max_tokens"], stop=values["stop_sequences"], temperature=values["temperature"],
         top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
         ignore_eos=values["ignore_eos"], logit_bias=values["logit_bias"] or (), structured=values["output_config"],
-        thinking_tokens=_thinking_tokens(values["thinking"]))
+        thinking_budget=_thinking_budget(values["thinking"]))
     tools = _tool_request(values)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request("'tool_choice' and 'output_config.format' both constrain the reply; give one.",
@@ -58,7 +58,7 @@ def parse_messages_request(body: Any) -> MessagesRequest:
                            tools, options, thinking is not None and thinking.get("type") != "disabled")
 
 
-def _thinking_tokens(thinking: dict[str, Any] | None) -> int | None:
+def _thinking_budget(thinking: dict[str, Any] | None) -> int | None:
     """`budget_tokens` of enabled thinking: a reasoning model's reasoning ends there."""
     if thinking is None or thinking.get("type") != "enabled":
         return None
