@@ -53,8 +53,7 @@ class DownloadedModel:
     @property
     def weight_cache_bytes(self) -> int:
         """ruvllm's quantized weights kept beside the download (`rm` removes them with it)."""
-        folder = self.path / WEIGHT_CACHE_DIR
-        return sum(_size(p) for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+        return tree_bytes(self.path / WEIGHT_CACHE_DIR)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,7 +139,7 @@ class ModelCache:
         for folder in sorted(self.hub_dir.glob("models--*")):
             repo_id = folder.name.removeprefix("models--").replace("--", "/", 1)
             if repo_id not in done and folder.is_dir():
-                found.append((repo_id, sum(_size(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink())))
+                found.append((repo_id, tree_bytes(folder)))
         return found
 
     def find(self, repo_id: str, revision: str | None = None) -> DownloadedModel | None:
@@ -284,7 +283,7 @@ class ModelCache:
             strategy = scan.delete_revisions(*(rev.commit_hash for rev in hub_repo.revisions))
             entries, size = _snapshot_entries(hub_repo.revisions), strategy.expected_freed_size
         partial = tuple(self.orphaned_incomplete_files(repo_id))
-        size += sum(_size(p) for p in partial)
+        size += sum(file_size(p) for p in partial)
         # We also remove the dirs ourselves: a killed first download leaves a repo dir
         # with only partial blobs, which scan_cache_dir does not report.
         locks = self.hub_dir / ".locks" / repo_folder_name(repo_id)
@@ -374,11 +373,19 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """A file's size, 0 where it cannot be read (gone meanwhile)."""
     try:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def tree_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder`, links not followed (a hub repo's snapshot
+    links point at its own blobs, which count once)."""
+    return sum(file_size(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink()) \
+        if folder.is_dir() else 0
 
 
 def _remove_path(path: Path) -> None:

@@ -26,7 +26,7 @@ from rich.filesize import decimal as format_size
 from ruvllm_cli.errors import (CacheError, DownloadError, RepoUnavailableError, RevisionNotFoundError, RuvllmError,
                                UsageError)
 from ruvllm_cli.quantization import Quantization, parse_quantization
-from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache
+from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache, file_size
 from ruvllm_cli.registry.progress import DownloadObserver
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
         progress.already_downloaded(existing)
         return existing
     _make_cache_dir(cache)
-    lost = sum(_size(path) for path in cache.orphaned_incomplete_files(repo_id))
+    lost = sum(file_size(path) for path in cache.orphaned_incomplete_files(repo_id))
     progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id), lost)
     with hub_errors(repo_id, revision, cache):
         return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress,
@@ -231,13 +231,6 @@ def _index_shards(index_path: Path) -> list[str]:
         return sorted(set(weight_map.values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise DownloadError(f"{SAFETENSORS_INDEX} in the repo is not a valid safetensors index") from None
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _present(path: Path, size: int) -> bool:
