@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from ruvllm_cli.engine.lora import AdapterNotFoundError
 from ruvllm_cli.engine.outputs import RequestError, RequestOutput
 from ruvllm_cli.engine.reasoning import Reasoning, ReasoningSplitter, Split
-from ruvllm_cli.engine.request import FinishReason
+from ruvllm_cli.engine.request import FinishReason, RequestTimings
 from ruvllm_cli.engine.sampler import TokenLogprob
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
@@ -37,6 +37,7 @@ class Choice:
     num_output_tokens: int = 0
     first_token_at: float | None = None
     queue_wait: float | None = None   # seconds from reaching the engine to its first step
+    timings: RequestTimings | None = None   # the engine's timestamps, as of the last output that had them
     repaired: bool = False           # json-repair closed a truncated JSON reply
     tool_calls: list[Any] = field(default_factory=list)   # parsed ToolCalls (chat with tools)
     # The span of `text` each token of `logprobs` came with: the text of its step (a
@@ -71,6 +72,7 @@ class Choice:
         # Read from the first output that has it: a client that leaves mid-reply never
         # gets the final one, and its wait in the queue counts all the same.
         timings = output.timings
+        self.timings = timings or self.timings
         if self.queue_wait is None and timings is not None and timings.scheduled is not None:
             self.queue_wait = timings.scheduled - timings.arrival
         if output.finished:

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from ruvllm_cli.server.errors import ApiError, ErrorShape
 from ruvllm_cli.server.messages_api.errors import anthropic_error_body
+from ruvllm_cli.server.ollama_api.responses import ollama_error_body
 from ruvllm_cli.server.state import get_state
 from ruvllm_cli.server.web import PAGE_PATHS
 
@@ -26,7 +27,7 @@ CLIENT_GONE = web.RequestKey("client_gone", bool)
 # Paths whose errors (their 401s, 404s and 413s included) take another API's shape: a
 # path and everything under it (/v1/messages/count_tokens is Anthropic's too, if not
 # served); every other path answers in OpenAI's.
-ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": anthropic_error_body}
+ERROR_SHAPES: dict[str, ErrorShape] = {"/v1/messages": anthropic_error_body, "/api": ollama_error_body}
 
 
 def error_shape(path: str) -> ErrorShape | None:
@@ -81,6 +82,10 @@ def http_error(request: web.Request, error: web.HTTPException) -> ApiError:
     headers = {k: v for k, v in error.headers.items() if k.lower() in ("allow", "retry-after")}
     if isinstance(error, web.HTTPNotFound):
         message = f"Unknown route: {request.method} {request.path}"
+        if request.path.startswith("/api/"):
+            from ruvllm_cli.server.ollama_api.routes import NOT_SERVED_HINT
+
+            message += f". {NOT_SERVED_HINT}"
     elif isinstance(error, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(error.allowed_methods))
         message = f"Method {request.method} is not allowed on {request.path} (allowed: {allowed})"

@@ -97,6 +97,8 @@ class ModelEntry:
     last_used: float = 0.0
     in_flight: int = 0                 # requests holding or waiting for it
     timer: asyncio.TimerHandle | None = None   # the keep-alive unload
+    timer_due: float = 0.0             # when it fires (time.time())
+    unload_asked: bool = False         # a client asked for its unload (Ollama's keep_alive 0)
     counts: dict[str, int] = field(default_factory=lambda: {"loads": 0, "unloads": 0, "load_failures": 0})
 
     @property

@@ -233,14 +233,30 @@ class ModelPool:
     def _idle(self, entry: ModelEntry) -> None:
         """Arm the keep-alive unload of a loaded model that no request holds."""
         keep_alive = self.settings.keep_alive
-        if (entry.in_flight or entry.status is not ModelStatus.LOADED or entry.load is None or keep_alive is None
-                or self._closed):
+        if entry.in_flight or entry.status is not ModelStatus.LOADED or entry.load is None or self._closed:
             return
         entry.cancel_timer()
-        if keep_alive == 0:
+        if entry.unload_asked:
+            self._start_unload(entry, "a client asked for it")
+        elif keep_alive == 0:
             self._start_unload(entry, "its last request ended")
-        else:
+        elif keep_alive is not None:
             entry.timer = asyncio.get_running_loop().call_later(keep_alive, self._expire, entry)
+            entry.timer_due = time.time() + keep_alive
+
+    def unload_when_idle(self, entry: ModelEntry) -> None:
+        """Unload a model the pool loaded: now if no request holds it, else when the last ends."""
+        if entry.status in (ModelStatus.LOADING, ModelStatus.LOADED):
+            entry.unload_asked = True
+            self._idle(entry)
+
+    def expires_at(self, entry: ModelEntry) -> float | None:
+        """When a loaded model's keep-alive unloads it (time.time()): None if it never does;
+        a model in use is kept --keep-alive past now at least."""
+        keep_alive = self.settings.keep_alive
+        if entry.load is None or keep_alive is None:
+            return None
+        return entry.timer_due if entry.timer is not None else time.time() + keep_alive
 
     def _expire(self, entry: ModelEntry) -> None:
         entry.timer = None
@@ -258,7 +274,7 @@ class ModelPool:
         try:
             await asyncio.get_running_loop().run_in_executor(self._executor, release_engine, box)
         finally:
-            entry.status = ModelStatus.UNLOADED
+            entry.status, entry.unload_asked = ModelStatus.UNLOADED, False
             entry.counts["unloads"] += 1
             self.report(f"Unloaded {entry.name} ({reason})")
             self._notify()

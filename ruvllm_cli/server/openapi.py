@@ -22,6 +22,7 @@ from ruvllm_cli.server.messages_api.blocks import TEXT_BLOCK, THINKING_BLOCK, TO
 from ruvllm_cli.server.messages_api.responses import STOP_REASONS
 from ruvllm_cli.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from ruvllm_cli.server.middlewares import PUBLIC_PATHS
+from ruvllm_cli.server.ollama_api import protocol as ollama_protocol
 from ruvllm_cli.server.protocol import REQUEST_FIELDS
 from ruvllm_cli.server.responses_api import protocol as responses_protocol
 from ruvllm_cli.server.responses_api.output import RESPONSE_SCHEMA
@@ -39,7 +40,8 @@ _HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"ty
 # OpenAI's (response.created to response.completed).
 _EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 # Every JSON route's fields; a ChainMap reads the dicts live (a test may add a field).
-ROUTE_FIELDS = ChainMap(REQUEST_FIELDS, messages_protocol.REQUEST_FIELDS, responses_protocol.REQUEST_FIELDS)
+ROUTE_FIELDS = ChainMap(REQUEST_FIELDS, messages_protocol.REQUEST_FIELDS, responses_protocol.REQUEST_FIELDS,
+                        ollama_protocol.REQUEST_FIELDS)
 _ANTHROPIC_ERROR_TYPES = sorted({*anthropic_errors.ERROR_TYPES.values(), "invalid_request_error", "api_error"})
 _COUNT = {"type": "integer", "minimum": 0}
 SCHEMAS: dict[str, JsonSchema] = {
@@ -94,6 +96,24 @@ SCHEMAS: dict[str, JsonSchema] = {
             "input_tokens": _COUNT, "output_tokens": _COUNT, "cache_read_input_tokens": _COUNT,
             "cache_creation_input_tokens": _COUNT}}}},
     "Response": RESPONSE_SCHEMA,
+    "OllamaError": {"type": "object", "required": ["error"], "additionalProperties": False,
+                    "properties": {"error": {"type": "string"}}},
+    "OllamaReply": {"type": "object", "required": ["model", "created_at", "done"], "properties": {
+        "model": {"type": "string"}, "created_at": {"type": "string"}, "done": {"type": "boolean"},
+        "done_reason": {"enum": ["stop", "length", "load", "unload", None]},
+        "message": {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"const": "assistant"}, "content": {"type": "string"}, "thinking": {"type": "string"},
+            "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+                "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                    "name": {"type": "string"}, "arguments": {"type": "object"}}}}}}}},
+        "response": {"type": "string"}, "thinking": {"type": "string"},
+        **{name: _COUNT for name in ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
+                                     "eval_count", "eval_duration")}}},
+    "OllamaModels": {"type": "object", "required": ["models"], "properties": {"models": {"type": "array", "items": {
+        "type": "object", "required": ["name", "model", "details"], "properties": {
+            "name": {"type": "string"}, "model": {"type": "string"}, "modified_at": {"type": "string"},
+            "details": {"type": "object"}, "size": _COUNT, "size_vram": _COUNT, "expires_at": {"type": "string"},
+            "context_length": _COUNT}}}}},
     "Health": {"type": "object", "required": ["status"], "properties": {
         "status": {"enum": ["ok", "loading", "engine_failed", "shutting_down"]}, "model": {"type": "string"},
         "models": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -110,8 +130,9 @@ class Operation:
     content: str = "application/json"
     errors: tuple[int, ...] = ()             # statuses answered with an Error body
     same_body: tuple[int, ...] = ()          # statuses answered with the 200's body
-    streams: bool = False                    # `stream: true` answers in server-sent events
-    error_schema: str = "Error"              # the errors' shape: OpenAI's, or AnthropicError
+    streams: bool = False                    # `stream: true` answers in server-sent events (or stream_content)
+    error_schema: str = "Error"              # the errors' shape: OpenAI's, AnthropicError or OllamaError
+    stream_content: str = "text/event-stream"
     path_parameters: tuple[str, ...] = ()    # the `{name}` parts of the path, strings
 
 
@@ -142,6 +163,19 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/unload_lora_adapter"): Operation(
         "Stop serving a LoRA adapter; 409 while requests use it (with --allow-runtime-lora).",
         content="text/plain", errors=(400, 404, 408, 409, 413, 503)),
+    ("GET", "/api/version"): Operation("Ollama's API: this server's version.", error_schema="OllamaError"),
+    ("GET", "/api/tags"): Operation("Ollama's API: the models served, loaded or not.", "OllamaModels",
+                                    errors=(503,), error_schema="OllamaError"),
+    ("GET", "/api/ps"): Operation("Ollama's API: the models loaded now.", "OllamaModels", errors=(503,),
+                                  error_schema="OllamaError"),
+    ("POST", "/api/show"): Operation("Ollama's API: a model's details, template and capabilities (it is loaded "
+                                     "for them).", errors=(400, 404, 408, 413, 503), error_schema="OllamaError"),
+    ("POST", "/api/chat"): Operation("Ollama's chat API; streamed (its default) as one JSON object a line.",
+                                     "OllamaReply", errors=_GENERATION_ERRORS, streams=True,
+                                     error_schema="OllamaError", stream_content="application/x-ndjson"),
+    ("POST", "/api/generate"): Operation("Ollama's generate API; streamed (its default) as one JSON object a line.",
+                                         "OllamaReply", errors=_GENERATION_ERRORS, streams=True,
+                                         error_schema="OllamaError", stream_content="application/x-ndjson"),
 }
 
 
@@ -160,11 +194,11 @@ def openapi_document(app: web.Application, *, api_key: bool = False) -> JsonSche
     document: JsonSchema = {
         "openapi": "3.1.0",
         "info": {"title": "ruvllm", "version": __version__,
-                 "description": "An OpenAI-compatible API (the Responses API at /v1/responses, stateless), and "
-                                "Anthropic's Messages API at /v1/messages. Every "
+                 "description": "An OpenAI-compatible API (the Responses API at /v1/responses, stateless), "
+                                "Anthropic's Messages API at /v1/messages and Ollama's at /api/. Every "
                                 "error body is {\"error\": {message, type, param, code}}, but on /v1/messages "
-                                "Anthropic's {\"type\": \"error\", \"error\": {type, message}}; a request field "
-                                "that is null counts as absent."},
+                                "Anthropic's {\"type\": \"error\", \"error\": {type, message}} and under /api/ "
+                                "Ollama's {\"error\": message}; a request field that is null counts as absent."},
         "paths": dict(sorted(paths.items())),
         "components": {"schemas": SCHEMAS},
     }
@@ -181,7 +215,8 @@ def operation_object(operation: Operation, guarded: bool, request: Sequence[Fiel
         else {"schema": {"type": "object"} if operation.content == "application/json" else {"type": "string"}}
     content = {operation.content: ok}
     if operation.streams:
-        content["text/event-stream"] = {"schema": _EVENT}
+        content[operation.stream_content] = {"schema": _EVENT if operation.stream_content == "text/event-stream"
+                                             else {"type": "string"}}
     errors = (*operation.errors, *((401,) if guarded else ()))
     responses: JsonSchema = {"200": {"description": "OK", "content": content}}
     for status in operation.same_body:
@@ -201,6 +236,6 @@ def operation_object(operation: Operation, guarded: bool, request: Sequence[Fiel
 
 
 def _error_response(schema: str) -> JsonSchema:
-    shape = "Anthropic's" if schema == "AnthropicError" else "OpenAI's"
+    shape = {"AnthropicError": "Anthropic's", "OllamaError": "Ollama's"}.get(schema, "OpenAI's")
     return {"description": f"An error in {shape} shape.",
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}

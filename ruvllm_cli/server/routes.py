@@ -26,6 +26,7 @@ from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
 from ruvllm_cli.server.middlewares import CLIENT_GONE
 from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
+from ruvllm_cli.server.ollama_api.routes import add_ollama_routes
 from ruvllm_cli.server.openapi import openapi_document
 from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, reasoning_sampling,
                                        render_chat, template_tools, tokenize_prompts, tool_sampling)
@@ -57,6 +58,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter)
+    add_ollama_routes(app)
 
 
 # ---- plain routes ------------------------------------------------------------------------
@@ -257,7 +259,8 @@ def completion_prepare(engine: Any, job: CompletionRequest, options: RequestOpti
 async def generate(request: web.Request, state: ServerState, model: Lease,
                    prepare: Callable[[], list[SequencePlan]], param: str, num_sequences: int,
                    fmt: ResponseFormat, stream: bool, structured: Structured | None = None,
-                   options: RequestOptions = RequestOptions()) -> web.StreamResponse:
+                   options: RequestOptions = RequestOptions(),
+                   writer: type[EventStream] = EventStream) -> web.StreamResponse:
     """Admit, submit, then answer in one body or as a stream; the engine requests
     never outlive the handler (a client that leaves cancels them, and so does the
     end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
@@ -272,7 +275,7 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
         try:
             repair = repair_check(model, structured) if structured is not None and structured.repairable else None
             if stream:
-                return await stream_response(request, streams, choices, fmt, state.expired, repair)
+                return await stream_response(request, streams, choices, fmt, state.expired, repair, writer)
             try:
                 await bridge.collect(streams, choices, state.expired)
             except bridge.ShuttingDown:
@@ -301,12 +304,12 @@ def repair_check(model: Lease, structured: Structured) -> RepairCheck:
 
 
 async def stream_response(request: web.Request, streams: Sequence[RequestStream], choices: Sequence[Choice],
-                          fmt: ResponseFormat, stop: asyncio.Event,
-                          repair: RepairCheck | None = None) -> web.StreamResponse:
+                          fmt: ResponseFormat, stop: asyncio.Event, repair: RepairCheck | None = None,
+                          writer: type[EventStream] = EventStream) -> web.StreamResponse:
     """Every stream's outputs as SSE chunks; whatever ends it (all finished, an engine
     error, the shutdown timeout), the client gets a complete stream with the format's
     ending (OpenAI's [DONE], Anthropic's message_stop or error event)."""
-    sse = EventStream(request)
+    sse = writer(request)
     try:
         await sse.open()
         for choice in choices:

@@ -1,7 +1,8 @@
 """Server-sent events. OpenAI streams `data: {json}` chunks and `data: [DONE]` last;
 Anthropic names each event (`event: message_start`) and ends with its own last
-event. The response formats decide what to send (responses.py and
-messages_api/responses.py); this module only writes it."""
+event; Ollama's API streams one JSON object per line instead (NDJSONStream). The
+response formats decide what to send (responses.py, messages_api/responses.py,
+ollama_api/responses.py); this module only writes it."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ Chunk = Union[dict[str, Any], Event]
 class EventStream:
     """One streamed response. Writes raise ConnectionResetError once the client is gone."""
 
+    headers = SSE_HEADERS
+
     def __init__(self, request: web.Request) -> None:
         self.request = request
-        self.response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        self.response = web.StreamResponse(status=200, headers=self.headers)
 
     async def open(self) -> None:
         await self.response.prepare(self.request)
@@ -48,6 +51,16 @@ class EventStream:
     async def close(self) -> web.StreamResponse:
         await self.response.write_eof()
         return self.response
+
+
+class NDJSONStream(EventStream):
+    """A stream of JSON objects, one a line (Ollama's `application/x-ndjson`)."""
+
+    headers = {**SSE_HEADERS, "Content-Type": "application/x-ndjson"}
+
+    async def send(self, chunk: Chunk) -> None:
+        assert not isinstance(chunk, Event), "an NDJSON stream has no named events"
+        await self.response.write(_json(chunk) + b"\n")
 
 
 def encode_event(chunk: Chunk) -> bytes:

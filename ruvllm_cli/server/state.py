@@ -109,6 +109,7 @@ class ServerState:
         self.metrics.registry.register(PoolCollector(self.models))
         self.limits = config.limits
         self.started = time.monotonic()
+        self.wall_started = time.time()
         self.ready_at: float | None = None
         self._draining = False
         # Set when the shutdown timeout runs out: every generation still going ends at once.

@@ -4,6 +4,7 @@ a reply comes out the same either way."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Container, Sequence, TypeVar
 
@@ -76,6 +77,21 @@ class ToolReplies:
         if choice.index not in self._streams:
             self._streams[choice.index] = StreamingToolParser(self.parser)
         return self._streams[choice.index]
+
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object, for the APIs that send them so (Anthropic's
+    `input`, Ollama's `arguments`). A complete call's are a JSON object
+    (tool_parsers.json_scan); one that max_tokens cut has them as far as the model
+    wrote them, and gets what json-repair makes of that: an object always, as a
+    client's own parse of the streamed text gives one."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        import json_repair
+
+        value = json_repair.repair_json(arguments, return_objects=True)
+    return value if isinstance(value, dict) else {}
 
 
 def calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:

@@ -76,7 +76,7 @@ class Tally:
 def response_problem(response: schemathesis.Response, path: str) -> str | None:
     """What is wrong with one answer to `path`, or None."""
     content_type = response.headers.get("content-type", [""])[0]
-    anthropic = path in ANTHROPIC_ROUTES
+    anthropic, ollama = path in ANTHROPIC_ROUTES, path.startswith("/api/")
     if response.status_code >= 500:
         return f"server error: {response.text[:300]}"
     if getattr(response, "stream_cut_short", False):
@@ -86,8 +86,13 @@ def response_problem(response: schemathesis.Response, path: str) -> str | None:
     if response.status_code >= 400:
         if not content_type.startswith("application/json"):
             return f"error without a JSON body: {response.text[:200]}"
-        if not (anthropic_error(response.json()) if anthropic else openai_error(response.json())):
-            return f"error not in {'Anthropic' if anthropic else 'OpenAI'}'s shape: {response.text[:200]}"
+        shape, check = (("Anthropic", anthropic_error) if anthropic else ("Ollama", ollama_error) if ollama
+                        else ("OpenAI", openai_error))
+        if not check(response.json()):
+            return f"error not in {shape}'s shape: {response.text[:200]}"
+    elif content_type.startswith("application/x-ndjson"):
+        if not ndjson_ended(response.text):
+            return f"an NDJSON stream that does not end as it should: {response.text[-200:]}"
     elif content_type.startswith("text/event-stream"):
         if not stream_ended(response.text, path):
             return f"a stream that does not end as it should: {response.text[-200:]}"
@@ -101,6 +106,19 @@ def openai_error(body: Any) -> bool:
 def anthropic_error(body: Any) -> bool:
     return (isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error"
             and set(body["error"]) == {"type", "message"})
+
+
+def ollama_error(body: Any) -> bool:
+    return isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str)
+
+
+def ndjson_ended(text: str) -> bool:
+    """Ollama's stream: a JSON object a line, the last one done (or an error)."""
+    try:
+        objects = [json.loads(line) for line in text.splitlines()]
+    except ValueError:
+        return False
+    return bool(objects) and text.endswith("\n") and (objects[-1].get("done") is True or ollama_error(objects[-1]))
 
 
 def stream_ended(text: str, path: str) -> bool:

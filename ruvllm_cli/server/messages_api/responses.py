@@ -9,7 +9,6 @@ for the first output, which brings the prompt's cached-token count."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -21,7 +20,7 @@ from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.messages_api.errors import anthropic_error_body
 from ruvllm_cli.server.sse import Chunk, Event
-from ruvllm_cli.server.tool_output import ToolReplies, in_text_order
+from ruvllm_cli.server.tool_output import ToolReplies, arguments_object, in_text_order
 
 STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
 
@@ -53,18 +52,10 @@ def tool_use_id(call_id: str) -> str:
 
 
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
-    """A complete call's arguments are a JSON object (tool_parsers.json_scan); one that
-    max_tokens cut (stop_reason "max_tokens") has them as far as the model wrote them,
-    and its `input` is what json-repair makes of that: an object always, as a client's
-    own parse of the streamed `partial_json` gives one."""
-    try:
-        value = json.loads(call.arguments)
-    except ValueError:
-        import json_repair
-
-        value = json_repair.repair_json(call.arguments, return_objects=True)
+    """A call's `input` is an object always (tool_output.arguments_object), also where
+    max_tokens cut it (stop_reason "max_tokens")."""
     return {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
-            "input": value if isinstance(value, dict) else {}}
+            "input": arguments_object(call.arguments)}
 
 
 def event(data: dict[str, Any]) -> Event:

@@ -1,0 +1,299 @@
+"""The bodies of Ollama's POST /api/chat, /api/generate and /api/show, read through
+the same Field specs as the other routes (so /openapi.json documents them) into the
+chat route's pieces. Ollama's `options` map onto our sampling fields; the options
+that tune Ollama's own runner (num_ctx, num_gpu, num_thread, mirostat, ...) are
+accepted and change nothing here, as Ollama itself ignores an option it does not
+know. Every malformed field is a 400 naming its param."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ruvllm_cli.engine.grammar import GrammarSpec
+from ruvllm_cli.engine.tools import ToolRequest
+from ruvllm_cli.server.errors import bad_request
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.messages import parse_messages
+from ruvllm_cli.server.protocol import MODEL, SEED_RANGE, SamplingFields, TemplateOptions
+from ruvllm_cli.server.spec import Field, read_fields
+from ruvllm_cli.server.structured import Structured, grammar_spec
+from ruvllm_cli.server.tool_fields import TOOL_FIELDS, tool_request
+
+CHAT_PATH = "/api/chat"
+GENERATE_PATH = "/api/generate"
+SHOW_PATH = "/api/show"
+MAX_STOP = 16
+# Go's time.ParseDuration units, which Ollama's keep_alive takes ("5m", "1h30m", "-1s").
+_DURATION = re.compile(r"^-?(?:\d+(?:\.\d*)?(?:ns|us|µs|ms|s|m|h))+$")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+# What `think` may be: on, off, or gpt-oss's effort levels (which also turn it on).
+THINK_LEVELS = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class OllamaJob:
+    """One /api/chat or /api/generate request. `messages` None: a raw prompt
+    (`raw: true`, or a model without a chat template), `prompt` its text; both
+    empty: Ollama's load (or, with keep_alive 0, unload) request."""
+
+    model: str
+    messages: list[dict[str, Any]] | None
+    prompt: str
+    sampling: SamplingFields
+    stream: bool = True
+    tools: ToolRequest | None = None
+    template: TemplateOptions = TemplateOptions()
+    think: bool | None = None         # None: not asked (a reasoning model's thinking still comes apart)
+    keep_alive: float | None = None   # seconds; negative: for ever; None: not given
+    empty: bool = False
+    # options.num_predict was given: -1 and -2 (Ollama's default) run until the context
+    # is full; without it a reply stops at the server's --max-tokens-default, as on /v1.
+    length_given: bool = False
+
+    @property
+    def unload(self) -> bool:
+        return self.empty and self.keep_alive == 0
+
+
+def parse_chat(body: Any) -> OllamaJob:
+    values = read_fields(Fields(body), REQUEST_FIELDS[CHAT_PATH])
+    messages = values["messages"]
+    tools = tool_request({"tools": values["tools"], "tool_choice": values["tool_choice"],
+                          "parallel_tool_calls": True})
+    if tools is not None and tools.choice.forced and values["format"] is not None:
+        raise bad_request("'tool_choice' and 'format' both constrain the reply; give one.", "tool_choice",
+                          "invalid_value")
+    return OllamaJob(values["model"], messages, "", _sampling(values), values["stream"], tools,
+                     _template(values["think"]), _think(values["think"]), values["keep_alive"], not messages,
+                     _length_given(values))
+
+
+def parse_generate(body: Any) -> OllamaJob:
+    values = read_fields(Fields(body), REQUEST_FIELDS[GENERATE_PATH])
+    for name in ("suffix", "template"):
+        if values[name]:
+            raise bad_request(f"'{name}' is not supported: ruvllm fills in the middle with no model, and renders "
+                              "prompts with the model's own chat template.", name, "unsupported_parameter")
+    if values["context"]:
+        raise bad_request("'context' (deprecated by Ollama) is not supported: send the conversation to /api/chat.",
+                          "context", "unsupported_parameter")
+    prompt, system = values["prompt"], values["system"]
+    if values["raw"]:
+        messages = None
+        if system:
+            raise bad_request("'system' has no place in a raw prompt: write it into 'prompt'.", "system",
+                              "invalid_value")
+    else:
+        messages = [*([{"role": "system", "content": system}] if system else []),
+                    {"role": "user", "content": prompt}]
+    return OllamaJob(values["model"], messages, prompt, _sampling(values), values["stream"], None,
+                     _template(values["think"]), _think(values["think"]), values["keep_alive"], not prompt,
+                     _length_given(values))
+
+
+def _length_given(values: dict[str, Any]) -> bool:
+    return "num_predict" in (values["options"] or {})
+
+
+def _think(value: bool | str | None) -> bool | None:
+    return value if value is None or isinstance(value, bool) else True
+
+
+def _template(think: bool | str | None) -> TemplateOptions:
+    """`think` as the chat template's variables: Qwen3's `enable_thinking`, and an
+    effort level as gpt-oss's `reasoning_effort`."""
+    if think is None:
+        return TemplateOptions()
+    kwargs: dict[str, Any] = {"enable_thinking": bool(think)}
+    if isinstance(think, str):
+        kwargs["reasoning_effort"] = think
+    return TemplateOptions(kwargs)
+
+
+def _sampling(values: dict[str, Any]) -> SamplingFields:
+    options = values["options"] or {}
+    structured = values["format"]
+    predict = options.get("num_predict")
+    return SamplingFields(
+        max_tokens=predict if predict is not None and predict > 0 else None,
+        max_tokens_param="options.num_predict",
+        stop=tuple(options.get("stop") or ()),
+        temperature=_given(options, "temperature", 1.0), top_p=_given(options, "top_p", 1.0),
+        top_k=_given(options, "top_k", 0), min_p=_given(options, "min_p", 0.0),
+        repetition_penalty=_given(options, "repeat_penalty", 1.0),
+        presence_penalty=_given(options, "presence_penalty", 0.0),
+        frequency_penalty=_given(options, "frequency_penalty", 0.0),
+        seed=options.get("seed"), structured=structured)
+
+
+def _given(options: dict[str, Any], name: str, default: Any) -> Any:
+    value = options.get(name)
+    return default if value is None else value
+
+
+# ---- the fields ------------------------------------------------------------------------
+def _ollama_messages(value: Any) -> list[dict[str, Any]]:
+    """Ollama's messages as the chat route's: a tool result names its tool
+    (`tool_name`) where OpenAI's names the call, so each gets the id of the latest
+    call of that name; past calls' arguments are objects already; `thinking` is an
+    earlier turn's reasoning. An empty list is Ollama's load request."""
+    if not isinstance(value, list):
+        raise invalid_type("messages", "an array", value)
+    if not value:
+        return []
+    converted, calls = [], {}
+    for i, item in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise invalid_type(where, "an object", item)
+        if item.get("images"):
+            raise invalid_value(f"{where}.images", "images are not supported: ruvllm serves text models", "[...]")
+        message = {key: item[key] for key in ("role", "content", "tool_calls", "name") if key in item}
+        if item.get("thinking") is not None:
+            message["reasoning_content"] = item["thinking"]
+        if isinstance(item.get("tool_calls"), list):
+            message["tool_calls"] = [_past_call(call, len(calls) + n) for n, call in enumerate(item["tool_calls"])]
+            calls.update({c["function"]["name"]: c["id"] for c in message["tool_calls"]
+                          if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                          and isinstance(c["function"].get("name"), str)})
+        tool = item.get("tool_name") or item.get("name")
+        if item.get("role") == "tool" and item.get("tool_call_id") is None:
+            message["tool_call_id"] = calls.get(tool) if isinstance(tool, str) and tool in calls else f"call_{i}"
+            if isinstance(tool, str):
+                message["name"] = tool
+        elif item.get("tool_call_id") is not None:
+            message["tool_call_id"] = item["tool_call_id"]
+        if item.get("role") == "assistant" and message.get("content") == "" and message.get("tool_calls"):
+            message["content"] = None
+        converted.append(message)
+    return parse_messages(converted)
+
+
+def _past_call(call: Any, number: int) -> Any:
+    if not isinstance(call, dict):
+        return call
+    return {"id": call.get("id") or f"call_{number}", "type": "function", **call}
+
+
+def _format(value: Any) -> Structured | None:
+    """`format`: "json" (any JSON object), a JSON schema, or "" (none)."""
+    if value == "":
+        return None
+    if value == "json":
+        return Structured(GrammarSpec.json_object(), "format", strict=False)
+    if not isinstance(value, dict):
+        raise invalid_value("format", 'must be "json" or a JSON schema object', value)
+    return Structured(grammar_spec("json_schema", value, "format"), "format")
+
+
+def _think_value(value: Any) -> bool | str:
+    if isinstance(value, bool) or value in THINK_LEVELS:
+        return value
+    raise invalid_value("think", f"must be true, false or one of {', '.join(THINK_LEVELS)}", value)
+
+
+def parse_keep_alive(value: Any) -> float:
+    """Seconds: a number, or a duration as Ollama takes it ("5m", "1h30m", "-1")."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        if _DURATION.match(text):
+            sign = -1.0 if text.startswith("-") else 1.0
+            parts = re.findall(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)", text)
+            return sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    raise invalid_value("keep_alive", 'must be seconds or a duration such as "5m" or "1h" (0: unload now, '
+                                      "negative: keep loaded)", value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise invalid_type("options.stop", "an array of strings", value)
+    if len(value) > MAX_STOP:
+        raise invalid_value("options.stop", f"at most {MAX_STOP} stop sequences", f"{len(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise invalid_type(f"options.stop[{i}]", "a string", item)
+    return tuple(value)
+
+
+def _options(fields: Fields) -> dict[str, Any]:
+    """The options given (checked against _OPTION_FIELDS already), by name."""
+    values = {name: value for name, value in read_fields(fields, _OPTION_FIELDS).items() if value is not None}
+    if values.get("num_predict") == 0:
+        raise invalid_value("options.num_predict", "must be at least 1, or -1 (until the context is full)", 0)
+    return values
+
+
+_OPTION_FIELDS = (
+    Field("temperature", "number", "0: greedy; higher: more random (default 1).", low=0.0, high=2.0),
+    Field("top_p", "number", "Nucleus sampling (default 1: off).", low=0.0, high=1.0, above_low=True),
+    Field("top_k", "integer", "Sample from the k likeliest tokens (default 0: off).", low=0),
+    Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", low=0.0, high=1.0),
+    Field("repeat_penalty", "number", "Divides the logits of tokens already seen (1: off).", low=0.0, high=10.0,
+          above_low=True),
+    Field("presence_penalty", "number", low=-2.0, high=2.0),
+    Field("frequency_penalty", "number", low=-2.0, high=2.0),
+    Field("seed", "integer", "Replays the same sampling.", low=SEED_RANGE[0], high=SEED_RANGE[1]),
+    Field("num_predict", "integer", "Most tokens to generate; -1 or -2: until the context is full (default: the "
+                                    "server's --max-tokens-default).", low=-2),
+    Field("stop", None, "Text that ends the reply (not included in it).", parse=_stop,
+          schema={"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}),
+)
+_OPTIONS = Field("options", "object", "Sampling options (Ollama's names). Options of Ollama's own runner "
+                 "(num_ctx, num_gpu, num_thread, mirostat, ...) are accepted and change nothing: the context is "
+                 "the server's (--max-context).", parse=_options, properties=_OPTION_FIELDS)
+_FORMAT = Field("format", None, 'The reply\'s shape: "json" (a JSON object) or a JSON schema.', parse=_format,
+                schema={"anyOf": [{"enum": ["", "json"]}, {"type": "object"}]})
+_STREAM = Field("stream", "boolean", "One JSON object a line as the reply is generated (Ollama's default), or "
+                                     "one object at the end (false).", True)
+_KEEP_ALIVE = Field("keep_alive", None, "0 with no messages (or prompt): unload the model now. Otherwise "
+                                        "accepted; models unload after the server's --keep-alive.",
+                    parse=parse_keep_alive, schema={"anyOf": [{"type": "number"}, {"type": "string"}]})
+_THINK = Field("think", None, "A reasoning model thinks (true, or gpt-oss's low/medium/high) or not (false); its "
+                              "thinking comes back in `thinking`.", parse=_think_value,
+               schema={"anyOf": [{"type": "boolean"}, {"enum": list(THINK_LEVELS)}]})
+
+CHAT_FIELDS = (
+    MODEL,
+    Field("messages", "array", "The conversation (empty: load the model).", [], parse=_ollama_messages,
+          schema={"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
+              "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"},
+              "thinking": {"type": "string"}, "tool_name": {"type": "string"},
+              "tool_calls": {"type": "array"}}}}),
+    # tool_choice: OpenAI's (auto, none, required, a named function), which Ollama lacks; a ruvllm extension.
+    *TOOL_FIELDS[:2], _FORMAT, _OPTIONS, _STREAM, _KEEP_ALIVE, _THINK,
+)
+GENERATE_FIELDS = (
+    MODEL,
+    Field("prompt", "string", "The prompt, put through the model's chat template unless `raw` (empty: load the "
+                              "model).", ""),
+    Field("system", "string", "A system prompt before it.", ""),
+    Field("raw", "boolean", "The prompt as it is, without the chat template.", False),
+    Field("suffix", "string", "Not supported (fill-in-the-middle)."),
+    Field("template", "string", "Not supported: the model's own chat template renders the prompt."),
+    Field("context", "array", "Not supported (deprecated by Ollama).", parse=lambda value: value,
+          schema={"type": "array", "maxItems": 0}),
+    _FORMAT, _OPTIONS, _STREAM, _KEEP_ALIVE, _THINK,
+)
+SHOW_FIELDS = (Field("model", "string", "One of the names /api/tags lists."),
+               Field("name", "string", "`model` under its older name."),
+               Field("verbose", "boolean", "Accepted; the answer is the same.", False))
+
+
+def parse_show(body: Any) -> str:
+    values = read_fields(Fields(body), SHOW_FIELDS)
+    name = values["model"] or values["name"]
+    if not name:
+        raise bad_request("Missing required parameter: 'model'.", "model", "missing_required_parameter")
+    return name
+REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {CHAT_PATH: CHAT_FIELDS, GENERATE_PATH: GENERATE_FIELDS,
+                                               SHOW_PATH: SHOW_FIELDS}

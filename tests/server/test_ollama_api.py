@@ -1,0 +1,300 @@
+"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version)
+through the official `ollama` client and LangChain's ChatOllama over the real socket:
+the same engine path as chat completions (the same prompt tokens and greedy text),
+Ollama's objects and NDJSON stream, measured durations, tool calls with object
+arguments, `format` constraints, `think`, load/unload requests, Ollama's error shape."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.request import FinishReason, RequestTimings
+from ruvllm_cli.engine.tool_parsers import get_parser
+from ruvllm_cli.server.bridge import Choice
+from ruvllm_cli.server.ollama_api.protocol import parse_keep_alive
+from ruvllm_cli.server.ollama_api.responses import Clock, OllamaFormat
+from ruvllm_cli.server.tool_output import ToolReplies
+from tests.server.test_model_pool import pool_server, wait_for  # noqa: F401 - pool_server is a fixture
+from tests.server.test_tools import TOOLS, WEATHER
+
+pytestmark = pytest.mark.timeout(120)
+
+HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server.url, timeout=60)
+
+
+@pytest.fixture
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def lines(server, path, body) -> list[dict]:
+    """A streamed answer off the wire: every line one JSON object."""
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def test_chat_is_the_chat_route_s_reply(client, openai_client, server):
+    reply = client.chat(model=server.model, messages=HELLO, options=GREEDY, stream=False)
+    same = openai_client.chat.completions.create(model=server.model, messages=HELLO, temperature=0, max_tokens=12)
+    assert reply.message.role == "assistant"
+    assert reply.message.content == same.choices[0].message.content
+    assert reply.done and reply.done_reason == "length"
+    assert reply.prompt_eval_count == same.usage.prompt_tokens
+    assert reply.eval_count == same.usage.completion_tokens == 12
+    # measured, in nanoseconds: the parts within the whole
+    assert 0 < reply.prompt_eval_duration < reply.total_duration
+    assert 0 < reply.eval_duration < reply.total_duration
+    assert 0 <= reply.load_duration < reply.total_duration
+
+
+def test_a_streamed_chat_reassembles_to_the_whole_reply(client, server):
+    whole = client.chat(model=server.model, messages=HELLO, options=GREEDY, stream=False)
+    parts = list(client.chat(model=server.model, messages=HELLO, options=GREEDY, stream=True))
+    assert all(not part.done for part in parts[:-1]) and parts[-1].done
+    assert "".join(part.message.content for part in parts) == whole.message.content
+    assert parts[-1].done_reason == "length" and parts[-1].eval_count == 12
+    raw = lines(server, "/api/chat", {"model": server.model, "messages": HELLO, "options": GREEDY})
+    assert len(raw) == len(parts) and raw[-1]["done"] is True and "total_duration" in raw[-1]
+
+
+def test_generate_renders_the_prompt_through_the_template_unless_raw(client, openai_client, server):
+    prompt = "Write a haiku."
+    reply = client.generate(model=server.model, prompt=prompt, system="Be brief.", options=GREEDY)
+    chat = client.chat(model=server.model, messages=[{"role": "system", "content": "Be brief."},
+                                                     {"role": "user", "content": prompt}], options=GREEDY)
+    assert reply.response == chat.message.content and reply.done_reason == "length"
+    assert reply.prompt_eval_count == chat.prompt_eval_count
+    raw = client.generate(model=server.model, prompt=prompt, raw=True, options=GREEDY)
+    completion = openai_client.completions.create(model=server.model, prompt=prompt, temperature=0, max_tokens=12)
+    assert raw.response == completion.choices[0].text
+    assert raw.prompt_eval_count == completion.usage.prompt_tokens
+    streamed = list(client.generate(model=server.model, prompt=prompt, raw=True, options=GREEDY, stream=True))
+    assert "".join(part.response for part in streamed) == raw.response
+
+
+def test_options_map_onto_sampling(client, server):
+    seeded = {"temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 7, "num_predict": 10, "repeat_penalty": 1.1}
+    first = client.chat(model=server.model, messages=HELLO, options=seeded)
+    again = client.chat(model=server.model, messages=HELLO, options=seeded)
+    assert first.message.content == again.message.content and first.eval_count == 10
+    # options of Ollama's own runner change nothing
+    tuned = client.chat(model=server.model, messages=HELLO, options={**seeded, "num_ctx": 8192, "num_gpu": 99,
+                                                                     "mirostat": 2, "num_thread": 4})
+    assert tuned.message.content == first.message.content
+    # a stop string ends the reply before it
+    whole = client.chat(model=server.model, messages=HELLO, options={"temperature": 0, "num_predict": 24})
+    cut = next(i for i in range(4, len(whole.message.content)) if not whole.message.content[i].isspace())
+    stop = whole.message.content[cut:cut + 2]
+    stopped = client.chat(model=server.model, messages=HELLO,
+                          options={"temperature": 0, "num_predict": 24, "stop": [stop]})
+    assert stopped.done_reason == "stop"
+    assert whole.message.content.startswith(stopped.message.content) and stop not in stopped.message.content
+
+
+def test_without_num_predict_the_reply_stops_at_the_server_default(make_server):
+    live = make_server(chat_max_tokens=5)
+    reply = ollama.Client(host=live.url, timeout=60).chat(model=live.model, messages=HELLO,
+                                                          options={"temperature": 0})
+    assert reply.eval_count == 5 and reply.done_reason == "length"
+
+
+def test_format_constrains_the_reply(client, server):
+    reply = client.chat(model=server.model, messages=HELLO, format=WEATHER, options={"temperature": 0,
+                                                                                     "num_predict": 200})
+    jsonschema.validate(json.loads(reply.message.content), WEATHER)
+    # "json": an object, which a random model may not close within num_predict
+    as_json = client.generate(model=server.model, prompt="JSON please", format="json",
+                              options={"temperature": 0, "num_predict": 200})
+    assert as_json.response.lstrip().startswith("{")
+    if as_json.done_reason == "stop":
+        assert isinstance(json.loads(as_json.response), dict)
+
+
+def test_forced_tool_calls_come_whole_with_object_arguments(server):
+    body = {"model": server.model, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": TOOLS, "tool_choice": "required", "options": {"temperature": 0, "num_predict": 200}}
+    whole = httpx.post(server.url + "/api/chat", json={**body, "stream": False}, timeout=60).json()
+    calls = whole["message"]["tool_calls"]
+    assert calls and whole["message"]["content"] == "" and whole["done_reason"] == "stop"
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for call in calls:
+        jsonschema.validate(call["function"]["arguments"], schemas[call["function"]["name"]])
+    streamed = lines(server, "/api/chat", body)
+    streamed_calls = [c for line in streamed for c in line.get("message", {}).get("tool_calls", [])]
+    assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
+    # the client's own types take them, and the conversation goes on with the result
+    reply = ollama.ChatResponse.model_validate(whole)
+    call = reply.message.tool_calls[0]
+    conversation = [*body["messages"], reply.message,
+                    {"role": "tool", "tool_name": call.function.name, "content": "21 degrees"}]
+    after = ollama.Client(host=server.url, timeout=60).chat(model=server.model, messages=conversation,
+                                                            tools=TOOLS, options=GREEDY)
+    assert after.done and after.prompt_eval_count > whole["prompt_eval_count"]
+
+
+def test_tool_calls_in_a_stream_come_whole_after_the_text():
+    """A model's own (unforced) call: the parser's format, streamed a character at a time."""
+    parser = get_parser("hermes")
+    text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' \
+           "\n</tool_call>"
+    fmt = OllamaFormat("chat", "m", Clock(0.0), tools=ToolReplies(parser))
+    choice = Choice(0, 0)
+    chunks = []
+    for i, char in enumerate(text):
+        output = RequestOutput("r", [i], char, finished=i == len(text) - 1,
+                               finish_reason=FinishReason.STOP if i == len(text) - 1 else None)
+        choice.add(output)
+        chunks += fmt.deltas(choice, output)
+    chunks += fmt.flush(choice)
+    content = "".join(c["message"]["content"] for c in chunks)
+    assert content == "Let me look."
+    assert chunks[-1]["message"]["tool_calls"][0]["function"] == {
+        "index": 0, "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    final = fmt.final(choice)
+    assert final["done"] and final["done_reason"] == "stop" and final["message"]["content"] == ""
+
+
+def test_durations_come_from_the_engine_s_timestamps():
+    choice = Choice(0, 0, num_prompt_tokens=5, num_output_tokens=3,
+                    timings=RequestTimings(arrival=10.0, scheduled=10.5, first_token=11.0, finished=12.25))
+    fmt = OllamaFormat("generate", "m", Clock(0.0, waited=0.125))
+    final = fmt.final(choice)
+    assert final["prompt_eval_duration"] == 500_000_000 and final["eval_duration"] == 1_250_000_000
+    assert final["load_duration"] == 125_000_000 and final["prompt_eval_count"] == 5 and final["eval_count"] == 3
+    # a figure the engine did not report is left out, not made up
+    assert "eval_duration" not in fmt.final(Choice(0, 0))
+
+
+def test_thinking_comes_apart_and_think_false_leaves_it_out(make_server, make_tiny_model):
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.engine.config import Quantization
+    from tests.server.conftest import build_server
+
+    model = load_model(make_tiny_model(reasoning="opens"), "cpu", Quantization.F32)
+    live = build_server(model)
+    try:
+        client = ollama.Client(host=live.url, timeout=60)
+        ask = {"model": live.model, "messages": HELLO, "options": {"temperature": 0, "num_predict": 30}}
+        raw = httpx.post(live.url + "/v1/chat/completions", json={
+            "model": live.model, "messages": HELLO, "temperature": 0, "max_tokens": 30}, timeout=60).json()
+        reply = client.chat(**ask, think=True)
+        assert reply.message.thinking == raw["choices"][0]["message"]["reasoning"]
+        assert reply.message.content == (raw["choices"][0]["message"]["content"] or "")
+        parts = list(client.chat(**ask, think=True, stream=True))
+        assert "".join(p.message.thinking or "" for p in parts) == reply.message.thinking
+        assert "".join(p.message.content for p in parts) == reply.message.content
+        hidden = client.chat(**ask, think=False)
+        assert hidden.message.thinking is None
+        shown = client.show(live.model)
+        assert "thinking" in shown.capabilities
+    finally:
+        live.stop()
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama.Client(host=make_server().url, timeout=60).chat(model="tiny", messages=HELLO, think=True)
+    assert refused.value.status_code == 400 and "does not support thinking" in refused.value.error
+
+
+def test_models_version_show_and_ps(client, server):
+    listed = client.list()
+    names = [m.model for m in listed.models]
+    assert server.model in names
+    mine = next(m for m in listed.models if m.model == server.model)
+    assert mine.details.family == "llama" and mine.details.format == "safetensors"
+    assert mine.details.quantization_level == "none" and mine.details.parameter_size.endswith("M")
+    running = client.ps()
+    loaded = next(m for m in running.models if m.model == server.model)
+    assert loaded.size > 0 and loaded.size_vram == 0 and loaded.context_length == 1024
+    shown = client.show(server.model)
+    assert shown.capabilities[0] == "completion" and shown.template
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.modelinfo["llama.context_length"] == 1024
+    assert httpx.get(server.url + "/api/version").json()["version"]
+    # Ollama's clients add the default tag
+    assert client.chat(model=server.model + ":latest", messages=HELLO, options=GREEDY).eval_count == 12
+
+
+def test_load_and_unload_requests(pool_server):
+    """A pooled model: an empty request loads it, keep_alive 0 unloads it."""
+    live, loads = pool_server(names=("a",), keep_alive=None)
+    client = ollama.Client(host=live.url, timeout=60)
+    assert [m.model for m in client.list().models] == ["a"] and client.ps().models == []
+    loaded = client.chat(model="a", messages=[])
+    assert loaded.done and loaded.done_reason == "load" and loads.calls == {"a": 1}
+    running = client.ps().models
+    assert [m.model for m in running] == ["a"] and running[0].expires_at is None   # no keep-alive: never
+    assert client.list().models[0].details.family == "llama"
+    unloaded = client.generate(model="a", keep_alive=0)
+    assert unloaded.done_reason == "unload"
+    wait_for(lambda: not client.ps().models)
+    assert client.list().models[0].details.family == ""   # not loaded: nothing known of it
+    assert client.chat(model="a", messages=HELLO, options=GREEDY).eval_count == 12 and loads.calls == {"a": 2}
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ({"model": "nope", "messages": HELLO}, 404, "does not exist"),
+    ({"messages": HELLO}, 400, "'model'"),
+    ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, 400, "images"),
+    ({"model": "tiny", "messages": HELLO, "format": "yaml"}, 400, "format"),
+    ({"model": "tiny", "messages": HELLO, "options": {"temperature": -1}}, 400, "options.temperature"),
+    ({"model": "tiny", "messages": HELLO, "options": {"num_predict": 0}}, 400, "num_predict"),
+    ({"model": "tiny", "messages": HELLO, "think": "max"}, 400, "think"),
+    ({"model": "tiny", "messages": HELLO, "keep_alive": "soon"}, 400, "keep_alive"),
+    ({"model": "tiny", "messages": [], "keep_alive": 0}, 400, "stays loaded"),
+])
+def test_bad_chat_requests_are_ollama_errors(server, body, status, words):
+    response = httpx.post(server.url + "/api/chat", json=body, timeout=60)
+    assert response.status_code == status
+    assert set(response.json()) == {"error"} and words in response.json()["error"]
+
+
+def test_bad_generate_requests_and_unknown_routes(server, client):
+    for field, value in (("suffix", "x"), ("template", "{{ .Prompt }}"), ("context", [1, 2])):
+        response = httpx.post(server.url + "/api/generate", json={"model": server.model, "prompt": "hi",
+                                                                  field: value}, timeout=60)
+        assert response.status_code == 400 and field in response.json()["error"]
+    with pytest.raises(ollama.ResponseError) as pulled:
+        client.pull("qwen")
+    assert pulled.value.status_code == 404 and "ruvllm download" in pulled.value.error
+    with pytest.raises(ollama.ResponseError) as embedded:
+        client.embed(model=server.model, input="hi")
+    assert embedded.value.status_code == 404 and "embeddings are not served" in embedded.value.error
+
+
+def test_a_streamed_error_is_an_error_line(server, monkeypatch):
+    """A constraint the engine gives up on mid-reply ends the stream with {"error": ...}."""
+    from ruvllm_cli.server.ollama_api.responses import ollama_error_body
+    from ruvllm_cli.server.errors import ApiError
+
+    assert ollama_error_body(ApiError(503, "gone")) == {"error": "gone"}
+    fmt = OllamaFormat("chat", "m", Clock(0.0))
+    assert fmt.error_chunks(ApiError(400, "bad")) == [{"error": "bad"}]
+
+
+def test_langchain_chat_ollama_drives_it(server):
+    from langchain_ollama import ChatOllama
+
+    llm = ChatOllama(model=server.model, base_url=server.url, temperature=0, num_predict=12)
+    message = llm.invoke("Hello! How are you today?")
+    assert message.content and message.usage_metadata["output_tokens"] == 12
+    assert "".join(chunk.content for chunk in llm.stream("Hello! How are you today?")) == message.content
+
+
+def test_keep_alive_durations():
+    assert parse_keep_alive("5m") == 300 and parse_keep_alive("1h30m") == 5400 and parse_keep_alive(-1) == -1
+    assert parse_keep_alive("0") == 0 and parse_keep_alive("250ms") == 0.25
