@@ -401,6 +401,7 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
         out.info(escape(f"  {'Models' if position == 0 else '':<10}  {line}"))
     if not options.get("no_web_ui"):
         out.info(escape(f"  Web chat    {curl_url}/"))
+    out.info(escape(f"  Ollama API  {url}   (/api/chat, /api/generate, /api/tags: Ollama's clients as they are)"))
     out.info(escape(f"  Health      {url}/health"))
     out.info(escape(f"  Metrics     {url}/metrics"))
     if kv_cache:

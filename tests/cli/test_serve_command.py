@@ -80,6 +80,8 @@ def test_banner_names_the_chat_page_unless_it_is_off(capsys, monkeypatch) -> Non
                           "  Web chat    http://127.0.0.1:8080/"]
     lines = banner({"api_key": None, "no_web_ui": True}, capsys, monkeypatch)
     assert not any("Web chat" in line for line in lines)
+    assert "  Ollama API  http://127.0.0.1:8080   (/api/chat, /api/generate, /api/tags: Ollama's clients as they " \
+           "are)" in lines
 
 
 def test_no_web_ui_reaches_the_server_config() -> None:
