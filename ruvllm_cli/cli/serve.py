@@ -294,7 +294,7 @@ def server_config(options: dict[str, Any], verbose: bool, cache_dir: Path | None
     origins = tuple(o.strip() for o in (options["cors_origins"] or "").split(",") if o.strip())
     limits = RequestLimits(max_prompts=options["max_prompts_per_request"],
                            max_sequences=options["max_sequences_per_request"])
-    return ServerConfig(api_key=options["api_key"] or None, cors_origins=origins, max_queue=options["max_queue"],
+    return ServerConfig(api_key=(options["api_key"] or "").strip() or None, cors_origins=origins, max_queue=options["max_queue"],
                         max_body_size=options["max_body_size"], limits=limits,
                         chat_max_tokens=options["max_tokens_default"], verbose=verbose,
                         tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"],

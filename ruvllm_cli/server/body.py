@@ -10,6 +10,8 @@ import re
 from typing import Any, Iterator, NoReturn
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from ruvllm_cli.server.errors import ApiError, bad_request
 
@@ -37,6 +39,12 @@ async def read_json(request: web.Request, max_size: int) -> Any:
     except asyncio.TimeoutError:
         raise ApiError(408, f"The request body did not arrive within {timeout:g} s.", code="request_timeout",
                        close=True) from None
+    except (RequestPayloadError, ContentEncodingError) as error:
+        # A body aiohttp could not decode (a Content-Encoding the data does not match): the
+        # client's fault. The rest of it is not read: the connection closes after the answer.
+        encoding = request.headers.get("Content-Encoding", "")
+        raise ApiError(400, f"The request body could not be decoded as its Content-Encoding ({encoding or 'none'}) "
+                            "says.", code="invalid_body", close=True) from error
     body = parse_json(raw)
     check_json(body)
     return body

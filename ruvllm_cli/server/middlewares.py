@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from typing import Awaitable, Callable
 
 from aiohttp import web
@@ -24,6 +25,9 @@ PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
 CLIENT_CLOSED = 499
 # Set by a handler whose client left mid-stream (its response still reads 200).
 CLIENT_GONE = web.RequestKey("client_gone", bool)
+# When the request reached the app (time.perf_counter), before its body was read or its
+# model loaded: the start of the latency the metrics and Ollama's total_duration measure.
+ARRIVED = web.RequestKey("arrived", float)
 # Paths whose errors (their 401s, 404s and 413s included) take another API's shape: a
 # path and everything under it (/v1/messages/count_tokens is Anthropic's too, if not
 # served); every other path answers in OpenAI's.
@@ -47,6 +51,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     OpenAI's); no traceback reaches a client."""
     status = 500
     shape = error_shape(request.path)
+    request[ARRIVED] = time.perf_counter()
     try:
         response = await handler(request)
         status = CLIENT_CLOSED if request.get(CLIENT_GONE) else response.status
@@ -133,14 +138,18 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
 def auth_middleware(api_key: str) -> Callable:
     """The key on every route but PUBLIC_PATHS, as `Authorization: Bearer <key>`
     (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), compared in constant time."""
-    expected = api_key.encode("utf-8")
+    # A key read from a file or a secret often ends with a newline no client can send.
+    expected = api_key.strip().encode("utf-8")
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in PUBLIC_PATHS and request.method != "OPTIONS":
             keys = presented_keys(request)
             if not keys:
-                raise ApiError(401, "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                said = request.headers.get("Authorization", "").strip()
+                what = (f"The Authorization header is not 'Bearer <key>' (it starts with '{said.split()[0][:20]}')"
+                        if said else "Missing API key")
+                raise ApiError(401, f"{what}: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
             # Every key is compared (no early exit), so the time tells nothing either way.
             if not sum(hmac.compare_digest(key.encode("utf-8", "surrogateescape"), expected) for key in keys):

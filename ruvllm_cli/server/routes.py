@@ -24,7 +24,7 @@ from ruvllm_cli.server.engine_client import EngineClient, EngineStream as Reques
 from ruvllm_cli.server.errors import ApiError, bad_request, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
-from ruvllm_cli.server.middlewares import CLIENT_GONE
+from ruvllm_cli.server.middlewares import ARRIVED, CLIENT_GONE
 from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ruvllm_cli.server.ollama_api.routes import add_ollama_routes
 from ruvllm_cli.server.openapi import openapi_document
@@ -264,7 +264,7 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
     """Admit, submit, then answer in one body or as a stream; the engine requests
     never outlive the handler (a client that leaves cancels them, and so does the
     end of the shutdown timeout: a 503, or on a stream the format's error ending)."""
-    started = time.perf_counter()
+    started = request.get(ARRIVED) or time.perf_counter()   # the body's upload and a model's load count
     if options.priority and getattr(model.client.engine.config, "scheduling_policy", None) == "fcfs":
         # vLLM's 400 too: a priority that changes nothing would only mislead
         raise bad_request(f"'priority' {options.priority} needs a server started with --scheduling-policy "

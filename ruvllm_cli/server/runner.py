@@ -36,9 +36,13 @@ class ApiRequestHandler(RequestHandler):
 
     async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        if not resp.get(CLOSE_AT_ONCE) and "Content-Encoding" in request.headers and not request.content.at_eof():
+            # aiohttp would read the unread rest of a compressed body after the answer (a
+            # 401 or 404 before the handler read it), and a corrupt one logged a traceback.
+            resp[CLOSE_AT_ONCE] = True
         answered = await super().finish_response(request, resp, start_time)
         if resp.get(CLOSE_AT_ONCE):
-            self.force_close()   # a client trickling its body: read none of the rest
+            self.force_close()   # a client trickling its body, or one we will not decode: read none of the rest
         return answered
 
 

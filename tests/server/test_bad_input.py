@@ -321,3 +321,33 @@ def test_a_client_that_leaves_before_its_body_is_read_is_a_quiet_499(make_server
     logged = [r for r in caplog.records if r.name.startswith(("aiohttp", "ruvllm"))]
     assert not [r for r in logged if r.exc_info or r.levelno >= logging.ERROR], [r.getMessage() for r in logged]
     assert not [r for r in logged if r.name == "aiohttp.access" and '" 500 ' in r.getMessage()]
+
+
+@pytest.mark.parametrize("path, api_key", [("/v1/chat/completions", None), ("/v1/messages", None),
+                                           ("/api/chat", None), ("/v1/chat/completions", "sk-test")])
+def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400_without_a_traceback(
+        make_server, caplog, path, api_key):
+    """aiohttp inflates gzip/deflate bodies itself; a corrupt one was a 500 (and with a key
+    set, a 401 whose unread body aiohttp then drained logged a traceback)."""
+    live = make_server(api_key=api_key)
+    with caplog.at_level(logging.DEBUG):
+        for encoding in ("deflate", "gzip"):
+            response = httpx.post(live.url + path, content=b"garbage, not " + encoding.encode(), timeout=30,
+                                  headers={"Content-Encoding": encoding, "Content-Type": "application/json"})
+            assert response.status_code == (401 if api_key else 400), response.text
+            if not api_key and path == "/v1/chat/completions":
+                assert_error(response, 400)
+                assert "Content-Encoding (" + encoding + ")" in response.json()["error"]["message"]
+        time.sleep(0.2)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()
+                or r.levelno >= logging.ERROR], caplog.text
+    ok = httpx.post(live.url + "/v1/chat/completions", json=CHAT, timeout=30,
+                    headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+    assert ok.status_code == 200
+
+
+def test_a_configured_key_s_surrounding_whitespace_does_not_lock_clients_out(make_server):
+    live = make_server(api_key="sk-nl\n")
+    assert httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer sk-nl"}).status_code == 200
+    said = httpx.get(live.url + "/v1/models", headers={"Authorization": "sk-nl"})
+    assert_error(said, 401, code="invalid_api_key", contains="The Authorization header is not 'Bearer <key>'")

@@ -19,6 +19,7 @@ from ruvllm_cli import __version__
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.server.errors import bad_request, json_response
+from ruvllm_cli.server.middlewares import ARRIVED
 from ruvllm_cli.server.model_entry import ModelEntry, ModelStatus
 from ruvllm_cli.server.ollama_api.protocol import OllamaJob, parse_chat, parse_generate, parse_show
 from ruvllm_cli.server.ollama_api.responses import Clock, OllamaFormat, timestamp
@@ -62,7 +63,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind: str) -> web.StreamResponse:
     from ruvllm_cli.server.routes import chat_prepare, generate as generate_reply
 
-    started = time.perf_counter()
+    started = request.get(ARRIVED) or time.perf_counter()
     name = served_name(state, job.model)
     if job.unload:
         return json_response(_unload(state, name, job, kind))
