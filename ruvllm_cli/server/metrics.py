@@ -33,6 +33,19 @@ class EngineSnapshot:
     steps: int
     preemptions_by: tuple[tuple[int, str, int], ...] = ()   # (priority, mode, count)
 
+    GAUGES = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cached_blocks")
+
+    @classmethod
+    def zero(cls) -> "EngineSnapshot":
+        return cls(**{f.name: 0 for f in fields(cls) if f.type == "int"})
+
+    def counters_only(self) -> "EngineSnapshot":
+        """These figures with the gauges at 0: what an unloaded engine still adds to the
+        server's counters, so that they never go back (section 17 of docs/design.md)."""
+        from dataclasses import replace
+
+        return replace(self, **{name: 0 for name in self.GAUGES})
+
     @classmethod
     def total(cls, snapshots: Sequence["EngineSnapshot"]) -> "EngineSnapshot":
         """Several engines' figures as one (replicas behind one server): each count summed."""

@@ -22,6 +22,7 @@ from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.server.engine_client import EngineClient
 from ruvllm_cli.server.errors import ApiError
+from ruvllm_cli.server.metrics import EngineSnapshot
 from ruvllm_cli.server.model_entry import (OCCUPYING, Lease, Loader, ModelEntry, ModelSpec, ModelStatus,
                                           PoolSettings, ServedModel)
 from ruvllm_cli.server.model_memory import release_engine
@@ -48,6 +49,9 @@ class ModelPool:
         self._change = asyncio.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
+        # The counters of the engines unloaded so far: /metrics adds them in, so that a
+        # counter summed over the loaded engines never goes back when one unloads.
+        self.retired = EngineSnapshot.zero()
 
     # ---- the models ----------------------------------------------------------------------
     def attach(self, names: Sequence[str], client: EngineClient) -> None:
@@ -272,6 +276,9 @@ class ModelPool:
         # collecting: a local here would keep the whole model alive through the collection.
         box, entry.served = [entry.served], None
         try:
+            final = await asyncio.get_running_loop().run_in_executor(self._executor, final_counts, box[0])
+            if final is not None:
+                self.retired = EngineSnapshot.total([self.retired, final])
             await asyncio.get_running_loop().run_in_executor(self._executor, release_engine, box)
         finally:
             entry.status, entry.unload_asked = ModelStatus.UNLOADED, False
@@ -292,6 +299,14 @@ class ModelPool:
             if entry.load is not None and entry.served is not None:
                 entry.served.shutdown(timeout)
                 entry.served, entry.status = None, ModelStatus.UNLOADED
+
+
+def final_counts(served: ServedModel | None) -> EngineSnapshot | None:
+    """An engine's counters as it is unloaded (read on its thread); None if it cannot answer."""
+    try:
+        return served.client.snapshot().counters_only() if served is not None else None
+    except Exception:  # noqa: BLE001 - a dead engine's counts are lost with it, as its model is
+        return None
 
 
 def in_daemon_thread(fn: Callable[[], Any]) -> "asyncio.Future[Any]":

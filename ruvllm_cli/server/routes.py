@@ -115,7 +115,8 @@ def model_objects(state: ServerState) -> list[dict[str, Any]]:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    """Engine figures are those of the loaded models, summed (the pool's own are per model)."""
+    """Engine figures are those of the loaded models, summed, with the counters of those
+    unloaded before (the pool's own figures are per model)."""
     state = get_state(request.app)
     snapshots = []
     with state.admission.scraping():   # a shutdown waits for it, as for a generation
@@ -124,7 +125,8 @@ async def metrics(request: web.Request) -> web.Response:
                 snapshots.append(await engine_snapshot(state, served.client))
             except EngineFailedError:
                 pass   # unloaded meanwhile (or dead: /health says so)
-    body = state.metrics.render(EngineSnapshot.total(snapshots) if snapshots else None)
+    # The unloaded engines' counters too (so no counter goes back), and the gauges at 0 with none loaded.
+    body = state.metrics.render(EngineSnapshot.total([*snapshots, state.models.retired]))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

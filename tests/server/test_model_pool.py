@@ -314,3 +314,28 @@ def test_an_adapter_gone_bad_is_dropped_and_its_model_still_loads(pool_server, t
     greedy(client, "a")
     assert "gone" not in statuses(live)   # ... and the pool forgot it: not listed, not tried again
     assert loads.calls["b"] == 2
+
+
+def engine_counter(live: LiveServer, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(live.url + "/metrics").text)}
+    return families[name].samples[0].value
+
+
+def test_engine_counters_never_go_back_when_a_model_unloads(pool_server):
+    """/metrics sums the loaded engines' counters: an unload used to take its engine's
+    away (Prometheus reads a drop as a reset), and with none loaded the gauges vanished."""
+    live, _ = pool_server(names=("a", "b"), max_loaded=1)
+    assert engine_counter(live, "ruvllm_engine_steps") == 0
+    assert engine_counter(live, "ruvllm_num_requests_running") == 0   # present before any load
+    client = client_for(live)
+    greedy(client, "a", max_tokens=20)
+    after_a = engine_counter(live, "ruvllm_engine_steps")
+    queries_a = engine_counter(live, "ruvllm_prefix_cache_queries")
+    assert after_a >= 20
+    greedy(client, "b", max_tokens=3)   # a unloads to make room
+    wait_for(lambda: statuses(live)["a"] == "unloaded")
+    assert engine_counter(live, "ruvllm_engine_steps") >= after_a + 3
+    assert engine_counter(live, "ruvllm_prefix_cache_queries") > queries_a
+    assert engine_counter(live, "ruvllm_kv_cache_blocks_used") == 0
