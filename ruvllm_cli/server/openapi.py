@@ -26,6 +26,7 @@ from ruvllm_cli.server.ollama_api import protocol as ollama_protocol
 from ruvllm_cli.server.protocol import REQUEST_FIELDS
 from ruvllm_cli.server.responses_api import protocol as responses_protocol
 from ruvllm_cli.server.responses_api.output import RESPONSE_SCHEMA
+from ruvllm_cli.server import tokens
 from ruvllm_cli.server.spec import Field, JsonSchema, object_schema
 from ruvllm_cli.server.web import PAGE_PATHS
 
@@ -41,7 +42,7 @@ _HEAD = {"id": {"type": "string"}, "created": {"type": "integer"}, "model": {"ty
 _EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 # Every JSON route's fields; a ChainMap reads the dicts live (a test may add a field).
 ROUTE_FIELDS = ChainMap(REQUEST_FIELDS, messages_protocol.REQUEST_FIELDS, responses_protocol.REQUEST_FIELDS,
-                        ollama_protocol.REQUEST_FIELDS)
+                        ollama_protocol.REQUEST_FIELDS, tokens.REQUEST_FIELDS)
 _ANTHROPIC_ERROR_TYPES = sorted({*anthropic_errors.ERROR_TYPES.values(), "invalid_request_error", "api_error"})
 _COUNT = {"type": "integer", "minimum": 0}
 SCHEMAS: dict[str, JsonSchema] = {
@@ -96,6 +97,11 @@ SCHEMAS: dict[str, JsonSchema] = {
             "input_tokens": _COUNT, "output_tokens": _COUNT, "cache_read_input_tokens": _COUNT,
             "cache_creation_input_tokens": _COUNT}}}},
     "Response": RESPONSE_SCHEMA,
+    "Tokens": {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+        "count": _COUNT, "max_model_len": _COUNT, "tokens": {"type": "array", "items": _COUNT},
+        "token_strs": {"type": ["array", "null"], "items": {"type": "string"}}}},
+    "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _COUNT}},
     "OllamaError": {"type": "object", "required": ["error"], "additionalProperties": False,
                     "properties": {"error": {"type": "string"}}},
     "OllamaReply": {"type": "object", "required": ["model", "created_at", "done"], "properties": {
@@ -163,6 +169,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/unload_lora_adapter"): Operation(
         "Stop serving a LoRA adapter; 409 while requests use it (with --allow-runtime-lora).",
         content="text/plain", errors=(400, 404, 408, 409, 413, 503)),
+    ("POST", "/tokenize"): Operation("vLLM's: a prompt's or a conversation's token ids, as a generation request "
+                                     "would read them, with their count and the context.", "Tokens",
+                                     errors=(400, 404, 408, 413, 503)),
+    ("POST", "/detokenize"): Operation("vLLM's: token ids back to text.", "Detokenized",
+                                       errors=(400, 404, 408, 413, 503)),
+    ("POST", "/v1/messages/count_tokens"): Operation("Anthropic's: the input tokens of a Messages request.",
+                                                     "TokenCount", errors=(400, 404, 408, 413, 503),
+                                                     error_schema="AnthropicError"),
     ("GET", "/api/version"): Operation("Ollama's API: this server's version.", error_schema="OllamaError"),
     ("GET", "/api/tags"): Operation("Ollama's API: the models served, loaded or not.", "OllamaModels",
                                     errors=(503,), error_schema="OllamaError"),

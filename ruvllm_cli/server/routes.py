@@ -40,6 +40,7 @@ from ruvllm_cli.server.responses_api.protocol import parse_responses_request
 from ruvllm_cli.server.sse import EventStream
 from ruvllm_cli.server.state import ServerState, get_state
 from ruvllm_cli.server.structured import Structured, mark_repaired, repair_spec, repair_truncated_json
+from ruvllm_cli.server.tokens import add_token_routes
 from ruvllm_cli.server.tool_output import ToolReplies
 
 METRICS_TIMEOUT_S = 10.0
@@ -59,6 +60,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter)
     add_ollama_routes(app)
+    add_token_routes(app)
 
 
 # ---- plain routes ------------------------------------------------------------------------

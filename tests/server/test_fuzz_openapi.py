@@ -31,7 +31,7 @@ from ruvllm_cli.server.protocol import RequestLimits
 
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
 ERROR_KEYS = {"message", "type", "param", "code"}
-ANTHROPIC_ROUTES = {"/v1/messages"}
+ANTHROPIC_ROUTES = {"/v1/messages", "/v1/messages/count_tokens"}
 ANTHROPIC_ENDS = ('event: message_stop\ndata: {"type":"message_stop"}\n\n',)
 RESPONSES_ROUTES = {"/v1/responses"}
 RESPONSES_ENDS = ("event: response.completed\n", "event: response.incomplete\n", "event: error\n")
