@@ -49,12 +49,15 @@ class Choice:
     reasoning_tokens: int | None = 0      # None: its end marker is not one token, so not counted
     markers: Reasoning | None = None
     splitter: ReasoningSplitter | None = None
+    on_tokens: Callable[[int], None] | None = None   # told of each output's new tokens (the metrics' counter)
 
     def add(self, output: RequestOutput) -> Split:
         """Take one output; its text as reasoning and answer (all answer for a model
         without reasoning)."""
         if output.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
+        if output.token_ids and self.on_tokens is not None:
+            self.on_tokens(len(output.token_ids))
         split = Split(content=output.text)
         if self.splitter is not None:
             split = self.splitter.feed(output.text)

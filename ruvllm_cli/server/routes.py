@@ -276,6 +276,8 @@ async def generate(request: web.Request, state: ServerState, model: Lease,
     with state.admission.reserve(num_sequences):
         plans, streams = await bridge.submit(model.client, state.executor, prepare, param)
         choices = bridge.choices_for(plans)
+        for choice in choices:   # counted as they come, as vLLM's counter: a long reply is not one late spike
+            choice.on_tokens = state.metrics.generation_tokens.inc
         try:
             repair = repair_check(model, structured) if structured is not None and structured.repairable else None
             if stream:
@@ -383,7 +385,6 @@ def record(state: ServerState, started: float, choices: Sequence[Choice], model:
             metrics.queue_time.observe(choice.queue_wait)
     first_copies = {c.prompt_index: c for c in reversed(choices)}
     metrics.prompt_tokens.inc(sum(c.num_prompt_tokens for c in first_copies.values()))
-    metrics.generation_tokens.inc(sum(c.num_output_tokens for c in choices))
     elapsed = time.perf_counter() - started
     metrics.e2e_latency.observe(elapsed)
     log_request(path, model, options, choices, sum(c.num_prompt_tokens for c in first_copies.values()), elapsed)

@@ -240,3 +240,25 @@ def test_a_metrics_scrape_that_outlives_the_shutdown_timeout_gets_a_503(make_ser
     assert isinstance(answers[0], httpx.Response), answers
     assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "shutting_down"
     assert stopped < 0.3 + 1
+
+
+def generated_so_far(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    return families["ruvllm_generation_tokens"].samples[0].value
+
+
+def test_generated_tokens_are_counted_as_they_come(server):
+    """Not all at once when the request ends: a scrape in mid-stream sees its tokens."""
+    before = generated_so_far(server.url)
+    body = {"model": server.model, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: {")
+            if events == 10:
+                assert generated_so_far(server.url) - before >= 10
+        assert events >= 10
+    assert generated_so_far(server.url) - before == 40
