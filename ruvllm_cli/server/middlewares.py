@@ -138,26 +138,35 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
 def auth_middleware(api_key: str) -> Callable:
     """The key on every route but PUBLIC_PATHS, as `Authorization: Bearer <key>`
     (OpenAI's clients) or `x-api-key: <key>` (Anthropic's), compared in constant time."""
-    # A key read from a file or a secret often ends with a newline no client can send.
-    expected = api_key.strip().encode("utf-8")
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in PUBLIC_PATHS and request.method != "OPTIONS":
-            keys = presented_keys(request)
-            if not keys:
-                said = request.headers.get("Authorization", "").strip()
-                what = (f"The Authorization header is not 'Bearer <key>' (it starts with '{said.split()[0][:20]}')"
-                        if said else "Missing API key")
-                raise ApiError(401, f"{what}: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            # Every key is compared (no early exit), so the time tells nothing either way.
-            if not sum(hmac.compare_digest(key.encode("utf-8", "surrogateescape"), expected) for key in keys):
-                raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})
+        error = key_error(request, api_key)
+        if error is not None:
+            raise error
         return await handler(request)
 
     return middleware
+
+
+def key_error(request: web.Request, api_key: str) -> ApiError | None:
+    """The 401 a request without the key gets (None: it has it, or needs none)."""
+    if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+        return None
+    # A key read from a file or a secret often ends with a newline no client can send.
+    expected = api_key.strip().encode("utf-8")
+    keys = presented_keys(request)
+    if not keys:
+        said = request.headers.get("Authorization", "").strip()
+        what = (f"The Authorization header is not 'Bearer <key>' (it starts with '{said.split()[0][:20]}')"
+                if said else "Missing API key")
+        return ApiError(401, f"{what}: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    # Every key is compared (no early exit), so the time tells nothing either way.
+    if not sum(hmac.compare_digest(key.encode("utf-8", "surrogateescape"), expected) for key in keys):
+        return ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+    return None
 
 
 def presented_keys(request: web.Request) -> list[str]:

@@ -19,6 +19,7 @@ from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server import adapters, bridge
 from ruvllm_cli.server.body import read_json
+from ruvllm_cli.server.expect import expect_continue
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.engine_client import EngineClient, EngineStream as RequestStream
 from ruvllm_cli.server.errors import ApiError, bad_request, json_response
@@ -53,12 +54,12 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)   # served names may hold "/"
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/messages", messages)
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter)
-    app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/messages", messages, expect_handler=expect_continue)
+    app.router.add_post("/v1/responses", responses, expect_handler=expect_continue)
+    app.router.add_post("/v1/load_lora_adapter", adapters.load_lora_adapter, expect_handler=expect_continue)
+    app.router.add_post("/v1/unload_lora_adapter", adapters.unload_lora_adapter, expect_handler=expect_continue)
     add_ollama_routes(app)
     add_token_routes(app)
 

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from ruvllm_cli.engine.tools import ToolChoice
 from ruvllm_cli.server.body import read_json
+from ruvllm_cli.server.expect import expect_continue
 from ruvllm_cli.server.errors import bad_request, json_response
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
 from ruvllm_cli.server.messages import MESSAGES
@@ -30,9 +31,9 @@ MAX_DETOKENIZE = 1 << 20   # token ids in one /detokenize body (a 4 MiB body hol
 
 
 def add_token_routes(app: web.Application) -> None:
-    app.router.add_post(TOKENIZE_PATH, tokenize)
-    app.router.add_post(DETOKENIZE_PATH, detokenize)
-    app.router.add_post(COUNT_TOKENS_PATH, count_tokens)
+    app.router.add_post(TOKENIZE_PATH, tokenize, expect_handler=expect_continue)
+    app.router.add_post(DETOKENIZE_PATH, detokenize, expect_handler=expect_continue)
+    app.router.add_post(COUNT_TOKENS_PATH, count_tokens, expect_handler=expect_continue)
 
 
 async def tokenize(request: web.Request) -> web.Response:

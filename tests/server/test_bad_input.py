@@ -351,3 +351,33 @@ def test_a_configured_key_s_surrounding_whitespace_does_not_lock_clients_out(mak
     assert httpx.get(live.url + "/v1/models", headers={"Authorization": "Bearer sk-nl"}).status_code == 200
     said = httpx.get(live.url + "/v1/models", headers={"Authorization": "sk-nl"})
     assert_error(said, 401, code="invalid_api_key", contains="The Authorization header is not 'Bearer <key>'")
+
+
+def expect_continue(url: str, path: str, length: int, headers: str = "", body: bytes = b"") -> bytes:
+    """Send a request's headers with `Expect: 100-continue`; the body only when invited."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {length}\r\nExpect: 100-continue\r\n{headers}\r\n".encode())
+        first = conn.recv(65536)
+        if not first.startswith(b"HTTP/1.1 100 Continue"):
+            return first
+        conn.sendall(body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        return first + answer
+
+
+def test_expect_100_continue_is_answered_only_for_a_body_that_will_be_read(make_server):
+    live = make_server(api_key="sk-test", max_body_size=1000)
+    too_large = expect_continue(live.url, "/v1/chat/completions", 5_000_000, "Authorization: Bearer sk-test\r\n")
+    assert too_large.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in too_large
+    no_key = expect_continue(live.url, "/api/chat", 500)
+    assert no_key.startswith(b"HTTP/1.1 401") and b'{"error": "Missing API key' in no_key   # Ollama's shape
+    body = json.dumps(CHAT).encode()
+    invited = expect_continue(live.url, "/v1/chat/completions", len(body), "Authorization: Bearer sk-test\r\n", body)
+    assert invited.startswith(b"HTTP/1.1 100 Continue") and b"HTTP/1.1 200" in invited

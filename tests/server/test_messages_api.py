@@ -311,8 +311,8 @@ def test_errors_are_in_anthropics_shape(client, server):
     assert body.status_code == 400 and body.json()["type"] == "error"
     # A path under /v1/messages that is not served: still Anthropic's shape.
     with pytest.raises(anthropic.NotFoundError) as caught:
-        client.messages.count_tokens(model=server.model, messages=HELLO)
-    anthropic_error(caught, 404, "not_found_error", "Unknown route: POST /v1/messages/count_tokens")
+        client.messages.batches.retrieve("msgbatch_1")
+    anthropic_error(caught, 404, "not_found_error", "Unknown route: GET /v1/messages/batches/msgbatch_1")
     assert httpx.post(server.url + "/v1/messagesx", json={}, timeout=10).json()["error"]["type"] != "not_found_error"
     other = httpx.post(server.base_url + "/chat/completions", json={"model": "nope", "messages": HELLO}, timeout=10)
     assert set(other.json()) == {"error"}   # the OpenAI routes keep OpenAI's shape

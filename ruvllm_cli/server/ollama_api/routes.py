@@ -17,6 +17,7 @@ from aiohttp import web
 
 from ruvllm_cli import __version__
 from ruvllm_cli.server.body import read_json
+from ruvllm_cli.server.expect import expect_continue
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.server.errors import bad_request, json_response
 from ruvllm_cli.server.middlewares import ARRIVED
@@ -38,9 +39,9 @@ def add_ollama_routes(app: web.Application) -> None:
     app.router.add_get("/api/version", version)
     app.router.add_get("/api/tags", tags)
     app.router.add_get("/api/ps", running)
-    app.router.add_post("/api/show", show)
-    app.router.add_post("/api/chat", chat)
-    app.router.add_post("/api/generate", generate)
+    app.router.add_post("/api/show", show, expect_handler=expect_continue)
+    app.router.add_post("/api/chat", chat, expect_handler=expect_continue)
+    app.router.add_post("/api/generate", generate, expect_handler=expect_continue)
 
 
 async def version(request: web.Request) -> web.Response:
