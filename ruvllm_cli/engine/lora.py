@@ -117,6 +117,9 @@ def read_adapter(name: str, path: str | Path) -> Any:
     """Read a PEFT LoRA (or X-LoRA) adapter directory into host memory (float32),
     refusing what the serving path does not do, with the reason."""
     quiet_bitsandbytes()
+    from ruvllm_cli.engine.tokenizer import imports_settled
+
+    imports_settled()
     from peft import PeftConfig
     from peft.utils import load_peft_weights
 
@@ -175,18 +178,29 @@ def _modules(name: str, config: Any, weights: dict[str, torch.Tensor]) -> dict[s
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise AdapterError(f"adapter {name}: {module} is not a linear LoRA pair "
                                f"(A {tuple(a.shape)}, B {tuple(b.shape)})")
-        modules[module] = LoRAModule(a.contiguous(), b.contiguous(), _scaling(config, module, a.shape[0]))
+        modules[module] = LoRAModule(a.contiguous(), b.contiguous(), _scaling(name, config, module, a.shape[0]))
     return modules
 
 
-def _scaling(config: Any, module: str, rank: int) -> float:
+def _scaling(name: str, config: Any, module: str, rank: int) -> float:
     """peft's rule: alpha / r, or alpha / sqrt(r) with rsLoRA; alpha per module from
     alpha_pattern (peft's own pattern match)."""
     from peft.utils.other import get_pattern_key
 
     pattern = getattr(config, "alpha_pattern", None) or {}
     alpha = pattern.get(get_pattern_key(pattern.keys(), module), config.lora_alpha)
+    ranks = getattr(config, "rank_pattern", None) or {}
+    said = ranks.get(get_pattern_key(ranks.keys(), module), config.r)
+    if not _number(alpha) or not _number(said) or said <= 0:
+        raise AdapterError(f"adapter {name}: lora_alpha and r must be numbers (r above 0), not "
+                           f"{alpha!r} and {said!r}")
+    if said != rank:   # peft refuses such an adapter too: its scaling would be another
+        raise AdapterError(f"adapter {name}: {module} has weights of rank {rank}; its config says r={said}")
     return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ---- the forward -----------------------------------------------------------------------------

@@ -128,9 +128,30 @@ def read_xlora(name: str, path: str | Path) -> XLoRAAdapter:
     if not isinstance(experts_config, dict) or not experts_config:
         raise AdapterError(f"adapter {name}: an X-LoRA config without experts (adapters)")
     settings = {key: config.get(key, default) for key, default in SETTINGS.items()}
+    _check_settings(name, settings, len(experts_config))
     experts = [read_adapter(f"{name}/{expert}", _expert_dir(path, expert, where)).modules
                for expert, where in experts_config.items()]
     return XLoRAAdapter(name, str(path), experts, _classifier(name, path), settings)
+
+
+def _check_settings(name: str, settings: dict[str, Any], experts: int) -> None:
+    """Settings that would fail the first request using the adapter (an error there is
+    the engine's, in its step) are refused while it loads."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    top_k = settings["top_k_lora"]
+    if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= experts):
+        raise AdapterError(f"adapter {name}: top_k_lora must be between 1 and its {experts} experts, not {top_k!r}")
+    temperature = settings["softmax_temperature"]
+    if not number(temperature) or temperature <= 0:
+        raise AdapterError(f"adapter {name}: softmax_temperature must be a positive number, not {temperature!r}")
+    for key in ("scaling_pass_value", "global_scaling_weight"):
+        if not number(settings[key]):
+            raise AdapterError(f"adapter {name}: {key} must be a number, not {settings[key]!r}")
+    for key in ("layerwise_scalings", "enable_softmax", "enable_softmax_topk"):
+        if not isinstance(settings[key], bool):
+            raise AdapterError(f"adapter {name}: {key} must be true or false, not {settings[key]!r}")
 
 
 def _expert_dir(root: Path, expert: str, where: str) -> Path:
@@ -154,9 +175,18 @@ def _classifier(name: str, path: Path) -> nn.Sequential:
     if not indices:
         raise AdapterError(f"adapter {name}: {weights_file.name} holds no X-LoRA classifier")
     layers: list[nn.Module] = []
+    width: int | None = None   # the previous layer's outputs
     for index in indices:
-        weight = weights[f"{CLASSIFIER_PREFIX}{index}.weight"].float()
+        weight = weights.get(f"{CLASSIFIER_PREFIX}{index}.weight")
         bias = weights.get(f"{CLASSIFIER_PREFIX}{index}.bias")
+        if weight is None or weight.dim() != 2 or (bias is not None and bias.shape != weight.shape[:1]):
+            raise AdapterError(f"adapter {name}: X-LoRA classifier layer {index} has no weight matrix, or a bias "
+                               "of another size")
+        if width is not None and weight.shape[1] != width:
+            raise AdapterError(f"adapter {name}: X-LoRA classifier layer {index} takes {weight.shape[1]} inputs, "
+                               f"the layer before gives {width}")
+        width = int(weight.shape[0])
+        weight = weight.float()
         linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
         with torch.no_grad():
             linear.weight.copy_(weight)
@@ -168,6 +198,11 @@ def _classifier(name: str, path: Path) -> nn.Sequential:
 
 def number_layers(model: nn.Module, adapter: XLoRAAdapter) -> None:
     """peft's layer numbers: the targeted layers in `model.named_modules()` order."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    takes = int(adapter.classifier[0].in_features)
+    if hidden is not None and takes != hidden:
+        raise AdapterError(f"adapter {adapter.name}: its classifier reads hidden states of size {takes}; this "
+                           f"model's are {hidden} (an adapter for another base model?)")
     targets = set(adapter.modules)
     names = [name for name, _ in model.named_modules() if name in targets]
     adapter.layer_of = {name: index for index, name in enumerate(names)}

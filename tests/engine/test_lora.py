@@ -263,3 +263,20 @@ def test_quantized_models_take_adapters_and_mix_them(model_dir, adapters, quanti
         # the whole batch, so its rows move with their company).
         for result, adapter in zip(together, names):
             assert result.token_ids[:6] == alone[adapter][:6], adapter
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"lora_alpha": None}, "lora_alpha and r must be numbers"),
+    ({"r": 16}, "has weights of rank 8; its config says r=16"),
+])
+def test_an_adapter_config_that_does_not_fit_its_weights_is_refused(loaded, model_dir, tmp_path, changes, reason):
+    """lora_alpha null was a 500 (a TypeError at load); a config r other than the
+    weights' rank loaded with another scaling than peft's (which refuses it)."""
+    import json
+
+    path = build_lora_adapter(model_dir, tmp_path / "a", rank=8, seed=3)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, max_lora_rank=16))
+    with pytest.raises(AdapterError, match=reason):
+        engine.add_lora("a", path)

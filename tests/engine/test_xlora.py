@@ -97,3 +97,54 @@ def test_xlora_beside_the_base_model_and_a_lora_in_one_batch(loaded, model_dir, 
     # The last request found the first one's blocks in both passes' caches.
     assert together[-1].num_cached_tokens > 0
     assert alone[("mix", 0)] == peft_generate(model_dir, xloras["layerwise-topk"], PROMPTS[0])
+
+
+def _copy_with(source, target, config_changes=None, weights=None):
+    """A copy of an X-LoRA directory with its config and classifier weights changed."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    config = json.loads((target / "adapter_config.json").read_text())
+    config.update(config_changes or {})
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    if weights is not None:
+        state = weights(load_file(str(target / "adapter_model.safetensors")))
+        save_file(state, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def _widen_first(state):
+    key = next(k for k in sorted(state) if k.endswith(".weight"))
+    state[key] = torch.zeros(state[key].shape[0], state[key].shape[1] + 32)
+    return state
+
+
+def _narrow_second(state):
+    keys = sorted(k for k in state if k.endswith(".weight"))
+    state[keys[-1]] = torch.zeros(state[keys[-1]].shape[0], 5)
+    return state
+
+
+@pytest.mark.parametrize("changes, weights, reason", [
+    ({"top_k_lora": 3 + 1}, None, "top_k_lora must be between 1 and its 3 experts"),
+    ({"top_k_lora": 0}, None, "top_k_lora must be between 1"),
+    ({"softmax_temperature": 0}, None, "softmax_temperature must be a positive number"),
+    ({"layerwise_scalings": "yes"}, None, "layerwise_scalings must be true or false"),
+    ({}, _widen_first, "its classifier reads hidden states of size 96; this model's are 64"),
+    ({}, _narrow_second, "takes 5 inputs, the layer before gives"),
+])
+def test_an_xlora_that_would_fail_its_first_request_is_refused_at_load(loaded, xloras, tmp_path, changes, weights,
+                                                                        reason):
+    """Each of these loaded, and its first request failed the engine's step: the whole
+    server stopped ("selected index k out of range", "mat1 and mat2 shapes cannot be
+    multiplied"). Refused while loading, the engine keeps serving."""
+    from ruvllm_cli.engine.lora import AdapterError
+
+    engine = LLMEngine(loaded, EngineConfig(device=TEST_DEVICE, quantization=Quantization.F32))
+    bad = _copy_with(xloras["layerwise-topk"], tmp_path / "bad", changes, weights)
+    with pytest.raises(AdapterError, match=reason):
+        engine.add_lora("bad", bad)
+    assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
