@@ -79,6 +79,11 @@ class Reasoning:
         inside the block where it opened one and did not close it."""
         inside = self.opens_in_reasoning(tokenizer, prompt_ids) if continued is None else \
             continued.rfind(self.format.start) > continued.rfind(self.format.end)
+        if continued is None and self.closes_reasoning(tokenizer, prompt_ids):
+            # The template closed the block itself (Qwen3's enable_thinking false): the
+            # reply is the answer, and a constraint holds from its first token (were
+            # the model to open a block anyway, the constraint would wait for ever).
+            return ReplyPlan(False)
         if self.end_id is None:
             return ReplyPlan(inside and not constrained)
         if not (constrained or budgeted):
@@ -90,6 +95,11 @@ class Reasoning:
         with the start marker, as DeepSeek-R1's and QwQ's templates write it)."""
         tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
         return tail.rstrip().endswith(self.format.start)
+
+    def closes_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
+        """The prompt ends with a closed block (`<think>\n\n</think>\n\n`): no reasoning."""
+        tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
+        return tail.rstrip().endswith(self.format.end)
 
     def splitter(self, in_reasoning: bool) -> "ReasoningSplitter":
         return ReasoningSplitter(self.format, in_reasoning)

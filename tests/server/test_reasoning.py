@@ -159,6 +159,28 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city"],
           "properties": {"city": {"type": "string", "maxLength": 8}}}
 
 
+def test_with_thinking_turned_off_a_constraint_holds_from_the_first_token(make_tiny_model):
+    """The template closed the block in the prompt: the schema applies at once. It used to
+    let the first token open a new block (<think> made likely here) and then wait for a
+    </think> that never came: all 30 tokens reasoning, no JSON."""
+    live = build_server(load_model(make_tiny_model(reasoning="model"), "cpu", Quantization.F32))
+    try:
+        client = client_of(live)
+        [start] = ids_of(live, THINK_START)
+        fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+        for seed in range(3):
+            reply = client.chat.completions.create(
+                model=live.model, messages=HELLO, temperature=1.0, seed=seed, max_tokens=40, response_format=fmt,
+                logit_bias={str(start): 8.0}, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            message = reply.choices[0].message
+            assert message.model_dump()["reasoning"] is None
+            assert message.content.startswith("{")
+            if reply.choices[0].finish_reason == "stop":
+                jsonschema.validate(json.loads(message.content), SCHEMA)
+    finally:
+        live.stop()
+
+
 def test_a_constraint_waits_for_the_end_of_the_reasoning(reasoning_server):
     """response_format on a reasoning model's reply: the reasoning is what the model writes
     unconstrained (the same tokens as without the schema), the answer after </think>
