@@ -180,9 +180,22 @@ def warm_up(tokenizer: Any) -> threading.Thread | None:
     load left out; returns the thread, started. transformers' tokenizer has it already."""
     if not isinstance(tokenizer, Tokenizer) or not tokenizer.chat_template:
         return None
+    global _warming
     thread = threading.Thread(target=_renderer, name="ruvllm-template-import", daemon=False)
     thread.start()
+    _warming = thread
     return thread
+
+
+_warming: threading.Thread | None = None
+
+
+def imports_settled() -> None:
+    """Wait for warm_up's import of transformers. Another thread importing a library
+    that imports transformers meanwhile (peft, for a LoRA adapter loaded right after
+    the server starts) could see it half-initialised: "cannot import name 'AutoModel'"."""
+    if _warming is not None:
+        _warming.join()
 
 
 def enabled(use_cache: bool) -> bool:

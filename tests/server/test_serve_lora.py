@@ -266,3 +266,36 @@ def test_serve_refuses_an_adapter_named_as_a_model(ruvllm, tiny_model_dir, make_
         assert result.returncode == 2, result.stderr
         assert f"Error: --lora {name}: {name} is also a name of a MODEL" in result.stderr
         assert "Traceback" not in result.stderr and "ValueError" not in result.stderr
+
+
+
+def test_an_adapter_loaded_right_after_the_server_is_healthy(tiny_model_dir, adapters, cli_env, free_port,
+                                                            tmp_path):
+    """The usual deployment script: wait for /health, then load adapters. With the checked
+    tokenizer (weight cache on, a second start) the first load raced its background
+    import of transformers, which peft imports too: a 500 "cannot import name 'AutoModel'"."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.server.test_serve_cli import REPO_ROOT, wait_healthy
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")   # the weight cache is written beside it
+    url = f"http://127.0.0.1:{free_port}"
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(model), "--port", str(free_port),
+               "--device", "cpu", "--max-context", "256", "--kv-cache-memory", "4MiB", "--served-model-name", "tiny",
+               "--allow-runtime-lora"]
+    for start in range(2):
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env={**cli_env, "RUVLLM_WEIGHT_CACHE": "1"},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_healthy(url, process)
+            loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "mlp",
+                                                                     "lora_path": str(adapters["mlp"])}, timeout=60)
+            assert loaded.status_code == 200, (start, loaded.text)
+            process.send_signal(subprocess.signal.SIGTERM)
+            process.communicate(timeout=20)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
