@@ -116,6 +116,9 @@ def _runtime_lora(request: web.Request) -> ServerState:
     state = get_state(request.app)
     state.require_ready()
     if not state.config.allow_runtime_lora:
+        if any(served.engine_loop is None for served in state.models.loaded()):   # replicas, run elsewhere
+            raise ApiError(404, "LoRA adapters cannot be loaded at run time on a server with --replicas; give "
+                                "them with --lora when starting it.", code="runtime_lora_disabled")
         raise ApiError(404, "Loading LoRA adapters at run time is off; start the server with "
                             "--allow-runtime-lora.", code="runtime_lora_disabled")
     return state

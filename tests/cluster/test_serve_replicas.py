@@ -117,6 +117,10 @@ def test_bad_requests_are_answered_by_the_front_door(replicas: Replicas):
     assert too_long.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         replicas.client.completions.create(model="other", prompt="Hi", max_tokens=4)
+    # runtime LoRA loading is refused for what it is here, not as a flag to add (refused with --replicas)
+    answer = httpx.post(str(replicas.client.base_url.join("load_lora_adapter")),
+                        json={"lora_name": "x", "lora_path": "/nowhere"}, timeout=30)
+    assert answer.status_code == 404 and "--lora when starting" in answer.json()["error"]["message"]
 
 
 def test_metrics_add_up_both_engines(replicas: Replicas):
