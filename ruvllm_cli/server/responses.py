@@ -118,8 +118,9 @@ class ChatFormat(OpenAIStreamEnd):
                 "usage": self._usage(choices)}
 
     def _message(self, choice: Choice) -> dict[str, Any]:
-        message = {"role": "assistant", "content": choice.text or (None if choice.tool_calls else ""),
-                   "refusal": None}
+        # No answer beside calls, or beside a reasoning model's reasoning: null, as vLLM's
+        empty = None if choice.tool_calls or (choice.markers is not None and choice.reasoning) else ""
+        message = {"role": "assistant", "content": choice.text or empty, "refusal": None}
         if choice.markers is not None and self.include_reasoning:
             # `reasoning` (vLLM's and Ollama's name now), `reasoning_content` (DeepSeek's, vLLM's before)
             message["reasoning"] = message["reasoning_content"] = choice.reasoning or None
