@@ -71,5 +71,14 @@ def encode_event(chunk: Chunk) -> bytes:
     return head + b"data: " + data + b"\n\n"
 
 
+# Characters that JSON carries raw but some line readers split lines at (httpx's
+# iter_lines, and with it Ollama's client: a reply holding one broke the stream's line).
+_LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"}
+_LINE_BREAK = str.maketrans(_LINE_BREAKS)
+
+
 def _json(data: Any) -> bytes:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    if any(mark in text for mark in _LINE_BREAKS):
+        text = text.translate(_LINE_BREAK)
+    return text.encode("utf-8")

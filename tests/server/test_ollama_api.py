@@ -298,3 +298,19 @@ def test_langchain_chat_ollama_drives_it(server):
 def test_keep_alive_durations():
     assert parse_keep_alive("5m") == 300 and parse_keep_alive("1h30m") == 5400 and parse_keep_alive(-1) == -1
     assert parse_keep_alive("0") == 0 and parse_keep_alive("250ms") == 0.25
+
+
+def test_line_separators_in_a_reply_keep_the_stream_s_lines_whole(client, server):
+    """U+2028, U+2029 and U+0085 went out raw; httpx's iter_lines (and the ollama client
+    on it) split the JSON line there: JSONDecodeError mid-stream."""
+    text = "x\u2028y\u2029z\u0085w"
+    schema = {"type": "object", "properties": {"a": {"const": text}}, "required": ["a"], "additionalProperties": False}
+    parts = list(client.chat(model=server.model, messages=HELLO, format=schema, stream=True,
+                             options={"temperature": 0, "num_predict": 200}))
+    assert parts[-1].done_reason == "stop"
+    assert json.loads("".join(p.message.content for p in parts)) == {"a": text}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            "model": server.model, "messages": HELLO, "stream": True, "max_tokens": 200, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}) as sse:
+        raw = b"".join(sse.iter_bytes())
+    assert "\u2028".encode() not in raw and b"\\u2028" in raw
