@@ -314,3 +314,12 @@ def test_line_separators_in_a_reply_keep_the_stream_s_lines_whole(client, server
             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}) as sse:
         raw = b"".join(sse.iter_bytes())
     assert "\u2028".encode() not in raw and b"\\u2028" in raw
+
+
+def test_num_predict_beyond_the_context_is_a_bound_not_an_error(client, server):
+    """Ollama clamps num_predict to the room the context leaves; a 400 there broke apps
+    whose conversations grew (LangChain with num_predict=2000)."""
+    reply = client.generate(model=server.model, prompt="Hi", raw=True,
+                            options={"temperature": 0, "num_predict": 10**9})
+    used = reply.prompt_eval_count + reply.eval_count
+    assert used == 1024 if reply.done_reason == "length" else reply.done_reason == "stop" and used < 1024

@@ -117,7 +117,8 @@ def _sampling(values: dict[str, Any]) -> SamplingFields:
     structured = values["format"]
     predict = options.get("num_predict")
     return SamplingFields(
-        max_tokens=predict if predict is not None and predict > 0 else None,
+        # An upper bound, as Ollama's: a reply stops where the context ends, whatever it asked.
+        default_max_tokens=predict if predict is not None and predict > 0 else None,
         max_tokens_param="options.num_predict",
         stop=tuple(options.get("stop") or ()),
         temperature=_given(options, "temperature", 1.0), top_p=_given(options, "top_p", 1.0),
