@@ -212,12 +212,12 @@ def test_thinking_comes_apart_and_think_false_leaves_it_out(make_server, make_ti
 def test_models_version_show_and_ps(client, server):
     listed = client.list()
     names = [m.model for m in listed.models]
-    assert server.model in names
-    mine = next(m for m in listed.models if m.model == server.model)
+    assert server.model + ":latest" in names   # Ollama's names carry a tag; LangChain checks for it
+    mine = next(m for m in listed.models if m.model == server.model + ":latest")
     assert mine.details.family == "llama" and mine.details.format == "safetensors"
     assert mine.details.quantization_level == "none" and mine.details.parameter_size.endswith("M")
     running = client.ps()
-    loaded = next(m for m in running.models if m.model == server.model)
+    loaded = next(m for m in running.models if m.model == server.model + ":latest")
     assert loaded.size > 0 and loaded.size_vram == 0 and loaded.context_length == 1024
     shown = client.show(server.model)
     assert shown.capabilities[0] == "completion" and shown.template
@@ -232,11 +232,11 @@ def test_load_and_unload_requests(pool_server):
     """A pooled model: an empty request loads it, keep_alive 0 unloads it."""
     live, loads = pool_server(names=("a",), keep_alive=None)
     client = ollama.Client(host=live.url, timeout=60)
-    assert [m.model for m in client.list().models] == ["a"] and client.ps().models == []
+    assert [m.model for m in client.list().models] == ["a:latest"] and client.ps().models == []
     loaded = client.chat(model="a", messages=[])
     assert loaded.done and loaded.done_reason == "load" and loads.calls == {"a": 1}
     running = client.ps().models
-    assert [m.model for m in running] == ["a"] and running[0].expires_at is None   # no keep-alive: never
+    assert [m.model for m in running] == ["a:latest"] and running[0].expires_at is None   # no keep-alive: never
     assert client.list().models[0].details.family == "llama"
     unloaded = client.generate(model="a", keep_alive=0)
     assert unloaded.done_reason == "unload"
@@ -323,3 +323,37 @@ def test_num_predict_beyond_the_context_is_a_bound_not_an_error(client, server):
                             options={"temperature": 0, "num_predict": 10**9})
     used = reply.prompt_eval_count + reply.eval_count
     assert used == 1024 if reply.done_reason == "length" else reply.done_reason == "stop" and used < 1024
+
+
+def test_a_final_assistant_message_is_continued(client, server):
+    """Ollama continues (prefills) it, as /v1's continue_final_message; not a new turn."""
+    turns = [*HELLO, {"role": "assistant", "content": "The weather is"}]
+    reply = client.chat(model=server.model, messages=turns, options=GREEDY)
+    same = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        "model": server.model, "messages": turns, "temperature": 0, "max_tokens": 12,
+        "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert reply.prompt_eval_count == same["usage"]["prompt_tokens"]
+    assert reply.message.content == same["choices"][0]["message"]["content"]
+
+
+def test_tool_results_answer_their_calls_in_order():
+    """A result names its tool; two calls of one tool are answered oldest first, each
+    call with an id of its own (they were numbered by tool name: ids repeated)."""
+    from ruvllm_cli.server.ollama_api.protocol import _ollama_messages
+
+    call = {"function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}
+    messages = _ollama_messages([
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        {"role": "tool", "tool_name": "get_weather", "content": "1"},
+        {"role": "tool", "tool_name": "get_weather", "content": "2"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_name": "get_weather", "content": "3"}])
+    ids = [c["id"] for m in messages for c in m.get("tool_calls") or []]
+    assert ids == ["call_0", "call_1", "call_2"]
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ids
+
+
+def test_images_are_refused_on_generate_too(server):
+    response = httpx.post(server.url + "/api/generate", json={"model": server.model, "prompt": "Hi",
+                                                              "images": ["aGVsbG8="]}, timeout=60)
+    assert response.status_code == 400 and "images" in response.json()["error"]

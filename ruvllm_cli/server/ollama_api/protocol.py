@@ -144,7 +144,9 @@ def _ollama_messages(value: Any) -> list[dict[str, Any]]:
         raise invalid_type("messages", "an array", value)
     if not value:
         return []
-    converted, calls = [], {}
+    converted: list[dict[str, Any]] = []
+    unanswered: dict[str, list[str]] = {}   # a tool's calls not yet answered, oldest first
+    numbered = 0
     for i, item in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(item, dict):
@@ -155,13 +157,20 @@ def _ollama_messages(value: Any) -> list[dict[str, Any]]:
         if item.get("thinking") is not None:
             message["reasoning_content"] = item["thinking"]
         if isinstance(item.get("tool_calls"), list):
-            message["tool_calls"] = [_past_call(call, len(calls) + n) for n, call in enumerate(item["tool_calls"])]
-            calls.update({c["function"]["name"]: c["id"] for c in message["tool_calls"]
-                          if isinstance(c, dict) and isinstance(c.get("function"), dict)
-                          and isinstance(c["function"].get("name"), str)})
+            message["tool_calls"] = [_past_call(call, numbered + n) for n, call in enumerate(item["tool_calls"])]
+            numbered += len(item["tool_calls"])
+            for call in message["tool_calls"]:
+                if isinstance(call, dict) and isinstance(call.get("function"), dict) \
+                        and isinstance(call["function"].get("name"), str):
+                    unanswered.setdefault(call["function"]["name"], []).append(call["id"])
         tool = item.get("tool_name") or item.get("name")
         if item.get("role") == "tool" and item.get("tool_call_id") is None:
-            message["tool_call_id"] = calls.get(tool) if isinstance(tool, str) and tool in calls else f"call_{i}"
+            # the oldest call of that tool not answered yet (two calls of one tool: in order)
+            queue = unanswered.get(tool) if isinstance(tool, str) else None
+            if queue:
+                message["tool_call_id"] = queue.pop(0)
+            else:   # answers no call we know of: an id of its own
+                message["tool_call_id"], numbered = f"call_{numbered}", numbered + 1
             if isinstance(tool, str):
                 message["name"] = tool
         elif item.get("tool_call_id") is not None:
@@ -187,6 +196,11 @@ def _format(value: Any) -> Structured | None:
     if not isinstance(value, dict):
         raise invalid_value("format", 'must be "json" or a JSON schema object', value)
     return Structured(grammar_spec("json_schema", value, "format"), "format")
+
+
+def _no_images(value: list[Any]) -> None:
+    if value:
+        raise invalid_value("images", "images are not supported: ruvllm serves text models", "[...]")
 
 
 def _think_value(value: Any) -> bool | str:
@@ -267,7 +281,8 @@ CHAT_FIELDS = (
     MODEL,
     Field("messages", "array", "The conversation (empty: load the model).", [], parse=_ollama_messages,
           schema={"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-              "role": {"enum": ["system", "user", "assistant", "tool"]}, "content": {"type": "string"},
+              "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+              "content": {"type": "string"}, "images": {"type": "array", "maxItems": 0},
               "thinking": {"type": "string"}, "tool_name": {"type": "string"},
               "tool_calls": {"type": "array"}}}}),
     # tool_choice: OpenAI's (auto, none, required, a named function), which Ollama lacks; a ruvllm extension.
@@ -282,6 +297,8 @@ GENERATE_FIELDS = (
     Field("suffix", "string", "Not supported (fill-in-the-middle)."),
     Field("template", "string", "Not supported: the model's own chat template renders the prompt."),
     Field("context", "array", "Not supported (deprecated by Ollama).", parse=lambda value: value,
+          schema={"type": "array", "maxItems": 0}),
+    Field("images", "array", "Not supported: ruvllm serves text models.", parse=_no_images,
           schema={"type": "array", "maxItems": 0}),
     _FORMAT, _OPTIONS, _STREAM, _KEEP_ALIVE, _THINK,
 )

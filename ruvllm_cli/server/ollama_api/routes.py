@@ -82,8 +82,11 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
         templated = job.messages is not None and getattr(model.engine.tokenizer, "chat_template", None)
         if templated:
             assert job.messages is not None
+            template = job.template
+            if job.messages[-1]["role"] == "assistant":   # Ollama continues it (a prefill), not a new turn
+                template = dataclasses.replace(template, add_generation_prompt=False, continue_final_message=True)
             prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options,
-                                   template=job.template, reasoning=model.reasoning)
+                                   template=template, reasoning=model.reasoning)
         else:
             if job.messages is not None and any(m["role"] == "system" for m in job.messages):
                 raise bad_request("'system' needs a chat template, and this model has none.", "system")
@@ -174,13 +177,20 @@ async def show(request: web.Request) -> web.Response:
         info = architecture_info(config, engine.max_model_len)
         template = getattr(engine.tokenizer, "chat_template", None)
         return json_response({"modelfile": "", "parameters": "", "template": template if isinstance(template, str)
-                              else "", "details": details(model.entry, engine), "model_info": info,
+                              else "", "details": details(model.entry, engine,
+                                                          parent=model.entry.name if model.adapter else ""),
+                              "model_info": info,
                               "capabilities": capabilities, "modified_at": timestamp(state.wall_started)})
+
+
+def tagged(name: str) -> str:
+    """Ollama's names always carry a tag (`:latest` by default); clients check for it."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
 def model_object(state: ServerState, entry: ModelEntry, name: str) -> dict[str, Any]:
     engine = entry.served.client.engine if entry.served is not None else None
-    return {"name": name, "model": name, "modified_at": timestamp(state.wall_started),
+    return {"name": tagged(name), "model": tagged(name), "modified_at": timestamp(state.wall_started),
             "details": details(entry, engine, parent=entry.name if name != entry.name else "")}
 
 
