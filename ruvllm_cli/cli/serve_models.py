@@ -107,15 +107,21 @@ def pool_settings(options: dict[str, Any]) -> "PoolSettings":
     return PoolSettings(max_loaded=options["models_max"], keep_alive=None if keep_alive < 0 else keep_alive)
 
 
+def located_models(app: "AppContext", options: dict[str, Any]) -> list[Any]:
+    """Each MODEL located (registry.locate: the registry, the cache, a path; no download)."""
+    from ruvllm_cli.registry.locate import locate_model
+
+    return [locate_model(model, app.cache_dir, options["quantization"]) for model in options["models"]]
+
+
 def model_names(app: "AppContext", options: dict[str, Any]) -> list[list[str]]:
     """Each MODEL's names (cli/serve.served_names). A name two models share names
     neither of them; the MODEL as typed always names its own."""
     from ruvllm_cli.cli.serve import served_names
-    from ruvllm_cli.registry.locate import locate_model
 
     models = options["models"]
-    names = [served_names(locate_model(model, app.cache_dir, options["quantization"]), model,
-                          options["served_model_name"]) for model in models]
+    names = [served_names(located, model, options["served_model_name"])
+             for model, located in zip(models, located_models(app, options))]
     shared = Counter(name for own in names for name in own)
     return [[name for name in own if name == model or (shared[name] == 1 and name not in models)]
             for model, own in zip(models, names)]
@@ -126,8 +132,9 @@ def model_specs(app: "AppContext", options: dict[str, Any],
     """The pool's models; --lora adapters go with the first."""
     from ruvllm_cli.server import ModelSpec
 
+    located = located_models(app, options)
     return [ModelSpec(tuple(names), loader(app, options, model, on_failure),
-                      tuple(options["adapters"]) if position == 0 else ())
+                      tuple(options["adapters"]) if position == 0 else (), located[position].path)
             for position, (model, names) in enumerate(zip(options["models"], model_names(app, options)))]
 
 

@@ -42,6 +42,7 @@ class ModelSpec:
     names: tuple[str, ...]
     load: Loader
     adapters: tuple[tuple[str, Path], ...] = ()   # --lora adapters, loaded with it
+    path: Path | None = None                       # its directory or GGUF file, read while it is not loaded
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ModelEntry:
     timer_due: float = 0.0             # when it fires (time.time())
     unload_asked: bool = False         # a client asked for its unload (Ollama's keep_alive 0)
     counts: dict[str, int] = field(default_factory=lambda: {"loads": 0, "unloads": 0, "load_failures": 0})
+    path: Path | None = None           # ModelSpec.path
 
     @property
     def name(self) -> str:

@@ -64,7 +64,7 @@ class ModelPool:
         from ruvllm_cli.engine.stream_load import keep_returning_freed_memory
 
         keep_returning_freed_memory()   # models come and go here: their memory must go back
-        self._add(ModelEntry(spec.names, spec.load, dict(spec.adapters)))
+        self._add(ModelEntry(spec.names, spec.load, dict(spec.adapters), path=spec.path))
 
     def _add(self, entry: ModelEntry) -> None:
         taken = set(self.all_names())

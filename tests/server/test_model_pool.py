@@ -70,7 +70,7 @@ def pool_server(tiny_model_dir) -> Any:
         loads = Loads(tiny_model_dir)
         app_options = {key: settings.pop(key) for key in ("allow_runtime_lora",) if key in settings}
         app = create_app(None, ServerConfig(**app_options))
-        specs = [ModelSpec((name, f"org/{name}"), loads.loader(name)) for name in names]
+        specs = [ModelSpec((name, f"org/{name}"), loads.loader(name), path=loads.model_dir) for name in names]
         attach_models(app, specs, PoolSettings(**settings), max_num_seqs=4)
         live = LiveServer(ServerThread(app).start(), None, names)
         made.append((live, loads))

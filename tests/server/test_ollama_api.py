@@ -241,7 +241,11 @@ def test_load_and_unload_requests(pool_server):
     unloaded = client.generate(model="a", keep_alive=0)
     assert unloaded.done_reason == "unload"
     wait_for(lambda: not client.ps().models)
-    assert client.list().models[0].details.family == ""   # not loaded: nothing known of it
+    # not loaded: what its files say, and /api/show loads nothing for it (as Ollama's)
+    assert client.list().models[0].details.family == "llama"
+    assert client.list().models[0].details.quantization_level == ""   # the load decides
+    shown = client.show("a")
+    assert shown.modelinfo["llama.context_length"] == 4096 and shown.template and loads.calls == {"a": 1}
     assert client.chat(model="a", messages=HELLO, options=GREEDY).eval_count == 12 and loads.calls == {"a": 2}
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
@@ -161,26 +163,22 @@ async def running(request: web.Request) -> web.Response:
 
 
 async def show(request: web.Request) -> web.Response:
-    """A model's details, chat template, architecture figures and capabilities (the
-    model is loaded for it, as a request naming it would)."""
+    """A model's details, chat template, architecture figures and capabilities: from the
+    loaded engine, else from its files (nothing is loaded for it, as on Ollama: a client
+    that shows every model must not churn the pool); loaded only where no file says."""
     state = get_state(request.app)
     state.require_ready()
-    job_name = parse_show(await read_json(request, state.config.max_body_size))
-    async with state.model_for(served_name(state, job_name)) as model:
-        engine = model.engine
-        config = engine.loaded.model.config
-        capabilities = ["completion"]
-        if model.served.tool_parser is not None:
-            capabilities.append("tools")
-        if model.reasoning is not None:
-            capabilities.append("thinking")
-        info = architecture_info(config, engine.max_model_len)
-        template = getattr(engine.tokenizer, "chat_template", None)
-        return json_response({"modelfile": "", "parameters": "", "template": template if isinstance(template, str)
-                              else "", "details": details(model.entry, engine,
-                                                          parent=model.entry.name if model.adapter else ""),
-                              "model_info": info,
-                              "capabilities": capabilities, "modified_at": timestamp(state.wall_started)})
+    name = served_name(state, parse_show(await read_json(request, state.config.max_body_size)))
+    entry, adapter = state.models.find(name)
+    parent = entry.name if adapter else ""
+    facts = served_facts(entry.served) if entry.served is not None else file_facts(entry.path, state)
+    if facts is None:
+        async with state.model_for(name) as model:
+            facts = served_facts(model.served)
+    capabilities = ["completion", *(["tools"] if facts.tools else []), *(["thinking"] if facts.thinking else [])]
+    return json_response({"modelfile": "", "parameters": "", "template": facts.template or "",
+                          "details": details(facts, parent), "model_info": architecture_info(facts),
+                          "capabilities": capabilities, "modified_at": timestamp(state.wall_started)})
 
 
 def tagged(name: str) -> str:
@@ -189,49 +187,110 @@ def tagged(name: str) -> str:
 
 
 def model_object(state: ServerState, entry: ModelEntry, name: str) -> dict[str, Any]:
-    engine = entry.served.client.engine if entry.served is not None else None
+    facts = served_facts(entry.served) if entry.served is not None else file_facts(entry.path, state)
     return {"name": tagged(name), "model": tagged(name), "modified_at": timestamp(state.wall_started),
-            "details": details(entry, engine, parent=entry.name if name != entry.name else "")}
+            "details": details(facts, parent=entry.name if name != entry.name else "")}
 
 
-def details(entry: ModelEntry, engine: Any, parent: str = "") -> dict[str, Any]:
-    """What Ollama says of a model's kind; what is known of one not loaded: nothing."""
+@dataclass(frozen=True)
+class Facts:
+    """What Ollama's model routes say of a model, from its engine or its files."""
+
+    config: dict[str, Any]            # config.json's
+    template: str | None
+    format: str                       # safetensors or gguf
+    quantization: str                 # "" where the model is not loaded (the load decides)
+    context: int | None               # the context it is served with (None: not loaded)
+    tools: bool                       # its tool-call format is known
+    thinking: bool                    # it reasons (markers in its template)
+
+
+def served_facts(served: Any) -> Facts:
+    engine = served.client.engine
+    config = engine.loaded.model.config
+    quantization = getattr(getattr(engine, "config", None), "quantization", None)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    path = str(getattr(config, "_name_or_path", "") or "")
+    return Facts(config.to_dict(), template if isinstance(template, str) else None,
+                 "gguf" if path.endswith(".gguf") else "safetensors", getattr(quantization, "value", "") or "",
+                 engine.max_model_len, served.tool_parser is not None, served.reasoning is not None)
+
+
+def file_facts(path: Path | None, state: ServerState) -> Facts | None:
+    """A model directory's config.json and chat template, read as the server's parsers
+    would (None where there is no such directory: a GGUF file, or no path known)."""
+    import json
+
+    from ruvllm_cli.engine.reasoning import detect_format
+    from ruvllm_cli.engine.tool_parsers import detect_parser
+
+    if path is None or not (path / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text())
+        template = _template_file(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    architecture = (config.get("architectures") or [None])[0]
+    tools = state.config.tool_call_parser is not None or detect_parser(template, architecture) is not None
+    thinking = state.config.reasoning_parser != "none" and detect_format(template) is not None
+    return Facts(config, template, "safetensors", "", None, tools, thinking)
+
+
+def _template_file(path: Path) -> str | None:
+    """The chat template as transformers reads it: chat_template.jinja, else tokenizer_config.json's."""
+    import json
+
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+    if isinstance(template, list):   # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None
+
+
+def details(facts: Facts | None, parent: str = "") -> dict[str, Any]:
+    """What Ollama says of a model's kind (empty where nothing is known of it)."""
     result: dict[str, Any] = {"parent_model": parent, "format": "", "family": "", "families": None,
                               "parameter_size": "", "quantization_level": ""}
-    if engine is None:
+    if facts is None:
         return result
-    config = engine.loaded.model.config
-    family = getattr(config, "model_type", "") or ""
-    quantization = getattr(getattr(engine, "config", None), "quantization", None)
-    path = str(getattr(config, "_name_or_path", "") or "")
-    result.update(format="gguf" if path.endswith(".gguf") else "safetensors", family=family,
-                  families=[family] if family else None,
-                  parameter_size=parameter_size(config),
-                  quantization_level=getattr(quantization, "value", "") or "")
+    family = str(facts.config.get("model_type") or "")
+    result.update(format=facts.format, family=family, families=[family] if family else None,
+                  parameter_size=parameter_size(facts.config), quantization_level=facts.quantization)
     return result
 
 
-def parameter_size(config: Any) -> str:
+def parameter_size(config: dict[str, Any]) -> str:
     """"494.0M", "7.6B": the parameters of the model's shape."""
     from ruvllm_cli.errors import ModelLoadError
     from ruvllm_cli.registry.model_config import count_parameters, shape_from_dict
 
     try:
-        count = count_parameters(shape_from_dict(config.to_dict()))
-    except (ModelLoadError, AttributeError, TypeError):
+        count = count_parameters(shape_from_dict(config))
+    except (ModelLoadError, AttributeError, TypeError, ValueError):
         return ""
     return f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
-def architecture_info(config: Any, context: int) -> dict[str, Any]:
-    """Ollama's `model_info` keys for what a config says (GGUF's metadata names)."""
-    arch = getattr(config, "model_type", "") or "unknown"
+def architecture_info(facts: Facts) -> dict[str, Any]:
+    """Ollama's `model_info` keys for what a config says (GGUF's metadata names); the
+    context length is the served one once loaded, the model's own before."""
+    config = facts.config
+    arch = str(config.get("model_type") or "unknown")
     info: dict[str, Any] = {"general.architecture": arch}
-    for key, attribute in (("context_length", None), ("embedding_length", "hidden_size"),
-                           ("block_count", "num_hidden_layers"), ("feed_forward_length", "intermediate_size"),
-                           ("attention.head_count", "num_attention_heads"),
-                           ("attention.head_count_kv", "num_key_value_heads"), ("vocab_size", "vocab_size")):
-        value = context if attribute is None else getattr(config, attribute, None)
+    context = facts.context if facts.context is not None else config.get("max_position_embeddings")
+    for key, value in (("context_length", context), ("embedding_length", config.get("hidden_size")),
+                       ("block_count", config.get("num_hidden_layers")),
+                       ("feed_forward_length", config.get("intermediate_size")),
+                       ("attention.head_count", config.get("num_attention_heads")),
+                       ("attention.head_count_kv", config.get("num_key_value_heads")),
+                       ("vocab_size", config.get("vocab_size"))):
         if value is not None:
             info[f"{arch}.{key}"] = value
     return info
