@@ -92,6 +92,9 @@ def test_options_map_onto_sampling(client, server):
     first = client.chat(model=server.model, messages=HELLO, options=seeded)
     again = client.chat(model=server.model, messages=HELLO, options=seeded)
     assert first.message.content == again.message.content and first.eval_count == 10
+    # whole floats where integers go, as Ollama converts them
+    floats = client.chat(model=server.model, messages=HELLO, options={**seeded, "top_k": 20.0, "num_predict": 10.0})
+    assert floats.message.content == first.message.content
     # options of Ollama's own runner change nothing
     tuned = client.chat(model=server.model, messages=HELLO, options={**seeded, "num_ctx": 8192, "num_gpu": 99,
                                                                      "mirostat": 2, "num_thread": 4})
@@ -259,6 +262,9 @@ def test_load_and_unload_requests(pool_server):
     ({"model": "tiny", "messages": HELLO, "options": {"num_predict": 0}}, 400, "num_predict"),
     ({"model": "tiny", "messages": HELLO, "think": "max"}, 400, "think"),
     ({"model": "tiny", "messages": HELLO, "keep_alive": "soon"}, 400, "keep_alive"),
+    ({"model": "tiny", "messages": HELLO, "keep_alive": "inf"}, 400, "keep_alive"),
+    ({"model": "tiny", "messages": HELLO, "options": {"top_k": 2.5}}, 400, "options.top_k"),
+    ({"model": "tiny", "messages": HELLO, "options": {"num_predict": -3}}, 400, "options.num_predict"),
     ({"model": "tiny", "messages": [], "keep_alive": 0}, 400, "stays loaded"),
 ])
 def test_bad_chat_requests_are_ollama_errors(server, body, status, words):

@@ -7,6 +7,7 @@ know. Every malformed field is a 400 naming its param."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -211,14 +212,17 @@ def _think_value(value: Any) -> bool | str:
 
 def parse_keep_alive(value: Any) -> float:
     """Seconds: a number, or a duration as Ollama takes it ("5m", "1h30m", "-1")."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     if isinstance(value, str):
         text = value.strip()
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             pass
+        else:
+            if math.isfinite(number):
+                return number
         if _DURATION.match(text):
             sign = -1.0 if text.startswith("-") else 1.0
             parts = re.findall(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)", text)
@@ -240,6 +244,22 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _whole(name: str, description: str, low: int, high: int | None = None) -> Field:
+    """An integer option that also takes a whole float (8.0), as Ollama converts it."""
+    def parse(value: Any) -> int:
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid_type(f"options.{name}", "an integer", value)
+        if value < low or (high is not None and value > high):
+            bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+            raise invalid_value(f"options.{name}", f"must be {bounds}", value)
+        return value
+
+    schema: dict[str, Any] = {"type": "integer", "minimum": low, **({"maximum": high} if high is not None else {})}
+    return Field(name, None, description, parse=parse, schema=schema)
+
+
 def _options(fields: Fields) -> dict[str, Any]:
     """The options given (checked against _OPTION_FIELDS already), by name."""
     values = {name: value for name, value in read_fields(fields, _OPTION_FIELDS).items() if value is not None}
@@ -251,15 +271,15 @@ def _options(fields: Fields) -> dict[str, Any]:
 _OPTION_FIELDS = (
     Field("temperature", "number", "0: greedy; higher: more random (default 1).", low=0.0, high=2.0),
     Field("top_p", "number", "Nucleus sampling (default 1: off).", low=0.0, high=1.0, above_low=True),
-    Field("top_k", "integer", "Sample from the k likeliest tokens (default 0: off).", low=0),
+    _whole("top_k", "Sample from the k likeliest tokens (default 0: off).", 0),
     Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", low=0.0, high=1.0),
     Field("repeat_penalty", "number", "Divides the logits of tokens already seen (1: off).", low=0.0, high=10.0,
           above_low=True),
     Field("presence_penalty", "number", low=-2.0, high=2.0),
     Field("frequency_penalty", "number", low=-2.0, high=2.0),
-    Field("seed", "integer", "Replays the same sampling.", low=SEED_RANGE[0], high=SEED_RANGE[1]),
-    Field("num_predict", "integer", "Most tokens to generate; -1 or -2: until the context is full (default: the "
-                                    "server's --max-tokens-default).", low=-2),
+    _whole("seed", "Replays the same sampling.", *SEED_RANGE),
+    _whole("num_predict", "Most tokens to generate, at most what the context leaves; -1 or -2: until the context is "
+                          "full (default: the server's --max-tokens-default).", -2),
     Field("stop", None, "Text that ends the reply (not included in it).", parse=_stop,
           schema={"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}),
 )
