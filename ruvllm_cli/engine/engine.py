@@ -61,6 +61,7 @@ class LLMEngine:
                                   self.lora, swap_blocks if self.swap_space is not None else 0, config.fused_decode,
                                   kv_dtype)
         self.stats = EngineStats()
+        self._failed_last_step = False   # the last forward raised (a second one in a row is the engine's)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, loaded.eos_token_ids, self.max_model_len,
                                        self.scheduler, self.stats)
@@ -191,7 +192,11 @@ class LLMEngine:
         for chunk in plan.chunks:
             if chunk.request.timings.scheduled is None:
                 chunk.request.timings.scheduled = now
-        logits, sampled = self.runner.execute(plan.chunks)
+        try:
+            logits, sampled = self.runner.execute(plan.chunks)
+        except Exception as error:  # noqa: BLE001 - see _forward_failed
+            return self._forward_failed(plan, error)
+        self._failed_last_step = False
         self.scheduler.postprocess(plan)
         self.stats.steps += 1
         self.stats.last_step_tokens = plan.num_tokens
@@ -201,6 +206,22 @@ class LLMEngine:
         tokens, logprobs = sample(logits, sampled)
         return [self.outputs.fail(r, t.message) if isinstance(t, SamplingFailure) else self.outputs.accept(r, t, lp)
                 for r, t, lp in zip(sampled, tokens, logprobs)]
+
+    def _forward_failed(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A forward that raised ends the requests it ran, with the error, and not the
+        engine: one request's poison (an input no check foresaw) must not stop a server
+        and every other client's request. Nothing of the step was kept: the scheduler
+        had not counted its tokens as computed, so no block it wrote joined the prefix
+        cache, and finishing its requests frees their blocks. A second failure in a row
+        (a device left broken, say) is the engine's own: raised."""
+        if self._failed_last_step:
+            raise error
+        self._failed_last_step = True
+        message = f"the model failed on this request's step ({type(error).__name__}: {error})"
+        requests = {id(chunk.request): chunk.request for chunk in plan.chunks}.values()
+        outputs = [self.outputs.fail(request, message) for request in requests if not request.is_finished]
+        self.check_integrity()
+        return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready join the scheduler; a failed compile ends its request."""

@@ -246,3 +246,35 @@ def test_a_request_that_fails_to_sample_ends_alone(make_engine):
     engine.check_integrity()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.generate([PROMPTS[1]], GREEDY)[0].token_ids == alone
+
+
+def test_a_forward_that_raises_fails_its_step_s_requests_not_the_engine(make_engine, expected, monkeypatch):
+    """A request no check foresaw could make the model's forward raise (an X-LoRA whose
+    classifier did not fit did): its step's requests end with the error, the engine
+    goes on, and nothing the step wrote is reused by the prefix cache. A second
+    failure in a row is the engine's."""
+    engine = make_engine()
+    poison = engine.add_request(PROMPTS[0], GREEDY)
+    execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def once_broken(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("selected index k out of range")
+        return execute(chunks)
+
+    monkeypatch.setattr(engine.runner, "execute", once_broken)
+    [failed] = engine.step()
+    assert failed.request_id == poison.request_id and failed.finish_reason is FinishReason.ERROR
+    assert "selected index k out of range" in failed.error
+    engine.check_integrity()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # the same prompt again, and the others: the tokens a clean engine gives
+    assert run_all(engine, PROMPTS) == expected
+    monkeypatch.setattr(engine.runner, "execute", lambda chunks: (_ for _ in ()).throw(RuntimeError("broken")))
+    engine.add_request(PROMPTS[1], GREEDY)
+    engine.step()   # the first failure: the request's
+    engine.add_request(PROMPTS[2], GREEDY)
+    with pytest.raises(RuntimeError, match="broken"):
+        engine.step()   # the second in a row: the engine's

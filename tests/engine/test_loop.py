@@ -111,6 +111,10 @@ def test_a_dead_engine_reports_through_on_failure(make_engine):
 
     engine.runner.execute = explode
     engine_loop = EngineLoop(engine, on_failure=failures.append)
+    # a forward that raises once fails its requests; twice in a row, the engine
+    outputs = list(engine_loop.submit([5, 6, 7], PARAMS))
+    assert outputs[-1].finish_reason is FinishReason.ERROR and "device lost" in outputs[-1].error
+    assert engine_loop.healthy and not failures
     outputs = list(engine_loop.submit([5, 6, 7], PARAMS))
     engine_loop._thread.join(5)
     assert outputs[-1].finish_reason is FinishReason.ERROR and "device lost" in outputs[-1].error

@@ -268,8 +268,8 @@ def test_kill_9_mid_generation_then_the_same_port_and_cache_serve_cleanly(
     assert [m["repo_id"] for m in json.loads(listed.stdout)["models"]] == [repo_id]
 
 
-# The engine's device work raises on the first step (a fault that no request can cause
-# any more): only the injected ModelRunner.execute differs from `ruvllm serve`.
+# The engine's device work raises on every step (a device that is gone): only the
+# injected ModelRunner.execute differs from `ruvllm serve`.
 _FAILING_SERVE = """
 import sys
 from ruvllm_cli.engine.model_runner import ModelRunner
@@ -291,6 +291,10 @@ def test_a_dead_engine_makes_serve_exit_non_zero(tiny_model_dir, cli_env, free_p
     try:
         wait_healthy(url, process)
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert response.status_code >= 500 and response.json()["error"]["message"]
+        # One failed forward fails its requests; a second in a row is the engine's, and the server's.
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert response.status_code >= 500 and response.json()["error"]["message"]
         _, stderr = process.communicate(timeout=30)
