@@ -34,7 +34,9 @@ class OutputProcessor:
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                                      params.skip_special_tokens, params.kept_special_tokens)
         request.stop_matcher = StopMatcher(params.stop)
-        if params.min_tokens:   # what _is_eos would end the reply on
+        # What _is_eos would end the reply on, held back until min_tokens, and while a
+        # constraint waits out a reasoning block: ended there, the reply has no answer.
+        if params.min_tokens or (params.structured is not None and params.reasoning_block is not None):
             ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             request.held_ids = tuple(sorted(ending))
         if params.seed is not None:

@@ -143,8 +143,10 @@ class Request:
 
     @property
     def holds_ids(self) -> bool:
-        """`held_ids` are still masked: fewer than `min_tokens` generated."""
-        return bool(self.held_ids) and len(self.output_ids) < self.params.min_tokens
+        """`held_ids` are still masked: fewer than `min_tokens` generated, or a constraint
+        waits for the reasoning block to end (the answer it constrains comes after it)."""
+        return bool(self.held_ids) and (len(self.output_ids) < self.params.min_tokens
+                                        or (self.grammar is not None and self.thinking is not None))
 
     @property
     def prefix_salt(self) -> object:

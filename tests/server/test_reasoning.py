@@ -371,3 +371,23 @@ def test_anthropics_budget_tokens_ends_the_thinking_there(opens_server):
             continue   # it closed the block on its own within the budget
         assert blocks["thinking"] == split_reasoning(THINK, "".join(tokens[:4]), True).reasoning
         assert blocks.get("text") and reply.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_a_constrained_reply_cannot_end_inside_its_reasoning(opens_server):
+    """EOS is held while a constraint waits out the block: a reply that ended there had
+    no answer at all (finish_reason stop, content empty, under a strict schema)."""
+    live = opens_server
+    eos = live.engine(lambda e: sorted(e.loaded.eos_token_ids))[0]
+    [end] = ids_of(live, THINK_END)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    ended_free = False
+    for seed in range(4):
+        ask = dict(model=live.model, messages=HELLO, temperature=1.0, seed=seed, max_tokens=60,
+                   logit_bias={str(eos): 6.0, str(end): 2.0})
+        free = client_of(live).chat.completions.create(**ask).choices[0]
+        ended_free |= free.finish_reason == "stop" and not free.message.content
+        reply = client_of(live).chat.completions.create(**ask, response_format=fmt).choices[0]
+        if reply.finish_reason == "stop":
+            jsonschema.validate(json.loads(reply.message.content), SCHEMA)
+    assert ended_free   # without a constraint, such replies do end inside the block
+    live.assert_clean()
