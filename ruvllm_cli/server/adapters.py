@@ -23,6 +23,7 @@ from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, read
 from ruvllm_cli.errors import (CacheError, DownloadError, ModelNotFoundError, RepoUnavailableError, RuvllmError,
                                UsageError)
 from ruvllm_cli.server.body import read_json
+from ruvllm_cli.server.engine_client import LocalEngine
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.fields import Fields
 from ruvllm_cli.server.models import ModelStatus
@@ -116,7 +117,7 @@ def _runtime_lora(request: web.Request) -> ServerState:
     state = get_state(request.app)
     state.require_ready()
     if not state.config.allow_runtime_lora:
-        if any(served.engine_loop is None for served in state.models.loaded()):   # replicas, run elsewhere
+        if any(not isinstance(served.client, LocalEngine) for served in state.models.loaded()):   # replicas
             raise ApiError(404, "LoRA adapters cannot be loaded at run time on a server with --replicas; give "
                                 "them with --lora when starting it.", code="runtime_lora_disabled")
         raise ApiError(404, "Loading LoRA adapters at run time is off; start the server with "
