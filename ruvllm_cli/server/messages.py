@@ -91,6 +91,7 @@ def _content(value: Any, where: str, required: bool) -> str | None:
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+CONTENT_SCHEMA = _CONTENT   # a message's content, for the other APIs' documents (Ollama's)
 _PAST_CALL = {"type": "object", "required": ["function"], "properties": {"function": {
     "type": "object", "required": ["name"],
     "properties": {"name": {"type": "string"}, "arguments": {"type": ["string", "object"]}}}}}

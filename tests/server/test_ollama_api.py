@@ -367,3 +367,30 @@ def test_images_are_refused_on_generate_too(server):
     response = httpx.post(server.url + "/api/generate", json={"model": server.model, "prompt": "Hi",
                                                               "images": ["aGVsbG8="]}, timeout=60)
     assert response.status_code == 400 and "images" in response.json()["error"]
+
+
+def test_a_conversation_beyond_the_context_loses_its_oldest_messages(client, server, openai_client):
+    """Ollama's truncation: the system prompt and the end of the conversation stay, the
+    oldest turns go, and the chat goes on (on /v1 the same conversation is a 400)."""
+    words = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    turns = [{"role": "system", "content": "Be brief."}]
+    for i in range(24):
+        turns += [{"role": "user", "content": f"{i} {words}"}, {"role": "assistant", "content": words}]
+    turns.append({"role": "user", "content": "And now?"})
+    with pytest.raises(openai.BadRequestError):
+        openai_client.chat.completions.create(model=server.model, messages=turns, max_tokens=4)
+    reply = client.chat(model=server.model, messages=turns, options={"temperature": 0, "num_predict": 4})
+    assert reply.done and 0 < reply.prompt_eval_count < 1024
+    # what was kept: the system prompt and a tail that opens with a user turn, billed the same on /v1
+    def count(messages):
+        return httpx.post(server.url + "/tokenize", json={"model": server.model, "messages": messages},
+                          timeout=60).json()["count"]
+
+    kept = next(turns[:1] + turns[start:] for start in range(1, len(turns), 2)
+                if count(turns[:1] + turns[start:]) == reply.prompt_eval_count)
+    assert count(turns[:1] + turns[turns.index(kept[1]) - 2:]) >= 1024   # one turn more would not fit
+    assert kept[0]["role"] == "system" and kept[1]["role"] == "user" and kept[-1]["content"] == "And now?"
+    alone = [{"role": "user", "content": " ".join([words] * 20)}]   # one message beyond the context: a 400
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.chat(model=server.model, messages=alone, options=GREEDY)
+    assert refused.value.status_code == 400

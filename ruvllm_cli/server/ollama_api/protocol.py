@@ -16,7 +16,7 @@ from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
-from ruvllm_cli.server.messages import parse_messages
+from ruvllm_cli.server.messages import CONTENT_SCHEMA, parse_messages
 from ruvllm_cli.server.protocol import MODEL, SEED_RANGE, SamplingFields, TemplateOptions
 from ruvllm_cli.server.spec import Field, read_fields
 from ruvllm_cli.server.structured import Structured, grammar_spec
@@ -302,7 +302,7 @@ CHAT_FIELDS = (
     Field("messages", "array", "The conversation (empty: load the model).", [], parse=_ollama_messages,
           schema={"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
               "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-              "content": {"type": "string"}, "images": {"type": "array", "maxItems": 0},
+              "content": CONTENT_SCHEMA, "images": {"type": "array", "maxItems": 0},
               "thinking": {"type": "string"}, "tool_name": {"type": "string"},
               "tool_calls": {"type": "array"}}}}),
     # tool_choice: OpenAI's (auto, none, required, a named function), which Ollama lacks; a ruvllm extension.

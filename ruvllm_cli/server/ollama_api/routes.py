@@ -26,7 +26,8 @@ from ruvllm_cli.server.middlewares import ARRIVED
 from ruvllm_cli.server.model_entry import ModelEntry, ModelStatus
 from ruvllm_cli.server.ollama_api.protocol import OllamaJob, parse_chat, parse_generate, parse_show
 from ruvllm_cli.server.ollama_api.responses import Clock, OllamaFormat, timestamp
-from ruvllm_cli.server.prompts import SequencePlan, check_constraints, plan_sequences, tokenize_prompts
+from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
+                                       tokenize_prompts)
 from ruvllm_cli.server.sse import NDJSONStream
 from ruvllm_cli.server.state import ServerState, get_state
 from ruvllm_cli.server.tool_output import ToolReplies
@@ -87,8 +88,9 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
             template = job.template
             if job.messages[-1]["role"] == "assistant":   # Ollama continues it (a prefill), not a new turn
                 template = dataclasses.replace(template, add_generation_prompt=False, continue_final_message=True)
-            prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options,
-                                   template=template, reasoning=model.reasoning)
+            prepare = fitted(model.engine, job.messages, job, template,
+                             lambda messages: chat_prepare(model.engine, messages, job.tools, parser, sampling,
+                                                           options, template=template, reasoning=model.reasoning))
         else:
             if job.messages is not None and any(m["role"] == "system" for m in job.messages):
                 raise bad_request("'system' needs a chat template, and this model has none.", "system")
@@ -96,6 +98,35 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
         fmt.tools = ToolReplies.of(parser, job.tools)
         return await generate_reply(request, state, model, prepare, "messages" if kind == "chat" else "prompt", 1,
                                     fmt, job.stream, sampling.structured, options, writer=NDJSONStream)
+
+
+def fitted(engine: Any, messages: list[dict[str, Any]], job: OllamaJob, template: Any,
+           prepare_for: Callable[[list[dict[str, Any]]], Callable[[], list[SequencePlan]]]
+           ) -> Callable[[], list[SequencePlan]]:
+    """The chat's preparation, its oldest messages dropped (in the worker thread) while the
+    conversation leaves no room in the context: Ollama's `truncate`, which keeps the system
+    prompt and the conversation's end, so a long chat goes on instead of failing."""
+
+    def prepare() -> list[SequencePlan]:
+        return prepare_for(fit_messages(engine, messages, job, template))()
+
+    return prepare
+
+
+def fit_messages(engine: Any, messages: list[dict[str, Any]], job: OllamaJob, template: Any) -> list[dict[str, Any]]:
+    kept = list(messages)
+    while True:
+        ids = render_chat(engine.tokenizer, kept, template_tools(job.tools, kept), "messages", template)
+        rest = [i for i, m in enumerate(kept) if m["role"] != "system"]
+        if len(ids) < engine.max_model_len or len(rest) <= 1:
+            return kept   # fits, or only the last message is left: the usual 400 if it still does not
+        del kept[rest[0]]
+        # a conversation opens with the user's turn (a tool result or reply without it would be orphaned)
+        while True:
+            rest = [i for i, m in enumerate(kept) if m["role"] != "system"]
+            if len(rest) <= 1 or kept[rest[0]]["role"] == "user":
+                break
+            del kept[rest[0]]
 
 
 def raw_prepare(engine: Any, prompt: str, sampling: Any, options: Any) -> Callable[[], list[SequencePlan]]:
