@@ -24,6 +24,16 @@ def invalid_type(param: str, expected: str, value: Any) -> ApiError:
                        param, "invalid_type")
 
 
+def string_list(value: list[Any], param: str, most: int) -> tuple[str, ...]:
+    """A list of at most `most` strings (stop sequences), each refusal naming its place."""
+    if len(value) > most:
+        raise invalid_value(param, f"at most {most} stop sequences", f"{len(value)}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise invalid_type(f"{param}[{i}]", "a string", item)
+    return tuple(value)
+
+
 def invalid_value(param: str, rule: str, value: Any) -> ApiError:
     return bad_request(f"Invalid value for '{param}': {rule} (got {short_repr(value)}).", param, "invalid_value")
 

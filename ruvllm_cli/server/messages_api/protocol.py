@@ -12,7 +12,7 @@ from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.tools import TOOL_NAME, Tool, ToolChoice, ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
-from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value, string_list
 from ruvllm_cli.server.messages_api.blocks import MESSAGES_SCHEMA, SYSTEM_SCHEMA, parse_messages, parse_system
 from ruvllm_cli.server.protocol import MODEL, SAMPLING, SERVING, SamplingFields
 from ruvllm_cli.server.spec import Field, read_fields
@@ -78,12 +78,7 @@ def _tool_request(values: dict[str, Any]) -> ToolRequest | None:
 
 # ---- the fields ------------------------------------------------------------------------
 def _stop_sequences(value: list[Any]) -> tuple[str, ...]:
-    if len(value) > MAX_STOP_SEQUENCES:
-        raise invalid_value("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop sequences", f"{len(value)}")
-    for i, item in enumerate(value):
-        if not isinstance(item, str):
-            raise invalid_type(f"stop_sequences[{i}]", "a string", item)
-    return tuple(value)
+    return string_list(value, "stop_sequences", MAX_STOP_SEQUENCES)
 
 
 def _tools(value: list[Any]) -> list[Tool]:

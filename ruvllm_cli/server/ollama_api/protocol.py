@@ -15,7 +15,7 @@ from typing import Any
 from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.server.errors import bad_request
-from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value, string_list
 from ruvllm_cli.server.messages import CONTENT_SCHEMA, parse_messages
 from ruvllm_cli.server.protocol import MODEL, SEED_RANGE, SamplingFields, TemplateOptions
 from ruvllm_cli.server.spec import Field, read_fields
@@ -236,12 +236,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list):
         raise invalid_type("options.stop", "an array of strings", value)
-    if len(value) > MAX_STOP:
-        raise invalid_value("options.stop", f"at most {MAX_STOP} stop sequences", f"{len(value)}")
-    for i, item in enumerate(value):
-        if not isinstance(item, str):
-            raise invalid_type(f"options.stop[{i}]", "a string", item)
-    return tuple(value)
+    return string_list(value, "options.stop", MAX_STOP)
 
 
 def _whole(name: str, description: str, low: int, high: int | None = None) -> Field:
