@@ -394,3 +394,31 @@ def test_a_conversation_beyond_the_context_loses_its_oldest_messages(client, ser
     with pytest.raises(ollama.ResponseError) as refused:
         client.chat(model=server.model, messages=alone, options=GREEDY)
     assert refused.value.status_code == 400
+
+
+def test_a_model_without_a_chat_template(tiny_model_dir, tmp_path):
+    """/api/generate takes its prompt as written; /api/chat and a system prompt say why not."""
+    import shutil
+
+    from ruvllm_cli.engine.config import Quantization
+    from ruvllm_cli.engine.loader import load_model
+    from tests.server.conftest import build_server
+
+    plain = shutil.copytree(tiny_model_dir, tmp_path / "plain")
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    live = build_server(load_model(plain, "cpu", Quantization.F32))
+    try:
+        client = ollama.Client(host=live.url, timeout=60)
+        written = client.generate(model=live.model, prompt="Hi there", options=GREEDY)
+        raw = client.generate(model=live.model, prompt="Hi there", raw=True, options=GREEDY)
+        assert written.response == raw.response and written.eval_count == 12
+        for ask in (lambda: client.chat(model=live.model, messages=HELLO),
+                    lambda: client.generate(model=live.model, prompt="Hi", system="Be brief.")):
+            with pytest.raises(ollama.ResponseError) as refused:
+                ask()
+            assert refused.value.status_code == 400 and "chat template" in refused.value.error
+    finally:
+        live.stop()

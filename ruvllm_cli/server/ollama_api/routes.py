@@ -71,8 +71,9 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
     name = served_name(state, job.model)
     if job.unload:
         return json_response(_unload(state, name, job, kind))
+    asked = time.perf_counter()
     async with state.model_for(name) as model:
-        clock = Clock(started, time.perf_counter() - started)
+        clock = Clock(started, time.perf_counter() - asked)   # the wait for the model alone
         fmt = OllamaFormat(kind, job.model, clock, think=job.think)
         if job.empty:   # Ollama's load request: the model is loaded now
             return json_response({**fmt.reply_object(done=True), "done_reason": "load"})
@@ -91,6 +92,9 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
             prepare = fitted(model.engine, job.messages, job, template,
                              lambda messages: chat_prepare(model.engine, messages, job.tools, parser, sampling,
                                                            options, template=template, reasoning=model.reasoning))
+        elif kind == "chat":
+            raise bad_request("This model has no chat template; /api/generate takes its prompt as written.",
+                              "messages")
         else:
             if job.messages is not None and any(m["role"] == "system" for m in job.messages):
                 raise bad_request("'system' needs a chat template, and this model has none.", "system")
