@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 @click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
 @click.option("--revision", metavar="REV", help="Remove only this branch, tag or commit (default: all).")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing.")
+@click.option("--force", is_flag=True, help="Remove it even while a running `ruvllm serve` uses it.")
 @global_options
-def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
+def command(model: str, yes: bool, revision: str | None, dry_run: bool, force: bool) -> None:
     """Remove MODEL (an alias or org/name) from the cache: its files and manifests.
 
     For an alias, whatever `ruvllm download` fetched for it goes: its GGUF repo (every
@@ -37,6 +38,7 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
       ruvllm rm qwen-0.5b --dry-run
     """
     from ruvllm_cli.registry.cache import ModelCache
+    from ruvllm_cli.registry.in_use import users_of
     from ruvllm_cli.registry.locate import download_repos
     from ruvllm_cli.registry.registry import resolve_model
 
@@ -50,11 +52,18 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool) -> None:
         raise UsageError(f"two revisions given: '{ref.revision}' and '{revision}'", "give only one")
     plans = ModelCache(app.cache_dir).plan_removals(download_repos(ref), revision or ref.revision)
     what = " and ".join(_describe(plan) for plan in plans)
+    users = users_of(path for plan in plans for path in plan.files)
+    if users and not force and not dry_run:
+        servers = ", ".join(f"pid {u['pid']} at {u['url']}" for u in users)
+        raise RuvllmError(f"{model} is in use by ruvllm serve ({servers}): a server that unloads it loads it "
+                          "again from these files", "stop that server first, or pass --force")
     if dry_run or app.verbose:
         for path in (path for plan in plans for path in plan.files):
             out.info(f"  {escape(str(path))}")
     if dry_run:
         out.info(f"Would remove {what}.")
+        for user in users:
+            out.warn(f"in use by ruvllm serve (pid {user['pid']} at {user['url']})")
         return
     if not yes and not _confirm(f"Remove {what}?"):
         out.info("Nothing removed.")

@@ -253,6 +253,9 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         out.info("Stopped before the model finished loading.")
         return
     failures: list[BaseException] = []
+    from ruvllm_cli.registry.in_use import register
+
+    unregister = register([backend.located.path], server.url)   # `ruvllm rm` leaves it alone meanwhile
     try:
         names = served_names(backend.located, options["model"], options["served_model_name"])
         attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)
@@ -267,6 +270,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         install_signal_handlers(lambda: end_now(server, out))
         await server.stop()
     finally:
+        unregister()
         backend.stop()
     if failures:
         # Exit non-zero, so a supervisor (systemd, Kubernetes) restarts the server.

@@ -168,15 +168,21 @@ async def serve_models(app: "AppContext", options: dict[str, Any], web_app: Any,
     specs = model_specs(app, options, stop_on_failure(stop, failures))
     settings = pool_settings(options)
     pool = attach_models(web_app, specs, settings, options["max_concurrent"])
-    pool.report = lambda line: out.info(f"[dim]{escape(line)}[/dim]")
-    described = f"{len(specs)} model{'s' if len(specs) > 1 else ''}, each loaded on first use"
-    print_banner(app, server.url, described, [spec.names[0] for spec in specs], options,
-                 models=banner_lines(specs, settings))
-    await stop.wait()
-    out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s "
-             "(Ctrl+C again: end them now) ...")
-    install_signal_handlers(lambda: end_now(server, out))
-    await server.stop()   # its cleanup stops the engines of the models loaded
+    from ruvllm_cli.registry.in_use import register
+
+    unregister = register([spec.path for spec in specs if spec.path is not None], server.url)
+    try:
+        pool.report = lambda line: out.info(f"[dim]{escape(line)}[/dim]")
+        described = f"{len(specs)} model{'s' if len(specs) > 1 else ''}, each loaded on first use"
+        print_banner(app, server.url, described, [spec.names[0] for spec in specs], options,
+                     models=banner_lines(specs, settings))
+        await stop.wait()
+        out.info(f"Shutting down: in-flight requests may finish for up to {options['shutdown_timeout']:g} s "
+                 "(Ctrl+C again: end them now) ...")
+        install_signal_handlers(lambda: end_now(server, out))
+        await server.stop()   # its cleanup stops the engines of the models loaded
+    finally:
+        unregister()
     if failures:
         # Exit non-zero, so a supervisor (systemd, Kubernetes) restarts the server.
         raise RuvllmError(f"the engine failed: {type(failures[0]).__name__}: {failures[0]}",

@@ -250,3 +250,37 @@ def test_rm_of_a_local_path_is_a_usage_error(ruvllm: Run, tiny_model_dir: Path) 
         "Hint: ruvllm rm removes only downloaded models; delete local files yourself",
     ]
     assert tiny_model_dir.joinpath("config.json").exists()
+
+
+def test_rm_refuses_a_model_a_running_server_uses(ruvllm: Run, downloaded: DownloadedModel,
+                                                 cache: ModelCache) -> None:
+    """A server records its models while it runs (here: this test's own process, alive);
+    rm refuses them unless --force, and ignores (and clears) the records of dead ones."""
+    from ruvllm_cli.registry.in_use import register, run_dir
+
+    unregister = register([downloaded.path], "http://127.0.0.1:8080")
+    try:
+        refused = ruvllm("rm", downloaded.repo_id, "-y")
+        assert refused.returncode == 1 and downloaded.path.exists()
+        assert f"in use by ruvllm serve (pid {os.getpid()} at http://127.0.0.1:8080)" in refused.stderr
+        assert "--force" in refused.stderr and "Traceback" not in refused.stderr
+        dry = ruvllm("rm", downloaded.repo_id, "--dry-run")
+        assert dry.returncode == 0 and "in use by ruvllm serve" in dry.stderr
+    finally:
+        unregister()
+    stale = run_dir() / "serve-999999999.json"   # a server that is gone
+    stale.write_text(json.dumps({"pid": 999999999, "url": "http://x", "paths": [str(downloaded.path)]}))
+    removed = ruvllm("rm", downloaded.repo_id, "-y")
+    assert removed.returncode == 0, removed.stderr
+    assert not downloaded.path.exists() and not stale.exists()
+
+
+def test_rm_force_removes_a_model_in_use(ruvllm: Run, downloaded: DownloadedModel) -> None:
+    from ruvllm_cli.registry.in_use import register
+
+    unregister = register([downloaded.path], "http://127.0.0.1:8080")
+    try:
+        forced = ruvllm("rm", downloaded.repo_id, "-y", "--force")
+        assert forced.returncode == 0 and not downloaded.path.exists()
+    finally:
+        unregister()

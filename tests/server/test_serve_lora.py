@@ -234,8 +234,14 @@ def test_serve_with_a_local_and_a_hub_adapter(tiny_model_dir, adapters, fake_hub
         assert [(m["id"], m["parent"]) for m in models if m["parent"]] == [("local", "tiny"), ("hub", "tiny")]
         body = {"model": "hub", "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).json()["usage"]["completion_tokens"] == 4
+        # while it runs, `ruvllm rm` can see what it serves (registry/in_use.py)
+        from ruvllm_cli.registry.in_use import run_dir, users_of
+
+        [user] = users_of([tiny_model_dir])
+        assert user["pid"] == process.pid and user["url"] == url
         process.send_signal(subprocess.signal.SIGTERM)
         _, stderr = process.communicate(timeout=20)
+        assert not list(run_dir().glob("serve-*.json"))   # gone with the server
     finally:
         if process.poll() is None:
             process.kill()

@@ -1,0 +1,66 @@
+"""Which models a running `ruvllm serve` uses: each server leaves a record of its
+models' paths in the data directory while it runs, so that `ruvllm rm` can refuse to
+pull the files from under it (a server that unloads a model loads it again from
+them). Records of processes that are gone are ignored and cleared. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ruvllm_cli.paths import resolve_data_dir
+
+
+def run_dir() -> Path:
+    return resolve_data_dir() / "run"
+
+
+def register(paths: Iterable[Path], url: str) -> Callable[[], None]:
+    """Record that this process serves `paths` at `url`; returns what removes the record."""
+    directory = run_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    record = directory / f"serve-{os.getpid()}.json"
+    partial = record.with_suffix(".tmp")
+    partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
+                                   "paths": [str(Path(p).absolute()) for p in paths]}))
+    os.replace(partial, record)
+
+    def unregister() -> None:
+        record.unlink(missing_ok=True)
+
+    return unregister
+
+
+def users_of(files: Iterable[Path]) -> list[dict[str, Any]]:
+    """The running servers (records: pid, url, paths) that serve any of `files`, or a
+    model inside a directory among them."""
+    wanted = [Path(f).absolute() for f in files]
+    users = []
+    for record in sorted(run_dir().glob("serve-*.json")) if run_dir().is_dir() else []:
+        try:
+            data = json.loads(record.read_text())
+            pid, paths = int(data["pid"]), [Path(p) for p in data["paths"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not _alive(pid):
+            record.unlink(missing_ok=True)   # its server is gone
+            continue
+        if any(_within(f, p) or _within(p, f) for f in wanted for p in paths):
+            users.append(data)
+    return users
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # someone else's process, alive
+    return True
