@@ -19,13 +19,15 @@ def run_dir() -> Path:
 
 def register(paths: Iterable[Path], url: str) -> Callable[[], None]:
     """Record that this process serves `paths` at `url`; returns what removes the record."""
-    directory = run_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    record = directory / f"serve-{os.getpid()}.json"
+    record = run_dir() / f"serve-{os.getpid()}.json"
     partial = record.with_suffix(".tmp")
-    partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
-                                   "paths": [str(Path(p).absolute()) for p in paths]}))
-    os.replace(partial, record)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
+                                       "paths": [str(Path(p).absolute()) for p in paths]}))
+        os.replace(partial, record)
+    except OSError:   # a data directory we cannot write: serve all the same, unprotected
+        return lambda: None
 
     def unregister() -> None:
         record.unlink(missing_ok=True)

@@ -284,3 +284,13 @@ def test_rm_force_removes_a_model_in_use(ruvllm: Run, downloaded: DownloadedMode
         assert forced.returncode == 0 and not downloaded.path.exists()
     finally:
         unregister()
+
+
+def test_a_server_that_cannot_write_its_record_serves_all_the_same(tmp_path, monkeypatch) -> None:
+    from ruvllm_cli.registry import in_use
+
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setattr(in_use, "run_dir", lambda: blocked / "run")
+    in_use.register([tmp_path], "http://x")()   # no error, and nothing to undo
+    assert in_use.users_of([tmp_path]) == []
