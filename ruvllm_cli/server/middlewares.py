@@ -20,7 +20,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger("ruvllm.server")
 
 # The chat page and its files hold no secret: the browser gets them before it has a key.
-PUBLIC_PATHS = frozenset({"/health", *PAGE_PATHS})
+PUBLIC_PATHS = frozenset({"/health", "/ping", *PAGE_PATHS})
 # Status a client that went away gets in the metrics (nginx's convention).
 CLIENT_CLOSED = 499
 # Set by a handler whose client left mid-stream (its response still reads 200).

@@ -147,6 +147,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/health"): Operation("200 once the model is loaded (with several models, at once: `models` gives "
                                   "each one's status); 503 while loading or shutting down.", "Health",
                                   same_body=(503,)),
+    ("GET", "/ping"): Operation("/health under vLLM's (and SageMaker's) name.", "Health", same_body=(503,)),
+    ("POST", "/ping"): Operation("/health under vLLM's (and SageMaker's) name.", "Health", same_body=(503,)),
+    ("GET", "/version"): Operation("The server's version (vLLM's route)."),
     ("GET", "/metrics"): Operation("Prometheus metrics.", content=METRICS_CONTENT_TYPE, errors=(503,)),
     ("GET", "/openapi.json"): Operation("This document.", content="application/json"),
     ("GET", "/v1/models"): Operation("The names this server answers to, with each model's `status` (a model "

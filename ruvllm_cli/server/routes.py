@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
+from ruvllm_cli import __version__
+
 from ruvllm_cli.engine.loop import EngineFailedError
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.reasoning import Reasoning
@@ -50,6 +52,9 @@ log = logging.getLogger("ruvllm.server")
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)    # vLLM's (SageMaker's) name for it
+    app.router.add_post("/ping", health, expect_handler=expect_continue)
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/models", list_models)
@@ -77,6 +82,11 @@ async def health(request: web.Request) -> web.Response:
         return json_response({"status": "engine_failed", "models": models, **extra}, status=503)
     return json_response({"status": "ok", "model": state.model_name, "models": models,
                           "uptime_s": round(time.monotonic() - state.ready_at, 3), **extra})
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's `GET /version`: the server's version."""
+    return json_response({"version": __version__})
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -262,3 +262,17 @@ def test_generated_tokens_are_counted_as_they_come(server):
                 assert generated_so_far(server.url) - before >= 10
         assert events >= 10
     assert generated_so_far(server.url) - before == 40
+
+
+def test_ping_and_version_are_vllm_s_routes(make_server):
+    """/ping is /health under vLLM's (SageMaker's) name, public like it; /version needs the key."""
+    from ruvllm_cli import __version__
+
+    live = make_server(api_key="sk-test")
+    health = httpx.get(live.url + "/health").json()
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, live.url + "/ping")
+        assert ping.status_code == 200 and ping.json()["status"] == health["status"] == "ok"
+    assert httpx.get(live.url + "/version").status_code == 401
+    version = httpx.get(live.url + "/version", headers={"Authorization": "Bearer sk-test"})
+    assert version.json() == {"version": __version__}
