@@ -21,13 +21,12 @@ from ruvllm_cli import __version__
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.expect import expect_continue
 from ruvllm_cli.engine.request import RequestOptions
-from ruvllm_cli.server.errors import bad_request, json_response
+from ruvllm_cli.server.errors import ApiError, bad_request, json_response
 from ruvllm_cli.server.middlewares import ARRIVED
 from ruvllm_cli.server.model_entry import ModelEntry, ModelStatus
 from ruvllm_cli.server.ollama_api.protocol import OllamaJob, parse_chat, parse_generate, parse_show
 from ruvllm_cli.server.ollama_api.responses import Clock, OllamaFormat, timestamp
-from ruvllm_cli.server.prompts import (SequencePlan, check_constraints, plan_sequences, render_chat, template_tools,
-                                       tokenize_prompts)
+from ruvllm_cli.server.prompts import SequencePlan, check_constraints, plan_sequences, tokenize_prompts
 from ruvllm_cli.server.sse import NDJSONStream
 from ruvllm_cli.server.state import ServerState, get_state
 from ruvllm_cli.server.tool_output import ToolReplies
@@ -89,9 +88,9 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
             template = job.template
             if job.messages[-1]["role"] == "assistant":   # Ollama continues it (a prefill), not a new turn
                 template = dataclasses.replace(template, add_generation_prompt=False, continue_final_message=True)
-            prepare = fitted(model.engine, job.messages, job, template,
-                             lambda messages: chat_prepare(model.engine, messages, job.tools, parser, sampling,
-                                                           options, template=template, reasoning=model.reasoning))
+            prepare = fitted(job.messages, lambda messages: chat_prepare(
+                model.engine, messages, job.tools, parser, sampling, options, template=template,
+                reasoning=model.reasoning))
         elif kind == "chat":
             raise bad_request("This model has no chat template; /api/generate takes its prompt as written.",
                               "messages")
@@ -104,33 +103,39 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
                                     fmt, job.stream, sampling.structured, options, writer=NDJSONStream)
 
 
-def fitted(engine: Any, messages: list[dict[str, Any]], job: OllamaJob, template: Any,
+def fitted(messages: list[dict[str, Any]],
            prepare_for: Callable[[list[dict[str, Any]]], Callable[[], list[SequencePlan]]]
            ) -> Callable[[], list[SequencePlan]]:
     """The chat's preparation, its oldest messages dropped (in the worker thread) while the
     conversation leaves no room in the context: Ollama's `truncate`, which keeps the system
-    prompt and the conversation's end, so a long chat goes on instead of failing."""
+    prompt and the conversation's end, so a long chat goes on instead of failing. The
+    conversation is rendered once where it fits (the common case), again per drop where not."""
 
     def prepare() -> list[SequencePlan]:
-        return prepare_for(fit_messages(engine, messages, job, template))()
+        kept = list(messages)
+        while True:
+            try:
+                return prepare_for(kept)()
+            except ApiError as error:
+                # only the last message left: the usual 400, as Ollama's when that alone is too long
+                if error.code != "context_length_exceeded" or not drop_oldest(kept):
+                    raise
 
     return prepare
 
 
-def fit_messages(engine: Any, messages: list[dict[str, Any]], job: OllamaJob, template: Any) -> list[dict[str, Any]]:
-    kept = list(messages)
+def drop_oldest(messages: list[dict[str, Any]]) -> bool:
+    """Drop the oldest turn beside the system prompt (False: only the last message is left);
+    the rest opens with the user's turn, as a tool result or reply without it would be orphaned."""
+    rest = [i for i, m in enumerate(messages) if m["role"] != "system"]
+    if len(rest) <= 1:
+        return False
+    del messages[rest[0]]
     while True:
-        ids = render_chat(engine.tokenizer, kept, template_tools(job.tools, kept), "messages", template)
-        rest = [i for i, m in enumerate(kept) if m["role"] != "system"]
-        if len(ids) < engine.max_model_len or len(rest) <= 1:
-            return kept   # fits, or only the last message is left: the usual 400 if it still does not
-        del kept[rest[0]]
-        # a conversation opens with the user's turn (a tool result or reply without it would be orphaned)
-        while True:
-            rest = [i for i, m in enumerate(kept) if m["role"] != "system"]
-            if len(rest) <= 1 or kept[rest[0]]["role"] == "user":
-                break
-            del kept[rest[0]]
+        rest = [i for i, m in enumerate(messages) if m["role"] != "system"]
+        if len(rest) <= 1 or messages[rest[0]]["role"] == "user":
+            return True
+        del messages[rest[0]]
 
 
 def raw_prepare(engine: Any, prompt: str, sampling: Any, options: Any) -> Callable[[], list[SequencePlan]]:
@@ -206,7 +211,7 @@ async def show(request: web.Request) -> web.Response:
     name = served_name(state, parse_show(await read_json(request, state.config.max_body_size)))
     entry, adapter = state.models.find(name)
     parent = entry.name if adapter else ""
-    facts = served_facts(entry.served) if entry.served is not None else file_facts(entry.path, state)
+    facts = entry_facts(state, entry)
     if facts is None:
         async with state.model_for(name) as model:
             facts = served_facts(model.served)
@@ -222,7 +227,7 @@ def tagged(name: str) -> str:
 
 
 def model_object(state: ServerState, entry: ModelEntry, name: str) -> dict[str, Any]:
-    facts = served_facts(entry.served) if entry.served is not None else file_facts(entry.path, state)
+    facts = entry_facts(state, entry)
     return {"name": tagged(name), "model": tagged(name), "modified_at": timestamp(state.wall_started),
             "details": details(facts, parent=entry.name if name != entry.name else "")}
 
@@ -238,6 +243,11 @@ class Facts:
     context: int | None               # the context it is served with (None: not loaded)
     tools: bool                       # its tool-call format is known
     thinking: bool                    # it reasons (markers in its template)
+
+
+def entry_facts(state: ServerState, entry: ModelEntry) -> Facts | None:
+    """From its engine where it is loaded, else from its files (None: neither tells)."""
+    return served_facts(entry.served) if entry.served is not None else file_facts(entry.path, state)
 
 
 def served_facts(served: Any) -> Facts:
