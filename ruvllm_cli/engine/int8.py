@@ -7,8 +7,9 @@ embedding lookups), it quantizes activations over the whole batch (so a row's re
 depended on its company), and at one row it read 26 GB/s of about 40 here. Here the
 codes stay as they are, so they map straight from the weight cache and a tied head
 and the embedding share one table. Activations are quantized per row to int8
-(`kernels/int8_gemm.c`); one row (a decode step) runs in our AVX2 GEMV, several in
-torch's `_int_mm` (oneDNN's int8 GEMM) over the same codes. Both sum in exact int32
+(`kernels/int8_gemm.c`); up to 32 rows (a decode step) run in our GEMV, more in
+torch's `_int_mm` (oneDNN's int8 GEMM) over the same codes where the CPU has VNNI, in
+ours 32 rows at a time where it has not (`Int8Kernel.rows`). Both sum in exact int32
 and apply the same two float32 roundings after, so a row gives the same bits alone
 or in any batch (docs/design.md, section 20).
 """
@@ -27,7 +28,8 @@ BLOCK = 32   # the GEMV reads 32 codes a step: K must be a multiple
 
 def scratch_bytes(rows: int, width: int, out_features: int) -> int:
     """The room `linear_few` (int8_gemm.c) works in for `rows` rows: the codes, their
-    offset copy, the row scales and the int32 sums."""
+    offset copy, the row scales and the int32 sums of one pass (32 rows at most)."""
+    rows = min(rows, Int8Kernel.FEW_ROWS)
     return 2 * rows * width + 4 * (rows + 8) + 4 * rows * out_features
 
 
@@ -52,7 +54,7 @@ class Int8Linear(nn.Module):
         count = rows.shape[0]
         out = torch.empty(count, self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.data_ptr()
-        if count <= kernel.rows:   # our GEMV: each weight read once
+        if count <= kernel.rows:   # ours: each weight read once a pass of 32 rows
             room = scratch_buffer(scratch_bytes(count, width, self.out_features), torch.int8)
             kernel.linear_few(rows.data_ptr(), count, width, buffers["qweight"].data_ptr(),
                               buffers["scales"].data_ptr(), self.out_features, bias, out.data_ptr(),
@@ -64,7 +66,7 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _many(self, rows: torch.Tensor, out: torch.Tensor, bias: int | None) -> None:
-        """Several rows: oneDNN's int8 GEMM over the same codes, scaled as the GEMV scales.
+        """Many rows on a CPU with VNNI: oneDNN's int8 GEMM over the same codes, scaled as the GEMV scales.
         Padded to a few row counts, since oneDNN keeps a primitive per shape (bucket_rows)."""
         count, width = rows.shape
         threads = torch.get_num_threads()

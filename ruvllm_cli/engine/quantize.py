@@ -532,7 +532,7 @@ def kernel_note(model: nn.Module) -> str:
                  f"; int4 layers in ruvllm's {'AVX-512' if int4.block == 64 else 'AVX2'} kernel")
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
         note += ("; up to 32 rows in its AVX-512 VNNI GEMV and GEMM" if kernel.wide
-                 else "; up to 32 rows in its AVX2 GEMV")
+                 else "; every row count in its AVX2 GEMV, 32 rows a pass")
     return note
 
 

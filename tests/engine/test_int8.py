@@ -28,13 +28,15 @@ def kernel_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True, params=["vnni", "avx2"])
 def gemv(request, monkeypatch):
-    """Every test on each GEMV: AVX-512 VNNI (where the CPU has it) and AVX2."""
+    """Every test on each GEMV: AVX-512 VNNI (where the CPU has it; oneDNN's int8 GEMM past
+    32 rows) and AVX2 (every row count, as on a CPU without VNNI)."""
     kernel = kernels.int8_kernel()
     if request.param == "vnni" and not kernels.cpu_has(kernels.VNNI_CPU_FLAGS):
         pytest.skip("this CPU has no AVX-512 VNNI")
     if kernel is not None:
-        monkeypatch.setattr(kernel, "linear_few",
-                            kernel.linear_few_wide if request.param == "vnni" else kernel.linear_few_avx2)
+        vnni = request.param == "vnni"
+        monkeypatch.setattr(kernel, "linear_few", kernel.linear_few_wide if vnni else kernel.linear_few_avx2)
+        monkeypatch.setattr(kernel, "rows", kernel.FEW_ROWS if vnni else float("inf"))
     return request.param
 
 
@@ -50,7 +52,7 @@ def reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: 
     out = sums * ((amax / 127) * scales[None, :])
     return out if bias is None else out + bias
 
-# VNNI: GEMV to 4, groups of 8 to 32; AVX2: groups of 4 to 32; oneDNN beyond
+# VNNI: GEMV to 4, groups of 8 to 32, oneDNN beyond; AVX2: groups of 4, 32 rows a pass
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 70])
 @pytest.mark.parametrize("out_features, in_features", [(64, 96), (37, 32), (130, 1024), (9, 160)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -127,6 +129,34 @@ def test_a_rows_result_does_not_depend_on_its_batch():
         assert torch.equal(layer(x[index:index + 1])[0], together[index])
     assert torch.equal(layer(x[5:14]), together[5:14])
     assert torch.equal(layer(x[5:30]), together[5:30])   # VNNI: groups of eight, against oneDNN's sums
+
+
+def test_without_vnni_every_row_count_stays_in_our_kernel(gemv, monkeypatch):
+    """Without VNNI oneDNN's signed int8 GEMM is some 25x slower than a float32 GEMM (a
+    128-token q8 prompt took 23 s on an AVX2 EPYC): a prompt's rows go through the AVX2
+    GEMV a pass of 32 at a time, never through torch._int_mm."""
+    if gemv == "vnni":
+        pytest.skip("the VNNI form hands more than 32 rows to oneDNN")
+
+    def refuse(*args):
+        raise AssertionError("torch._int_mm called")
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(96, 256, generator=generator)
+    codes, scales = int8_rows(weight)
+    layer = int8_linear(codes, scales, None)
+    x = torch.randn(200, 256, generator=generator)   # six passes, the last of eight rows
+    assert torch.equal(layer(x), reference(x, codes, scales, None))
+
+
+def test_oneDNN_takes_many_rows_only_where_the_cpu_has_vnni():
+    kernels.int8_kernel.cache_clear()   # a fresh instance, not the one the fixture patched
+    try:
+        kernel = kernels.int8_kernel()
+        vnni = kernels.cpu_has(kernels.VNNI_CPU_FLAGS)
+        assert kernel.wide == vnni and kernel.rows == (32 if vnni else float("inf"))
+    finally:
+        kernels.int8_kernel.cache_clear()
 
 
 def test_no_rows_give_no_rows():

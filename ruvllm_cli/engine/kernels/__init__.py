@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -61,9 +62,14 @@ class Int8Kernel:
     float32 scale per row, each weight read once: in AVX-512 VNNI where the CPU has it,
     `wide`, else in AVX2, `linear_few_avx2`; the same bits), and for more rows
     `quantize` (float32 rows to int8 codes and a scale per row) and `scale` (oneDNN's
-    exact int32 sums to float32 outputs, rounded as `linear_few` rounds)."""
+    exact int32 sums to float32 outputs, rounded as `linear_few` rounds).
 
-    rows = 32   # the most rows `linear_few` takes, either form (FEW_ROWS)
+    `rows`: the most rows sent to `linear_few`, more going to oneDNN's int8 GEMM. That
+    is 32 (FEW_ROWS) where the CPU has AVX-512 VNNI; without VNNI oneDNN's signed int8
+    GEMM ran some 25x slower than a float32 one on an AVX2 CPU (a 128-token q8 prompt
+    took 23 s), so there `linear_few` takes every count, 32 rows at a time."""
+
+    FEW_ROWS = 32   # the rows one pass of either form takes (int8_gemm.c's FEW_ROWS)
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.quantize = _bind(library.ruvllm_q8_quantize, [_pointer, _size, _size, _pointer, _pointer, ctypes.c_int])
@@ -72,6 +78,7 @@ class Int8Kernel:
         self.linear_few_wide = _bind(library.ruvllm_q8_linear_few_wide, list(arguments))
         self.wide = cpu_has(VNNI_CPU_FLAGS)
         self.linear_few = self.linear_few_wide if self.wide else self.linear_few_avx2
+        self.rows: float = self.FEW_ROWS if self.wide else math.inf
         self.scale = _bind(library.ruvllm_q8_scale, [_pointer, _size, _size, _pointer, _pointer, _pointer, _pointer,
                                                      ctypes.c_int])
 

@@ -6,7 +6,8 @@
  * (+ bias[n]). This file has the quantizer, the product of up to 32 rows (decode
  * batches: a GEMV reading each weight once, bandwidth-bound at a few rows; in AVX2, and
  * in AVX-512 VNNI compiled by target attributes) and the scaling; more rows go to torch's `_int_mm`
- * (oneDNN's int8 GEMM) on the same codes. Every path's int32 sums are the very same
+ * (oneDNN's int8 GEMM) on the same codes where the CPU has VNNI, and 32 at a time through
+ * the GEMV where it has not (oneDNN's int8 GEMM is slow there). Every path's int32 sums are the very same
  * integers, so a row gives the same bits alone, in any batch, on either GEMV
  * (engine/int8.py; docs/design.md, section 20). */
 
@@ -294,15 +295,16 @@ void ruvllm_q8_scale(const int32_t *sums, int64_t M, int64_t N, const float *xs,
     for (int64_t m = 0; m < M; ++m) scale_rows(sums + m * N, 1, N, xs + m, ws, bias, out + m * N);
 }
 
-/* Up to FEW_ROWS rows end to end in one call (a decode step's
- * layer): x [M, K] float32 -> out [M, N], through `scratch` (2 * M * K + 4 * (M + 8) +
- * 4 * M * N bytes, 32-byte aligned pieces): quantize, then the GEMV (`wide`: the VNNI
+/* Rows end to end in one call (a decode step's layer; a prompt's on a CPU without VNNI,
+ * FEW_ROWS at a time): x [M, K] float32 -> out [M, N], through `scratch` (for m =
+ * min(M, FEW_ROWS): 2 * m * K + 4 * (m + 8) + 4 * m * N bytes, 32-byte aligned pieces):
+ * quantize, then the GEMV (`wide`: the VNNI
  * one, or the VNNI GEMM from five rows). One call instead of three saves the per-call
  * cost that a decode step pays 169 times. */
 static void linear_few(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
                        const float *bias, float *out, int8_t *scratch, int threads, int wide) {
     if (M == 0) return;   /* the GEMV's switch would take four rows */
-    if (M > FEW_ROWS) {   /* more than a caller should send: correct, a few rows at a time */
+    if (M > FEW_ROWS) {   /* a pass of FEW_ROWS rows at a time, reusing the scratch */
         const int64_t step = FEW_ROWS;
         for (int64_t m = 0; m < M; m += step)
             linear_few(x + m * K, M - m < step ? M - m : step, K, w, ws, N, bias, out + m * N, scratch, threads, wide);
