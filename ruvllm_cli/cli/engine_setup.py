@@ -93,12 +93,9 @@ class OpenedEngine:
 
     def kv_summary(self) -> str:
         """The KV pool: its memory, the tokens it holds, and what sized it."""
-        from ruvllm_cli.engine.model_runner import kv_bytes_per_block
-
-        engine, loaded = self.engine, self.loaded
-        blocks = engine.block_manager.num_blocks
-        size = blocks * kv_bytes_per_block(loaded.model.config, engine.runner.kv_dtype, engine.config.block_size)
-        tokens = blocks * engine.config.block_size
+        engine = self.engine
+        size = engine.kv_cache_bytes
+        tokens = engine.block_manager.num_blocks * engine.config.block_size
         if engine.config.kv_cache_memory is not None:
             source = "--kv-cache-memory"
         elif tokens >= engine.config.max_num_seqs * engine.max_model_len:

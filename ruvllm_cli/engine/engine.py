@@ -110,6 +110,12 @@ class LLMEngine:
         """Token ids the model takes: [0, vocab_size) (the config's, which may exceed the tokenizer's)."""
         return self._vocab_size
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's memory: its blocks in the runner's dtype."""
+        return self.block_manager.num_blocks * kv_bytes_per_block(self.loaded.model.config, self.runner.kv_dtype,
+                                                                  self.config.block_size)
+
     # ---- LoRA adapters ---------------------------------------------------------------
     def adapter(self, name: str) -> Any:
         found = self.lora.get(name)

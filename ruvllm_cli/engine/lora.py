@@ -191,7 +191,7 @@ def _scaling(name: str, config: Any, module: str, rank: int) -> float:
     alpha = pattern.get(get_pattern_key(pattern.keys(), module), config.lora_alpha)
     ranks = getattr(config, "rank_pattern", None) or {}
     said = ranks.get(get_pattern_key(ranks.keys(), module), config.r)
-    if not _number(alpha) or not _number(said) or said <= 0:
+    if not is_number(alpha) or not is_number(said) or said <= 0:
         raise AdapterError(f"adapter {name}: lora_alpha and r must be numbers (r above 0), not "
                            f"{alpha!r} and {said!r}")
     if said != rank:   # peft refuses such an adapter too: its scaling would be another
@@ -199,7 +199,8 @@ def _scaling(name: str, config: Any, module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if getattr(config, "use_rslora", False) else alpha / rank
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """An int or a float, not a bool (JSON's numbers as json.load gives them)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

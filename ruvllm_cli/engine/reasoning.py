@@ -77,9 +77,10 @@ class Reasoning:
         the first token and the reply is all answer (the model does not reason).
         `continued`: the assistant's text a reply continues (continue_final_message),
         inside the block where it opened one and did not close it."""
-        inside = self.opens_in_reasoning(tokenizer, prompt_ids) if continued is None else \
+        ends_in = self.prompt_ends_in(tokenizer, prompt_ids) if continued is None else None
+        inside = ends_in == "open" if continued is None else \
             continued.rfind(self.format.start) > continued.rfind(self.format.end)
-        if continued is None and self.closes_reasoning(tokenizer, prompt_ids):
+        if ends_in == "closed":
             # The template closed the block itself (Qwen3's enable_thinking false): the
             # reply is the answer, and a constraint holds from its first token (were
             # the model to open a block anyway, the constraint would wait for ever).
@@ -90,16 +91,13 @@ class Reasoning:
             return ReplyPlan(inside)
         return ReplyPlan(inside, ReasoningBlock(self.end_id, self.start_id, inside))
 
-    def opens_in_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
-        """The prompt leaves the reply inside an open block (its generation prompt ends
-        with the start marker, as DeepSeek-R1's and QwQ's templates write it)."""
-        tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
-        return tail.rstrip().endswith(self.format.start)
-
-    def closes_reasoning(self, tokenizer: Any, prompt_ids: Sequence[int]) -> bool:
-        """The prompt ends with a closed block (`<think>\n\n</think>\n\n`): no reasoning."""
-        tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False)
-        return tail.rstrip().endswith(self.format.end)
+    def prompt_ends_in(self, tokenizer: Any, prompt_ids: Sequence[int]) -> str | None:
+        """Which block the prompt leaves the reply in: "open" where inside one (its generation
+        prompt ends with the start marker, as DeepSeek-R1's and QwQ's templates write it),
+        "closed" where it ends with a closed one (`<think>\n\n</think>\n\n`: no
+        reasoning), else None."""
+        tail = tokenizer.decode(list(prompt_ids[-8:]), skip_special_tokens=False).rstrip()
+        return "open" if tail.endswith(self.format.start) else "closed" if tail.endswith(self.format.end) else None
 
     def splitter(self, in_reasoning: bool) -> "ReasoningSplitter":
         return ReasoningSplitter(self.format, in_reasoning)

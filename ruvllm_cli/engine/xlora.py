@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ruvllm_cli.engine.lora import ADAPTER_CONFIG, AdapterError, LoRAModule, _uids, read_adapter
+from ruvllm_cli.engine.lora import ADAPTER_CONFIG, AdapterError, LoRAModule, _uids, is_number, read_adapter
 
 CLASSIFIER_PREFIX = "base_model.internal_xlora_classifier.layers."
 
@@ -137,17 +137,14 @@ def read_xlora(name: str, path: str | Path) -> XLoRAAdapter:
 def _check_settings(name: str, settings: dict[str, Any], experts: int) -> None:
     """Settings that would fail the first request using the adapter (an error there is
     the engine's, in its step) are refused while it loads."""
-    def number(value: Any) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-
     top_k = settings["top_k_lora"]
     if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= experts):
         raise AdapterError(f"adapter {name}: top_k_lora must be between 1 and its {experts} experts, not {top_k!r}")
     temperature = settings["softmax_temperature"]
-    if not number(temperature) or temperature <= 0:
+    if not is_number(temperature) or temperature <= 0:
         raise AdapterError(f"adapter {name}: softmax_temperature must be a positive number, not {temperature!r}")
     for key in ("scaling_pass_value", "global_scaling_weight"):
-        if not number(settings[key]):
+        if not is_number(settings[key]):
             raise AdapterError(f"adapter {name}: {key} must be a number, not {settings[key]!r}")
     for key in ("layerwise_scalings", "enable_softmax", "enable_softmax_topk"):
         if not isinstance(settings[key], bool):

@@ -80,7 +80,9 @@ def test_markers_and_reasoning_tokens_from_the_tokenizer(make_tiny_model):
                                            tokenize=True, return_dict=False)
     closed = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False, enable_thinking=False)
-    assert reasoning.opens_in_reasoning(tokenizer, opened) and not reasoning.opens_in_reasoning(tokenizer, closed)
+    assert reasoning.prompt_ends_in(tokenizer, opened) == "open"
+    assert reasoning.prompt_ends_in(tokenizer, closed) == "closed"
+    assert reasoning.prompt_ends_in(tokenizer, opened[:-3]) is None
     assert reasoning.reasoning_tokens([7, 8, end, 9], had_reasoning=True) == 3
     assert reasoning.reasoning_tokens([7, 8, 9], had_reasoning=True) == 3
     assert reasoning.reasoning_tokens([7, end], had_reasoning=False) == 0

@@ -343,13 +343,7 @@ def architecture_info(facts: Facts) -> dict[str, Any]:
 
 def memory_bytes(engine: Any) -> int | None:
     """The model's weights and KV cache in memory (None where the engine runs elsewhere)."""
-    from ruvllm_cli.engine.model_runner import kv_bytes_per_block
-
     weights = getattr(engine.loaded, "weight_bytes", None)
-    runner = getattr(engine, "runner", None)
-    if weights is None or runner is None:
-        return None
-    blocks = engine.block_manager.num_blocks
-    return weights + blocks * kv_bytes_per_block(engine.loaded.model.config, runner.kv_dtype,
-                                                 engine.config.block_size)
+    kv = getattr(engine, "kv_cache_bytes", None)   # an engine in this process
+    return None if weights is None or kv is None else weights + kv
 
