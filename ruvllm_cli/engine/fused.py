@@ -25,6 +25,7 @@ from ruvllm_cli.engine import bf16, half, int4_dense, int8, native
 from ruvllm_cli.engine.attention import PagedKVCache
 from ruvllm_cli.engine.kernels import (LINEAR_BF16, LINEAR_F16, LINEAR_INT4, LINEAR_Q8, AttendStep, DecodeKernel,
                                        LayerPlan, LinearPlan, decode_kernel)
+from ruvllm_cli.engine.lora import LoRALinear
 from ruvllm_cli.engine.quantize import Int4Linear
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
@@ -109,6 +110,7 @@ class FusedDecoder:
         self._plans: LayerPlans | None = None
         self._plan_modules: list[tuple[nn.Module, ...]] | None = None
         self._module_attrs: list[dict[str, Any]] = []
+        self._lora_steps: list[Any] = []   # the LoRAStep the plan's adapter wrappers read
 
     @torch.inference_mode()
     def __call__(self, batch: DecodeBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -147,8 +149,11 @@ class FusedDecoder:
 
     def _layer_plans(self, rows: int) -> "LayerPlans | None":
         """The C layer loop's plan for this step, or None where a linear layer is not one
-        of our kernels at this many rows (another class, an adapter's wrapper, a forward
-        replaced on the instance) or Phi-3's fused matrices."""
+        of our kernels at this many rows (another class, a forward replaced on the
+        instance), where the step has LoRA or X-LoRA rows, or for Phi-3's fused matrices.
+        LoRA's wrappers (lora.LoRALinear) are looked through: a step of the base model
+        alone is their base layers' arithmetic, so it keeps the C loop where adapters
+        are loaded."""
         if self._phi3:
             return None
         # Each module dict's values as the plan saw them (identity: a module replaced since,
@@ -159,12 +164,17 @@ class FusedDecoder:
             self._plan_modules = held
             modules = [group[name] for attn, mlp in self.modules
                        for group, names in ((attn, _LINEARS[:4]), (mlp, _LINEARS[4:])) for name in names]
-            self._plans = LayerPlans.build(self, modules)
-            self._module_attrs = [m.__dict__ for m in modules]
+            wrappers = [m for m in modules if isinstance(m, LoRALinear)]
+            bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in modules]
+            self._plans = LayerPlans.build(self, bases)
+            self._module_attrs = [m.__dict__ for m in bases + wrappers]
+            self._lora_steps = list({id(m.step): m.step for m in wrappers}.values())   # one, shared
         plans = self._plans
         if plans is None or rows > plans.max_rows or (
                 not self.zero_linears and any(map(operator.contains, self._module_attrs, repeat("forward")))):
             return None   # a forward replaced on an instance runs as replaced
+        if any(step.mask is not None or step.mixtures for step in self._lora_steps):
+            return None   # adapters' rows: the wrappers add their updates
         return plans if plans.kernels_run() else None
 
     def _qkv(self, attn: dict[str, nn.Module], h: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -333,6 +333,35 @@ def test_the_c_layer_loop_steps_aside_for_a_replaced_module_or_forward(make_tiny
     assert ran >= GREEDY.max_tokens - 1 and again_tokens == plain_tokens
 
 
+def test_the_c_layer_loop_runs_the_base_models_steps_where_adapters_are_loaded(make_tiny_model, tmp_path):
+    """LoRA's wrappers are looked through: a step of the base model alone keeps the C loop
+    (the same tokens and logits, bit for bit, as an engine without adapters: a server with
+    --lora served its base model at half speed before), and a step with an adapter's rows
+    runs from Python, the wrappers adding their updates."""
+    from ruvllm_cli.testing.tiny_lora import build_lora_adapter
+
+    model_dir = make_tiny_model(**C_LOOP_SHAPE)
+    loaded = load_model(model_dir, "cpu", Quantization.Q8_0)
+    if {type(m).__name__ for name, m in loaded.model.named_modules() if name.endswith("_proj")} != {"Int8Linear"}:
+        pytest.skip("q8 layers here are not our int8 kernel")
+    plain_tokens, plain_steps, ran = loop_runs(loaded, Quantization.Q8_0, True, 2)
+    assert ran >= GREEDY.max_tokens - 1
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.Q8_0))
+    engine.add_lora("a", str(build_lora_adapter(model_dir, tmp_path / "a", rank=4, alpha=8, seed=1, scale_b=4.0)))
+    fused = engine.runner.fused
+    steps = recorded_steps(engine)
+    base = engine.generate(prompts(seed=3)[:2], GREEDY)
+    assert fused.c_steps == len(steps) >= GREEDY.max_tokens - 1
+    assert [r.token_ids for r in base] == plain_tokens
+    assert len(steps) == len(plain_steps) and all(torch.equal(a, b) for a, b in zip(steps, plain_steps))
+    ran_before = fused.c_steps
+    adapted = engine.generate(prompts(seed=3)[:2], GREEDY, adapters="a")
+    assert fused.c_steps == ran_before and [r.token_ids for r in adapted] != plain_tokens
+    mixed = engine.generate(prompts(seed=3)[:2], GREEDY, adapters=[None, "a"])   # one step, both kinds of rows
+    assert fused.c_steps == ran_before
+    assert mixed[0].token_ids == plain_tokens[0] and mixed[1].token_ids == adapted[1].token_ids
+
+
 @pytest.mark.parametrize("quantization", [Quantization.Q8_0, Quantization.Q4_K_M])
 def test_the_c_layer_loop_survives_kernels_turned_off_under_it(make_tiny_model, monkeypatch, quantization):
     """`--no-compile`'s turn_off after an engine is built: the int8 layers keep the
