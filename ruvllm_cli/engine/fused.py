@@ -132,6 +132,9 @@ class FusedDecoder:
                           attended.data_ptr(), self.bf16, self.kv, kernel.wide, threads, self.window)
         plans = self._layer_plans(rows) if self.layers_in_c else None
         if plans is not None:
+            mask = self._lora_steps[0].mask if self._lora_steps else None
+            if mask is not None:   # adapters' rows: their updates after each kernel, in C too
+                step.lora_mask, step.lora_width = mask.data_ptr(), mask.shape[1]
             plans.run(self, step, cache, x, h, attended)
             self.c_steps += 1
             return self.lm_head(h)
@@ -150,10 +153,11 @@ class FusedDecoder:
     def _layer_plans(self, rows: int) -> "LayerPlans | None":
         """The C layer loop's plan for this step, or None where a linear layer is not one
         of our kernels at this many rows (another class, a forward replaced on the
-        instance), where the step has LoRA or X-LoRA rows, or for Phi-3's fused matrices.
-        LoRA's wrappers (lora.LoRALinear) are looked through: a step of the base model
-        alone is their base layers' arithmetic, so it keeps the C loop where adapters
-        are loaded."""
+        instance), for X-LoRA rows, for LoRA rows where the wrappers do not add their
+        updates in C (bfloat16 activations: q4k), or for Phi-3's fused matrices. LoRA's
+        wrappers (lora.LoRALinear) are looked through to their base layers: a step of
+        the base model alone is their arithmetic, and a step with LoRA rows adds the
+        updates by the function their forward calls (decode_step.c's lora_add)."""
         if self._phi3:
             return None
         # Each module dict's values as the plan saw them (identity: a module replaced since,
@@ -165,16 +169,15 @@ class FusedDecoder:
             modules = [group[name] for attn, mlp in self.modules
                        for group, names in ((attn, _LINEARS[:4]), (mlp, _LINEARS[4:])) for name in names]
             wrappers = [m for m in modules if isinstance(m, LoRALinear)]
-            bases = [m.base_layer if isinstance(m, LoRALinear) else m for m in modules]
-            self._plans = LayerPlans.build(self, bases)
-            self._module_attrs = [m.__dict__ for m in bases + wrappers]
+            self._plans = LayerPlans.build(self, modules)
+            self._module_attrs = [m.__dict__ for m in [_base(m) for m in modules] + wrappers]
             self._lora_steps = list({id(m.step): m.step for m in wrappers}.values())   # one, shared
         plans = self._plans
         if plans is None or rows > plans.max_rows or (
                 not self.zero_linears and any(map(operator.contains, self._module_attrs, repeat("forward")))):
             return None   # a forward replaced on an instance runs as replaced
-        if any(step.mask is not None or step.mixtures for step in self._lora_steps):
-            return None   # adapters' rows: the wrappers add their updates
+        if any(step.mixtures or (step.mask is not None and not plans.lora_rows) for step in self._lora_steps):
+            return None   # adapters' rows the C loop does not take: the wrappers add their updates
         return plans if plans.kernels_run() else None
 
     def _qkv(self, attn: dict[str, nn.Module], h: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -211,12 +214,20 @@ class LayerPlans:
         self.kinds = set(kernels)
         self.held = held   # the tensors the plan points into, kept alive with it
         self.cache_at: tuple[int, ...] = ()
+        self.lora_rows = True   # steps with LoRA rows may run (build says)
 
     @classmethod
     def build(cls, decoder: FusedDecoder, modules: list[nn.Module]) -> "LayerPlans | None":
-        plans = [_linear_plan(m, decoder.dtype) for m in modules]
+        """The plan of `modules` (LoRA wrappers among them: their base layers, with
+        their slots' A and B for the steps with adapter rows)."""
+        plans = [_linear_plan(_base(m), decoder.dtype) for m in modules]
         if any(p is None for p in plans):
             return None
+        wrappers = [m for m in modules if isinstance(m, LoRALinear)]
+        for plan, module in zip(plans, modules):
+            if isinstance(module, LoRALinear):
+                plan[0].lora_a, plan[0].lora_b = module.lora_a.data_ptr(), module.lora_b.data_ptr()
+                plan[2].extend((module.lora_a, module.lora_b))
         array = (LayerPlan * len(decoder.layers))()
         held: list[torch.Tensor] = []
         for index, ((before, after), plan) in enumerate(zip(decoder.norms, array)):
@@ -227,8 +238,12 @@ class LayerPlans:
             plan.norm_post, plan.eps_post = after[0].data_ptr(), after[1]
             held += [before[0], after[0]]
         shapes = sorted({(p[0].kind, p[0].in_, p[0].out, p[0].group) for p in plans})
-        kernels = {p[0].kind: getattr(m, "_kernel", None) for p, m in zip(plans, modules)}
-        return cls(array, shapes, min(p[1] for p in plans), kernels, held)
+        kernels = {p[0].kind: getattr(_base(m), "_kernel", None) for p, m in zip(plans, modules)}
+        built = cls(array, shapes, min(p[1] for p in plans), kernels, held)
+        # LoRA rows in C where the wrappers' own forward adds them by lora_add (float32)
+        built.lora_rows = all(w._kernel is not None and w.lora_a.dtype == torch.float32 for w in wrappers) and \
+            decoder.dtype == torch.float32
+        return built
 
     def kernels_run(self) -> bool:
         """Whether the int4 kernel still runs (q4k's layers ask at each call: not after
@@ -282,6 +297,11 @@ class LayerPlans:
                                      h.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                      gate.data_ptr(), up.data_ptr(), down.data_ptr(), room.data_ptr(), decoder.hidden,
                                      decoder.final_norm[0].data_ptr(), decoder.final_norm[1])
+
+
+def _base(module: nn.Module) -> nn.Module:
+    """A LoRA wrapper's base layer; any other module itself."""
+    return module.base_layer if isinstance(module, LoRALinear) else module
 
 
 def _linear_plan(module: nn.Module, dtype: torch.dtype) -> tuple[LinearPlan, float, list[torch.Tensor]] | None:

@@ -246,6 +246,7 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(num_slots, max_rank, self.out_features, dtype=dtype, device=device),
                              persistent=False)
+        self._kernel = _lora_kernel(dtype, device)
 
     def set_slot(self, slot: int, module: LoRAModule | None) -> None:
         self.lora_a[slot].zero_()
@@ -264,6 +265,14 @@ class LoRALinear(nn.Module):
         flat = out.view(-1, self.out_features)
         if step.mask is not None:
             width = step.mask.shape[1]
+            if self._kernel is not None and flat.dtype == torch.float32:   # one C call, not four torch ones
+                rows = rows.contiguous()
+                self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(), width,
+                                      step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
+                                      flat.data_ptr(), torch.get_num_threads())
+                for start, end, mixture, scalings in step.mixtures:
+                    self._mix(rows[start:end], flat[start:end], mixture, scalings)
+                return out
             shrunk = (rows @ self.lora_a.view(-1, self.in_features)[:width].T).mul_(step.mask)
             expand = self.lora_b.view(-1, self.out_features)[:width]
             if flat.dtype == shrunk.dtype:
@@ -286,6 +295,15 @@ class LoRALinear(nn.Module):
                 scaled = rows * scalings[:, layer, index:index + 1].to(rows.dtype)
                 expanded = (scaled @ module.a.T) @ module.b.T
                 out += (expanded * module.scaling * weight).to(out.dtype)
+
+
+def _lora_kernel(dtype: torch.dtype, device: torch.device) -> Any:
+    """decode_step.c's lora_add for float32 slots on a CPU, or None (torch's matmuls)."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return None
+    from ruvllm_cli.engine.kernels import decode_kernel
+
+    return decode_kernel()
 
 
 # ---- the registry and its slots ------------------------------------------------------------

@@ -333,11 +333,12 @@ def test_the_c_layer_loop_steps_aside_for_a_replaced_module_or_forward(make_tiny
     assert ran >= GREEDY.max_tokens - 1 and again_tokens == plain_tokens
 
 
-def test_the_c_layer_loop_runs_the_base_models_steps_where_adapters_are_loaded(make_tiny_model, tmp_path):
+def test_the_c_layer_loop_runs_steps_where_adapters_are_loaded(make_tiny_model, tmp_path):
     """LoRA's wrappers are looked through: a step of the base model alone keeps the C loop
     (the same tokens and logits, bit for bit, as an engine without adapters: a server with
-    --lora served its base model at half speed before), and a step with an adapter's rows
-    runs from Python, the wrappers adding their updates."""
+    --lora served its base model at two thirds of its speed before), and a step with an
+    adapter's rows runs in C too, its updates added by the function the wrappers' forward
+    calls: the same bits as the Python loop, alone and beside the base model's rows."""
     from ruvllm_cli.testing.tiny_lora import build_lora_adapter
 
     model_dir = make_tiny_model(**C_LOOP_SHAPE)
@@ -346,20 +347,31 @@ def test_the_c_layer_loop_runs_the_base_models_steps_where_adapters_are_loaded(m
         pytest.skip("q8 layers here are not our int8 kernel")
     plain_tokens, plain_steps, ran = loop_runs(loaded, Quantization.Q8_0, True, 2)
     assert ran >= GREEDY.max_tokens - 1
-    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.Q8_0))
-    engine.add_lora("a", str(build_lora_adapter(model_dir, tmp_path / "a", rank=4, alpha=8, seed=1, scale_b=4.0)))
-    fused = engine.runner.fused
-    steps = recorded_steps(engine)
-    base = engine.generate(prompts(seed=3)[:2], GREEDY)
-    assert fused.c_steps == len(steps) >= GREEDY.max_tokens - 1
-    assert [r.token_ids for r in base] == plain_tokens
-    assert len(steps) == len(plain_steps) and all(torch.equal(a, b) for a, b in zip(steps, plain_steps))
-    ran_before = fused.c_steps
-    adapted = engine.generate(prompts(seed=3)[:2], GREEDY, adapters="a")
-    assert fused.c_steps == ran_before and [r.token_ids for r in adapted] != plain_tokens
-    mixed = engine.generate(prompts(seed=3)[:2], GREEDY, adapters=[None, "a"])   # one step, both kinds of rows
-    assert fused.c_steps == ran_before
-    assert mixed[0].token_ids == plain_tokens[0] and mixed[1].token_ids == adapted[1].token_ids
+    adapter = str(build_lora_adapter(model_dir, tmp_path / "a", rank=4, alpha=8, seed=1, scale_b=4.0))
+    runs = {}
+    for in_c in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.Q8_0))
+        engine.add_lora("a", adapter)
+        fused = engine.runner.fused
+        fused.layers_in_c = in_c
+        steps = recorded_steps(engine)
+        for adapters in (None, "a", [None, "a"]):   # the last: both kinds of rows in every step
+            del steps[:]
+            results = engine.generate(prompts(seed=3)[:2], GREEDY, adapters=adapters)
+            runs[in_c, str(adapters)] = [r.token_ids for r in results], list(steps)
+        assert fused.c_steps == (3 * len(steps) if in_c else 0) and len(steps) >= GREEDY.max_tokens - 1
+        for module in loaded.model.modules():   # the next engine wraps the base layers again
+            for name, child in list(module.named_children()):
+                if type(child).__name__ == "LoRALinear":
+                    module._modules[name] = child.base_layer
+    tokens, steps = runs[True, "None"]
+    assert tokens == plain_tokens and all(torch.equal(a, b) for a, b in zip(steps, plain_steps))
+    assert runs[True, "a"][0] != plain_tokens
+    assert runs[True, "[None, 'a']"][0] == [plain_tokens[0], runs[True, "a"][0][1]]
+    for adapters in ("None", "a", "[None, 'a']"):
+        (c_tokens, c_steps), (py_tokens, py_steps) = runs[True, adapters], runs[False, adapters]
+        assert c_tokens == py_tokens and len(c_steps) == len(py_steps)
+        assert all(torch.equal(a, b) for a, b in zip(c_steps, py_steps)), adapters
 
 
 @pytest.mark.parametrize("quantization", [Quantization.Q8_0, Quantization.Q4_K_M])

@@ -125,7 +125,7 @@ class AttendStep(ctypes.Structure):
                 ("dim", _size), ("cache_slots", _size), ("slots", _pointer), ("tables", _pointer), ("width", _size),
                 ("lengths", _pointer), ("block_size", _size), ("scale", ctypes.c_float), ("out", _pointer),
                 ("bf16", ctypes.c_int), ("kv", ctypes.c_int), ("wide", ctypes.c_int), ("threads", ctypes.c_int),
-                ("window", _size)]
+                ("window", _size), ("lora_mask", _pointer), ("lora_width", _size)]
 
 
 class LinearPlan(ctypes.Structure):
@@ -134,7 +134,7 @@ class LinearPlan(ctypes.Structure):
     step's function table)."""
 
     _fields_ = [("kind", _size), ("out", _size), ("in_", _size), ("group", _size), ("weight", _pointer),
-                ("scales", _pointer), ("bias", _pointer)]
+                ("scales", _pointer), ("bias", _pointer), ("lora_a", _pointer), ("lora_b", _pointer)]
 
 
 LINEAR_Q8, LINEAR_BF16, LINEAR_INT4, LINEAR_F16 = range(4)
@@ -168,6 +168,8 @@ class DecodeKernel:
                                    + [_size, _pointer, ctypes.c_float])
         self.argmax_rows = _bind(library.ruvllm_argmax_rows, [_pointer, _size, _size, ctypes.c_int, _pointer,
                                                                ctypes.c_int, ctypes.c_int])
+        self.lora_add = _bind(library.ruvllm_lora_add, [_pointer, _size, _size, _pointer, _size, _pointer, _pointer,
+                                                        _size, _pointer, ctypes.c_int])
 
 
 def _bind(function: Any, argtypes: list[Any]) -> Any:

@@ -766,6 +766,52 @@ AVX512_OUTER Peak peak16(const void *x, i64 start, i64 end, int bf16) {
     return peak;
 }
 
+/* LoRA's update of a linear layer's rows (engine/lora.py's LoRALinear), float32: out[m] +=
+ * sum_w s[m, w] * b[w] where s[m, w] = <x[m], a[w]> * mask[m, w]; a [W, K] (the slots'
+ * stacked A), b [W, N] (their B transposed, times the scaling), mask [M, W] 1 where the
+ * column belongs to the row's slot, 0 elsewhere (those columns are skipped, and so is a
+ * base-model row whole: its output stays as the base layer left it). Each row alone, in a
+ * fixed order (eight lanes along K, then a fixed tree; each output's W products in order),
+ * so a row gives the same bits in any batch. Four torch calls cost 30-50 us a layer
+ * around 0.1-0.2 MFLOP of work at a decode step's few rows (design.md, section 11). */
+void ruvllm_lora_add(const float *x, i64 M, i64 K, const float *a, i64 W, const float *mask, const float *b, i64 N,
+                     float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M >= 4)
+    for (i64 m = 0; m < M; ++m) {
+        const float *row = x + m * K, *keep = mask + m * W;
+        float *o = out + m * N;
+        i64 used = 0;
+        float s[W > 0 ? W : 1];
+        i64 at[W > 0 ? W : 1];
+        for (i64 w = 0; w < W; ++w) {
+            if (keep[w] == 0.0f) continue;
+            const float *aw = a + w * K;
+            __m256 acc = _mm256_setzero_ps();
+            i64 k = 0;
+            for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(aw + k), acc);
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+            float dot = _mm_cvtss_f32(h);
+            for (; k < K; ++k) dot += row[k] * aw[k];
+            s[used] = dot * keep[w];
+            at[used++] = w;
+        }
+        if (used == 0) continue;
+        i64 n = 0;
+        for (; n + 8 <= N; n += 8) {
+            __m256 acc = _mm256_loadu_ps(o + n);
+            for (i64 u = 0; u < used; ++u) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[u]), _mm256_loadu_ps(b + at[u] * N + n), acc);
+            _mm256_storeu_ps(o + n, acc);
+        }
+        for (; n < N; ++n) {
+            float v = o[n];
+            for (i64 u = 0; u < used; ++u) v = fmaf(s[u], b[at[u] * N + n], v);
+            o[n] = v;
+        }
+    }
+}
+
 /* Each row's argmax: `wide` (AVX-512), peak16 over pieces of the row, a row split over
  * the threads when there are fewer rows than threads; else argmax_row (AVX2). */
 void ruvllm_argmax_rows(const void *x, i64 rows, i64 n, int bf16, i64 *out, int wide, int threads) {
@@ -812,6 +858,8 @@ typedef struct {
     void *out;
     int bf16, kv, wide, threads;
     i64 window;   /* > 0: every layer's sliding window (Mistral v0.1, Phi-3 4k) */
+    const float *lora_mask;   /* LoRA rows this step: ruvllm_lora_add's mask [rows, lora_width]; NULL: none */
+    i64 lora_width;
 } AttendStep;
 
 /* ruvllm_rope_store, then ruvllm_decode_attention over the same rows: one call a layer. */
@@ -834,6 +882,7 @@ enum { LINEAR_Q8 = 0, LINEAR_BF16 = 1, LINEAR_INT4 = 2, LINEAR_F16 = 3 };
 typedef struct {
     i64 kind, out, in, group;
     const void *weight, *scales, *bias;
+    const float *lora_a, *lora_b;   /* an adapter wrapper's slots (ruvllm_lora_add's a, b); NULL: none */
 } LinearPlan;
 
 typedef struct {
@@ -851,8 +900,21 @@ typedef void (*Int4Linear)(const uint16_t *, i64, i64, const uint8_t *, i64, con
                            uint16_t *, float *, int);
 typedef void (*F16Linear)(const float *, i64, i64, const uint16_t *, i64, const float *, float *, float *, int);
 
-static void run_linear(const LinearPlan *l, void *const *fns, const void *x, i64 rows, void *out, void *room,
-                       int threads) {
+static void run_linear_base(const LinearPlan *l, void *const *fns, const void *x, i64 rows, void *out, void *room,
+                            int threads);
+
+/* A linear layer, then its adapters' update where the step has LoRA rows (float32
+ * activations: fused.py sends a step with LoRA rows here only then), as LoRALinear's
+ * forward adds it. */
+static void run_linear(const AttendStep *s, const LinearPlan *l, void *const *fns, const void *x, i64 rows,
+                       void *out, void *room, int threads) {
+    run_linear_base(l, fns, x, rows, out, room, threads);
+    if (l->lora_a != NULL && s->lora_mask != NULL && fns[l->kind] != NULL)
+        ruvllm_lora_add(x, rows, l->in, l->lora_a, s->lora_width, s->lora_mask, l->lora_b, l->out, out, threads);
+}
+
+static void run_linear_base(const LinearPlan *l, void *const *fns, const void *x, i64 rows, void *out, void *room,
+                            int threads) {
     if (fns[l->kind] == NULL) return;   /* no kernel: `out` keeps the zeros it was given (bench_fused.py's "other") */
     switch (l->kind) {
         case LINEAR_Q8:
@@ -883,16 +945,16 @@ void ruvllm_decode_layers(const AttendStep *s, const LayerPlan *layers, i64 coun
     for (i64 index = 0; index < count; ++index) {
         const LayerPlan *p = layers + index;
         ruvllm_add_rms_norm(x, delta, p->norm_in, h, rows, hidden, p->eps_in, bf16, wide, threads);
-        run_linear(&p->q, fns, h, rows, q, room, threads);
-        run_linear(&p->k, fns, h, rows, k, room, threads);
-        run_linear(&p->v, fns, h, rows, v, room, threads);
+        run_linear(s, &p->q, fns, h, rows, q, room, threads);
+        run_linear(s, &p->k, fns, h, rows, k, room, threads);
+        run_linear(s, &p->v, fns, h, rows, v, room, threads);
         ruvllm_rope_attend(s, q, k, v, p->k_cache, p->v_cache);
-        run_linear(&p->o, fns, s->out, rows, o, room, threads);
+        run_linear(s, &p->o, fns, s->out, rows, o, room, threads);
         ruvllm_add_rms_norm(x, o, p->norm_post, h, rows, hidden, p->eps_post, bf16, wide, threads);
-        run_linear(&p->gate, fns, h, rows, gate, room, threads);
-        run_linear(&p->up, fns, h, rows, up, room, threads);
+        run_linear(s, &p->gate, fns, h, rows, gate, room, threads);
+        run_linear(s, &p->up, fns, h, rows, up, room, threads);
         ruvllm_silu_mul(gate, up, rows * p->gate.out, bf16, wide, threads);
-        run_linear(&p->down, fns, gate, rows, down, room, threads);
+        run_linear(s, &p->down, fns, gate, rows, down, room, threads);
         delta = down;
     }
     ruvllm_add_rms_norm(x, delta, final_norm, h, rows, hidden, final_eps, bf16, wide, threads);
