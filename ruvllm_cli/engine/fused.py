@@ -25,7 +25,7 @@ from ruvllm_cli.engine import bf16, half, int4_dense, int8, native
 from ruvllm_cli.engine.attention import PagedKVCache
 from ruvllm_cli.engine.kernels import (LINEAR_BF16, LINEAR_F16, LINEAR_INT4, LINEAR_Q8, AttendStep, DecodeKernel,
                                        LayerPlan, LinearPlan, decode_kernel)
-from ruvllm_cli.engine.lora import LoRALinear
+from ruvllm_cli.engine.lora import C_ROWS as LORA_C_ROWS, LoRALinear
 from ruvllm_cli.engine.quantize import Int4Linear
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
@@ -176,7 +176,8 @@ class FusedDecoder:
         if plans is None or rows > plans.max_rows or (
                 not self.zero_linears and any(map(operator.contains, self._module_attrs, repeat("forward")))):
             return None   # a forward replaced on an instance runs as replaced
-        if any(step.mixtures or (step.mask is not None and not plans.lora_rows) for step in self._lora_steps):
+        if any(step.mixtures or (step.mask is not None and not (plans.lora_rows and rows <= LORA_C_ROWS))
+               for step in self._lora_steps):
             return None   # adapters' rows the C loop does not take: the wrappers add their updates
         return plans if plans.kernels_run() else None
 

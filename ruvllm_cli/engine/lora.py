@@ -265,7 +265,8 @@ class LoRALinear(nn.Module):
         flat = out.view(-1, self.out_features)
         if step.mask is not None:
             width = step.mask.shape[1]
-            if self._kernel is not None and flat.dtype == torch.float32:   # one C call, not four torch ones
+            if self._kernel is not None and flat.dtype == torch.float32 and flat.shape[0] <= C_ROWS:
+                # A decode step's rows: one C call (the C layer loop's), not four torch ones.
                 rows = rows.contiguous()
                 self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(), width,
                                       step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
@@ -295,6 +296,9 @@ class LoRALinear(nn.Module):
                 scaled = rows * scalings[:, layer, index:index + 1].to(rows.dtype)
                 expanded = (scaled @ module.a.T) @ module.b.T
                 out += (expanded * module.scaling * weight).to(out.dtype)
+
+
+C_ROWS = 64   # rows up to which lora_add adds the update (decode steps); a prompt's take torch's GEMMs
 
 
 def _lora_kernel(dtype: torch.dtype, device: torch.device) -> Any:
