@@ -25,7 +25,7 @@ from ruvllm_cli.engine import bf16, half, int4_dense, int8, native
 from ruvllm_cli.engine.attention import PagedKVCache
 from ruvllm_cli.engine.kernels import (LINEAR_BF16, LINEAR_F16, LINEAR_INT4, LINEAR_Q8, AttendStep, DecodeKernel,
                                        LayerPlan, LinearPlan, decode_kernel)
-from ruvllm_cli.engine.lora import C_ROWS as LORA_C_ROWS, LoRALinear
+from ruvllm_cli.engine.lora import LoRALinear
 from ruvllm_cli.engine.quantize import Int4Linear
 
 FAMILIES = ("llama", "qwen2", "mistral", "phi3")
@@ -110,7 +110,9 @@ class FusedDecoder:
         self._plans: LayerPlans | None = None
         self._plan_modules: list[tuple[nn.Module, ...]] | None = None
         self._module_attrs: list[dict[str, Any]] = []
-        self._lora_steps: list[Any] = []   # the LoRAStep the plan's adapter wrappers read
+        # One of the plan's adapter wrappers: all come from one LoRAManager (the same
+        # dtype, device and kernel) and read one LoRAStep. None: no adapters installed.
+        self._lora: LoRALinear | None = None
 
     @torch.inference_mode()
     def __call__(self, batch: DecodeBatch, cache: PagedKVCache) -> torch.Tensor:
@@ -132,7 +134,7 @@ class FusedDecoder:
                           attended.data_ptr(), self.bf16, self.kv, kernel.wide, threads, self.window)
         plans = self._layer_plans(rows) if self.layers_in_c else None
         if plans is not None:
-            mask = self._lora_steps[0].mask if self._lora_steps else None
+            mask = None if self._lora is None else self._lora.step.mask
             if mask is not None:   # adapters' rows: their updates after each kernel, in C too
                 step.lora_mask, step.lora_width = mask.data_ptr(), mask.shape[1]
             plans.run(self, step, cache, x, h, attended)
@@ -171,13 +173,14 @@ class FusedDecoder:
             wrappers = [m for m in modules if isinstance(m, LoRALinear)]
             self._plans = LayerPlans.build(self, modules)
             self._module_attrs = [m.__dict__ for m in [_base(m) for m in modules] + wrappers]
-            self._lora_steps = list({id(m.step): m.step for m in wrappers}.values())   # one, shared
+            self._lora = wrappers[0] if wrappers else None
         plans = self._plans
         if plans is None or rows > plans.max_rows or (
                 not self.zero_linears and any(map(operator.contains, self._module_attrs, repeat("forward")))):
             return None   # a forward replaced on an instance runs as replaced
-        if any(step.mixtures or (step.mask is not None and not (plans.lora_rows and rows <= LORA_C_ROWS))
-               for step in self._lora_steps):
+        lora = self._lora
+        if lora is not None and (lora.step.mixtures or (lora.step.mask is not None
+                                                        and not lora.adds_in_c(rows, self.dtype))):
             return None   # adapters' rows the C loop does not take: the wrappers add their updates
         return plans if plans.kernels_run() else None
 
@@ -215,7 +218,6 @@ class LayerPlans:
         self.kinds = set(kernels)
         self.held = held   # the tensors the plan points into, kept alive with it
         self.cache_at: tuple[int, ...] = ()
-        self.lora_rows = True   # steps with LoRA rows may run (build says)
 
     @classmethod
     def build(cls, decoder: FusedDecoder, modules: list[nn.Module]) -> "LayerPlans | None":
@@ -224,7 +226,6 @@ class LayerPlans:
         plans = [_linear_plan(_base(m), decoder.dtype) for m in modules]
         if any(p is None for p in plans):
             return None
-        wrappers = [m for m in modules if isinstance(m, LoRALinear)]
         for plan, module in zip(plans, modules):
             if isinstance(module, LoRALinear):
                 plan[0].lora_a, plan[0].lora_b = module.lora_a.data_ptr(), module.lora_b.data_ptr()
@@ -240,11 +241,7 @@ class LayerPlans:
             held += [before[0], after[0]]
         shapes = sorted({(p[0].kind, p[0].in_, p[0].out, p[0].group) for p in plans})
         kernels = {p[0].kind: getattr(_base(m), "_kernel", None) for p, m in zip(plans, modules)}
-        built = cls(array, shapes, min(p[1] for p in plans), kernels, held)
-        # LoRA rows in C where the wrappers' own forward adds them by lora_add (float32)
-        built.lora_rows = all(w._kernel is not None and w.lora_a.dtype == torch.float32 for w in wrappers) and \
-            decoder.dtype == torch.float32
-        return built
+        return cls(array, shapes, min(p[1] for p in plans), kernels, held)
 
     def kernels_run(self) -> bool:
         """Whether the int4 kernel still runs (q4k's layers ask at each call: not after

@@ -263,17 +263,14 @@ class LoRALinear(nn.Module):
             return out
         rows = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
         flat = out.view(-1, self.out_features)
-        if step.mask is not None:
+        if step.mask is not None and self.adds_in_c(flat.shape[0], flat.dtype):
+            # A decode step's rows: one C call (the C layer loop's), not four torch ones.
+            rows = rows.contiguous()
+            self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(),
+                                  step.mask.shape[1], step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
+                                  flat.data_ptr(), torch.get_num_threads())
+        elif step.mask is not None:
             width = step.mask.shape[1]
-            if self._kernel is not None and flat.dtype == torch.float32 and flat.shape[0] <= C_ROWS:
-                # A decode step's rows: one C call (the C layer loop's), not four torch ones.
-                rows = rows.contiguous()
-                self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(), width,
-                                      step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
-                                      flat.data_ptr(), torch.get_num_threads())
-                for start, end, mixture, scalings in step.mixtures:
-                    self._mix(rows[start:end], flat[start:end], mixture, scalings)
-                return out
             shrunk = (rows @ self.lora_a.view(-1, self.in_features)[:width].T).mul_(step.mask)
             expand = self.lora_b.view(-1, self.out_features)[:width]
             if flat.dtype == shrunk.dtype:
@@ -283,6 +280,12 @@ class LoRALinear(nn.Module):
         for start, end, mixture, scalings in step.mixtures:
             self._mix(rows[start:end], flat[start:end], mixture, scalings)
         return out
+
+    def adds_in_c(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the update of `rows` rows of `dtype` outputs is decode_step.c's lora_add
+        (float32 slots on a CPU, a decode step's rows); the C layer loop takes a step's
+        LoRA rows only then, so both loops add it the same way."""
+        return self._kernel is not None and dtype == torch.float32 and rows <= C_ROWS
 
     def _mix(self, rows: torch.Tensor, out: torch.Tensor, mixture: Any, scalings: torch.Tensor) -> None:
         """X-LoRA: each expert's update of x scaled by the token's weight for it, in peft's order."""

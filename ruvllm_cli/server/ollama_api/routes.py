@@ -127,15 +127,13 @@ def fitted(messages: list[dict[str, Any]],
 def drop_oldest(messages: list[dict[str, Any]]) -> bool:
     """Drop the oldest turn beside the system prompt (False: only the last message is left);
     the rest opens with the user's turn, as a tool result or reply without it would be orphaned."""
-    rest = [i for i, m in enumerate(messages) if m["role"] != "system"]
-    if len(rest) <= 1:
-        return False
-    del messages[rest[0]]
+    dropped = False
     while True:
         rest = [i for i, m in enumerate(messages) if m["role"] != "system"]
-        if len(rest) <= 1 or messages[rest[0]]["role"] == "user":
-            return True
+        if len(rest) <= 1 or (dropped and messages[rest[0]]["role"] == "user"):
+            return dropped
         del messages[rest[0]]
+        dropped = True
 
 
 def raw_prepare(engine: Any, prompt: str, sampling: Any, options: Any) -> Callable[[], list[SequencePlan]]:
