@@ -29,10 +29,11 @@ if TYPE_CHECKING:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")
 @click.option("-t", "--temperature", type=FiniteFloatRange(0.0, 2.0), default=None,
-              help="Sampling temperature (0 is greedy).  [default: the registry model's recommendation, else 0.7]")
+              help="Sampling temperature (0 is greedy).  [default: the model's recommendation (its registry entry's "
+                   "or generation_config.json's), else 0.7]")
 @click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
               help="Nucleus sampling: draw only from the most likely tokens whose probabilities add up to P "
-                   "(1 keeps them all).  [default: the registry model's recommendation, else 1]")
+                   "(1 keeps them all).  [default: the model's recommendation, else 1]")
 @click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
 @json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
@@ -155,9 +156,9 @@ def read_stdin_message() -> str:
 
 
 def resolve_settings(options: dict[str, Any], recommended: dict[str, Any] | None) -> "ChatSettings":
-    """CLI options given on the command line, else the registry entry's recommended
-    sampling (`recommended`), else the defaults. `options["temperature"]` is None when
-    the option was not given."""
+    """CLI options given on the command line, else the model's recommended sampling
+    (`recommended`: its registry entry's or generation_config.json's), else the
+    defaults. `options["temperature"]` is None when the option was not given."""
     from ruvllm_cli.chat.session import ChatSettings
 
     settings = ChatSettings().replace(**(recommended or {}))
@@ -169,10 +170,12 @@ def resolve_settings(options: dict[str, Any], recommended: dict[str, Any] | None
 
 
 def recommended_sampling(opened: "OpenedEngine") -> dict[str, Any] | None:
+    """A registry alias's sampling (models.toml, read off the model's card), else what
+    the model's generation_config.json recommends (None: neither sets any)."""
     ref = opened.located.ref
     if ref.kind == "registry" and ref.entry is not None:
         return ref.entry.sampling.to_dict()
-    return None
+    return opened.engine.sampling_defaults or None
 
 
 def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, options: dict[str, Any],

@@ -17,6 +17,7 @@ from rich.markup import escape
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.output import Output
+from ruvllm_cli.engine.sampling import describe_defaults, model_sampling_defaults
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
@@ -238,6 +239,8 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "config": shape.to_dict() if shape else None,
         "config_path": str(directory / "config.json") if directory else None,
         "config_error": config_error,
+        # what serve's requests (and chat, for a model not in the registry) sample with unless they say
+        "sampling_defaults": model_sampling_defaults(directory) if directory else {},
         "local": local_storage(ref.local_path) if ref.local_path else None,
         "downloaded": bool(downloads),
         "downloads": [download_record(d) for d in downloads],
@@ -292,7 +295,8 @@ def _render_config(out: Output, data: dict[str, Any]) -> None:
             ("Head dim", config["head_dim"]), ("Intermediate size", _number(config["intermediate_size"])),
             ("Vocabulary", _number(config["vocab_size"])), ("Context length", _number(config["context_length"])),
             ("Tied embeddings", "yes" if config["tie_word_embeddings"] else "no"),
-            ("Dtype", config["torch_dtype"])]
+            ("Dtype", config["torch_dtype"]),
+            ("Sampling defaults", describe_defaults(data["sampling_defaults"]) or None)]
     _kv(out, f"Config ({data['config_path']})", rows)
 
 

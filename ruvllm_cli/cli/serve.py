@@ -94,6 +94,10 @@ BYTE_SIZE = ByteSize()
               help="How the model marks its reasoning (think: <think>...</think>, as DeepSeek-R1, QwQ and Qwen3 "
                    "write it; mistral: [THINK]...[/THINK]); auto reads it from the chat template; none leaves "
                    "reasoning in the content. Reasoning is returned as `reasoning` / `reasoning_content`.")
+@click.option("--generation-config", type=click.Choice(["auto", "ignore"]), default="auto", show_default=True,
+              help="auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty out gets "
+                   "the model's recommendation from its generation_config.json (as vLLM's), else the API's "
+                   "default; ignore: always the API's default.")
 @click.option("--served-model-name", multiple=True,
               help="Extra name clients may use as `model` (repeatable; the first one is reported).")
 @click.option("--api-key", envvar="RUVLLM_API_KEY", default=None,
@@ -260,7 +264,8 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         names = served_names(backend.located, options["model"], options["served_model_name"])
         attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)
         print_banner(app, server.url, backend.describe(), names, options, backend.kv_summary(),
-                     backend.replicas_line(), formats=formats_line(web_app))
+                     backend.replicas_line(), formats=formats_line(web_app),
+                     sampling=sampling_line(web_app))
         note = backend.context_note(options["max_context"])
         if note and options.get("max_context_from_flag"):
             out.warn(note)
@@ -303,6 +308,7 @@ def server_config(options: dict[str, Any], verbose: bool, cache_dir: Path | None
                         chat_max_tokens=options["max_tokens_default"], verbose=verbose,
                         tool_call_parser=None if options["tool_call_parser"] == "auto" else options["tool_call_parser"],
                         reasoning_parser=options["reasoning_parser"],
+                        model_sampling=options["generation_config"] == "auto",
                         allow_runtime_lora=options["allow_runtime_lora"], cache_dir=cache_dir,
                         web_ui=not options["no_web_ui"])
 
@@ -388,9 +394,21 @@ def formats_line(web_app: Any) -> str | None:
     return ", ".join(parts)
 
 
+def sampling_line(web_app: Any) -> str | None:
+    """The one served model's sampling defaults, where its generation_config.json sets
+    some and --generation-config takes them."""
+    from ruvllm_cli.engine.sampling import describe_defaults
+    from ruvllm_cli.server.state import get_state
+
+    served = get_state(web_app).models.entries[0].served
+    if served is None or not served.sampling_defaults:
+        return None
+    return f"{describe_defaults(served.sampling_defaults)} where a request sets none (generation_config.json)"
+
+
 def print_banner(app: AppContext, url: str, described: str, names: list[str], options: dict[str, Any],
                  kv_cache: str | None = None, replicas: str | None = None, models: Sequence[str] = (),
-                 formats: str | None = None) -> None:
+                 formats: str | None = None, sampling: str | None = None) -> None:
     from rich.markup import escape
 
     out = app.output()
@@ -412,6 +430,8 @@ def print_banner(app: AppContext, url: str, described: str, names: list[str], op
         out.info(escape(f"  KV cache    {kv_cache}"))
     if formats:
         out.info(escape(f"  Parsing     {formats}"))
+    if sampling:
+        out.info(escape(f"  Sampling    {sampling}"))
     if replicas:
         out.info(escape(f"  Replicas    {replicas}"))
     if options.get("scheduling_policy", "fcfs") != "fcfs" or options.get("preemption_mode", "recompute") != "recompute":

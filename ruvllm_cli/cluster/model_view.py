@@ -30,6 +30,7 @@ class ModelFacts:
     adapters: tuple[str, ...]    # --lora names
     described: str               # OpenedEngine.describe()
     kv_summary: str              # OpenedEngine.kv_summary()
+    sampling_defaults: dict[str, float | int]   # the model's recommended sampling (LLMEngine's)
 
     @classmethod
     def of(cls, opened: Any) -> "ModelFacts":
@@ -37,7 +38,7 @@ class ModelFacts:
         engine = opened.engine
         return cls(engine.tokenizer, engine.loaded.model.config, engine.max_model_len, engine.vocab_size,
                    engine.config.max_num_seqs, engine.config.block_size, tuple(engine.loaded.eos_token_ids),
-                   tuple(engine.lora.names()), opened.describe(), opened.kv_summary())
+                   tuple(engine.lora.names()), opened.describe(), opened.kv_summary(), engine.sampling_defaults)
 
 
 class StaticAdapters:
@@ -58,6 +59,7 @@ class ModelView:
         self.tokenizer = facts.tokenizer
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
+        self.sampling_defaults = dict(facts.sampling_defaults)
         # Admission holds sequences for every replica the deployment may grow to.
         self.config = SimpleNamespace(max_num_seqs=facts.max_num_seqs * max_replicas, block_size=facts.block_size)
         self.loaded = SimpleNamespace(model=SimpleNamespace(config=facts.model_config),

@@ -111,6 +111,12 @@ class LLMEngine:
         return self._vocab_size
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The model's recommended sampling (generation_config.json), for requests that
+        leave a field out; the engine itself samples only with what each request says."""
+        return dict(self.loaded.sampling_defaults)
+
+    @property
     def kv_cache_bytes(self) -> int:
         """The KV pool's memory: its blocks in the runner's dtype."""
         return self.block_manager.num_blocks * kv_bytes_per_block(self.loaded.model.config, self.runner.kv_dtype,

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from ruvllm_cli.engine import attention, weight_cache
 from ruvllm_cli.engine import tokenizer as own_tokenizer
 from ruvllm_cli.engine.gguf_check import GGUFLayout, check_gguf
+from ruvllm_cli.engine.sampling import model_sampling_defaults
 from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memory
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
@@ -42,6 +43,9 @@ class LoadedModel:
     quantization_path: str  # which load-time path was taken, for the notice line
     streamed: bool = False  # built one module at a time from safetensors (stream_load)
     from_weight_cache: bool = False  # q8/q4k tensors read from the weight cache (weight_cache)
+    # generation_config.json's recommended sampling (sampling.model_sampling_defaults):
+    # what requests that leave a field out get
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def config(self) -> Any:
@@ -387,7 +391,7 @@ def load_model(path: str | Path, device: str = "auto",
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path, streamed=streamed is not None,
-                       from_weight_cache=cached is not None)
+                       from_weight_cache=cached is not None, sampling_defaults=model_sampling_defaults(path))
 
 
 def _streaming_on() -> bool:

@@ -98,3 +98,51 @@ class SamplingParams(SamplingKnobs):
         """True when sampling must look at the tokens so far (penalties, processors)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logits_processors))
+
+
+# generation_config.json's sampling fields a model's defaults may set, with the values
+# transformers takes when a field is absent: a field at that value is not a
+# recommendation (vLLM reads the file's difference from transformers' defaults, so
+# `top_k: 50` written out is transformers' default, not the creator's choice).
+MODEL_SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def model_sampling_defaults(path: Any) -> dict[str, float | int]:
+    """The sampling values a model's generation_config.json recommends (its creator's),
+    which requests that do not set them get, as vLLM's `--generation-config auto`: the
+    fields of MODEL_SAMPLING_FIELDS the file sets away from transformers' defaults,
+    each within SamplingParams' bounds (others are left out, with a log line). Empty
+    for a GGUF file or a directory without the file."""
+    import json
+    import logging
+    from pathlib import Path
+
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    found: dict[str, float | int] = {}
+    for name, transformers_default in MODEL_SAMPLING_FIELDS.items():
+        value = raw.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or value == transformers_default:
+            continue
+        value = int(value) if name == "top_k" and float(value).is_integer() else value
+        try:
+            SamplingParams(**{name: value})
+        except (UsageError, TypeError):
+            logging.getLogger(__name__).warning("%s: %s %r is outside what ruvllm samples with; not used",
+                                                file, name, value)
+            continue
+        found[name] = value
+    return found
+
+
+def describe_defaults(defaults: dict[str, float | int]) -> str:
+    """`temperature 0.7, top_p 0.8, top_k 20` (the fields in MODEL_SAMPLING_FIELDS' order)."""
+    return ", ".join(f"{name} {defaults[name]:g}" for name in MODEL_SAMPLING_FIELDS if name in defaults)

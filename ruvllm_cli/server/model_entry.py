@@ -58,7 +58,7 @@ class ServedModel:
     EngineLoop, or Ray Serve replicas) and what they read from its engine."""
 
     def __init__(self, engine: EngineLoop | EngineClient, tool_call_parser: str | None,
-                 reasoning_parser: str = "auto") -> None:
+                 reasoning_parser: str = "auto", model_sampling: bool = True) -> None:
         self.client = as_client(engine)
         # The loop this process runs, which `shutdown` stops; a client made elsewhere
         # (the replicas) is stopped by whoever made it.
@@ -66,6 +66,9 @@ class ServedModel:
         self.token_texts = TokenTexts(self.client.engine.tokenizer)
         self.tool_parser = pick_tool_parser(self.client.engine, tool_call_parser)
         self.reasoning = model_reasoning(self.client.engine.tokenizer, reasoning_parser)
+        # What a request's unset sampling knobs take (SamplingFields.with_defaults).
+        self.sampling_defaults: dict[str, float | int] = (
+            dict(self.client.engine.sampling_defaults) if model_sampling else {})
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread this process runs for it (if any)."""
@@ -149,6 +152,10 @@ class Lease:
     @property
     def reasoning(self) -> Reasoning | None:
         return self.served.reasoning
+
+    @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        return self.served.sampling_defaults
 
     def require_tool_parser(self) -> ToolParser:
         if self.served.tool_parser is None:

@@ -37,12 +37,14 @@ BUSY_RETRY_AFTER_S = 5
 class ModelPool:
     """Every model of one server, by name; loads and unloads them as requests come."""
 
-    def __init__(self, tool_call_parser: str | None, executor: Executor, reasoning_parser: str = "auto") -> None:
+    def __init__(self, tool_call_parser: str | None, executor: Executor, reasoning_parser: str = "auto",
+                 model_sampling: bool = True) -> None:
         self.entries: list[ModelEntry] = []
         self.settings = PoolSettings()
         self.report: Callable[[str], None] = log.info   # one line per load failure and unload
         self._parser = tool_call_parser
         self._reasoning_parser = reasoning_parser
+        self._model_sampling = model_sampling
         self.adapters_loading: set[str] = set()   # names a runtime load has reserved
         self._draining = False
         self._executor = executor
@@ -56,7 +58,7 @@ class ModelPool:
     # ---- the models ----------------------------------------------------------------------
     def attach(self, names: Sequence[str], client: EngineClient) -> None:
         """A model loaded by someone else, who also stops it: never unloaded."""
-        served = ServedModel(client, self._parser, self._reasoning_parser)
+        served = ServedModel(client, self._parser, self._reasoning_parser, self._model_sampling)
         self._add(ModelEntry(tuple(names), None, status=ModelStatus.LOADED, served=served))
 
     def add(self, spec: ModelSpec) -> None:
@@ -229,7 +231,7 @@ class ModelPool:
 
     def _serve(self, engine_loop: EngineLoop) -> ServedModel:
         try:
-            return ServedModel(engine_loop, self._parser, self._reasoning_parser)
+            return ServedModel(engine_loop, self._parser, self._reasoning_parser, self._model_sampling)
         except BaseException:
             engine_loop.shutdown(0)   # no thread left behind by a model that is not served
             raise

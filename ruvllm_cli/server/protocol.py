@@ -3,11 +3,12 @@ dataclasses. Every malformed field is a 400 naming the offending `param`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 from ruvllm_cli.engine.request import RequestOptions
-from ruvllm_cli.engine.sampling import ReasoningBlock, SamplingKnobs, SamplingParams
+from ruvllm_cli.engine.sampling import MODEL_SAMPLING_FIELDS, ReasoningBlock, SamplingKnobs, SamplingParams
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
@@ -28,6 +29,9 @@ DEFAULT_MAX_PROMPTS = 16   # a prompt list longer than this fails the sequence c
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 Prompt = Union[str, list[int]]
+_KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingKnobs)}
+# Said of each knob a model may recommend, in its description (the default is the model's).
+MODEL_DEFAULT = "default: the model's generation_config.json value, else"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,13 @@ class SamplingFields(SamplingKnobs):
     """The sampling fields both endpoints share. `max_tokens` None: up to the context,
     or at most `default_max_tokens` where the endpoint has such a default."""
 
+    # The knobs a model may recommend (MODEL_SAMPLING_FIELDS): None, or not given, is
+    # unset (`unset`): the API's default here, the model's in with_defaults.
+    temperature: float = None          # type: ignore[assignment]
+    top_p: float = None                # type: ignore[assignment]
+    top_k: int = None                  # type: ignore[assignment]
+    min_p: float = None                # type: ignore[assignment]
+    repetition_penalty: float = None   # type: ignore[assignment]
     max_tokens: int | None = None
     default_max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"   # the field it came from, for errors
@@ -63,6 +74,20 @@ class SamplingFields(SamplingKnobs):
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    unset: frozenset[str] = frozenset()   # the knobs above the request left out
+
+    def __post_init__(self) -> None:
+        left = {name for name in MODEL_SAMPLING_FIELDS if getattr(self, name) is None}
+        if left:
+            object.__setattr__(self, "unset", self.unset | left)
+            for name in left:
+                object.__setattr__(self, name, _KNOB_DEFAULTS[name])
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> "SamplingFields":
+        """These fields with the knobs the request left out set from `defaults` (a model's
+        recommended sampling, LLMEngine.sampling_defaults), where it has them."""
+        chosen = {name: value for name, value in defaults.items() if name in self.unset}
+        return dataclasses.replace(self, **chosen) if chosen else self
 
     def params(self, max_tokens: int, copy: int) -> SamplingParams:
         """Engine parameters for copy `copy` of `n`."""
@@ -188,16 +213,17 @@ PROMPT = Field("prompt", None, "A string, an array of strings, token ids, or an 
 MAX_TOKENS = Field("max_tokens", "integer", "Most tokens to generate (default: the endpoint's, see /v1/models).",
                    low=1)
 SAMPLING = (
-    Field("top_p", "number", "Nucleus sampling: the smallest set of tokens holding this much probability.", 1.0,
-          low=0.0, high=1.0, above_low=True),
+    Field("top_p", "number", "Nucleus sampling: the smallest set of tokens holding this much probability "
+                             f"({MODEL_DEFAULT} 1).", low=0.0, high=1.0, above_low=True),
     # vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos), which clients
     # send through `extra_body`.
-    Field("repetition_penalty", "number", "Divides the logits of tokens already seen (1: off).", 1.0,
+    Field("repetition_penalty", "number", f"Divides the logits of tokens already seen (1: off; {MODEL_DEFAULT} 1).",
           low=0.0, high=10.0, above_low=True),
     Field("n", "integer", "Replies to generate for each prompt.", 1, low=1, high=MAX_N),
-    Field("temperature", "number", "0: greedy; higher: more random.", 1.0, low=0.0, high=2.0),
-    Field("top_k", "integer", "Sample from the k likeliest tokens (0 or -1: off).", 0, low=-1),
-    Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", 0.0, low=0.0, high=1.0),
+    Field("temperature", "number", f"0: greedy; higher: more random ({MODEL_DEFAULT} 1).", low=0.0, high=2.0),
+    Field("top_k", "integer", f"Sample from the k likeliest tokens (0 or -1: off; {MODEL_DEFAULT} off).", low=-1),
+    Field("min_p", "number", f"Drop tokens less likely than this times the likeliest one ({MODEL_DEFAULT} 0).",
+          low=0.0, high=1.0),
     Field("presence_penalty", "number", default=0.0, low=-2.0, high=2.0),
     Field("frequency_penalty", "number", default=0.0, low=-2.0, high=2.0),
     Field("seed", "integer", "Replays the same sampling (copy i of n uses seed + i).",

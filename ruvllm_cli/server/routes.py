@@ -169,7 +169,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with state.model_for(chat.model) as model:
         options = dataclasses.replace(chat.options, adapter=model.adapter)
         parser = model.require_tool_parser() if chat.tools and chat.tools.active else None
-        sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens)
+        sampling = dataclasses.replace(chat.sampling, default_max_tokens=state.config.chat_max_tokens
+                                       ).with_defaults(model.sampling_defaults)
         prepare = chat_prepare(model.engine, chat.messages, chat.tools, parser, sampling, options,
                                template=chat.template, reasoning=model.reasoning)
         fmt = ChatFormat(ResponseMeta.new("chatcmpl", chat.model), model.token_texts, chat.sampling.logprobs,
@@ -186,7 +187,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     async with state.model_for(job.model) as model:
         options = dataclasses.replace(job.options, adapter=model.adapter)
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
-        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, job.sampling, options,
+        sampling = job.sampling.with_defaults(model.sampling_defaults)
+        prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options,
                                reasoning=model.reasoning)
         fmt = MessagesFormat(job.model, ToolReplies.of(parser, job.tools), job.thinking)
         return await generate(request, state, model, prepare, "messages", 1, fmt, job.stream, job.sampling.structured,
@@ -201,10 +203,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     async with state.model_for(job.model) as model:
         options = dataclasses.replace(job.options, adapter=model.adapter)
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
-        sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens)
+        sampling = dataclasses.replace(job.sampling, default_max_tokens=state.config.chat_max_tokens
+                                       ).with_defaults(model.sampling_defaults)
         prepare = chat_prepare(model.engine, job.messages, job.tools, parser, sampling, options, "input",
                                reasoning=model.reasoning)
-        fmt = ResponsesFormat(ResponseHead(job.model, job.echo), ToolReplies.of(parser, job.tools))
+        # The Response carries the values it was sampled with, as OpenAI's (1 where unset).
+        echo = {**job.echo, "temperature": sampling.temperature, "top_p": sampling.top_p}
+        fmt = ResponsesFormat(ResponseHead(job.model, echo), ToolReplies.of(parser, job.tools))
         return await generate(request, state, model, prepare, "input", 1, fmt, job.stream, sampling.structured,
                               options)
 
@@ -247,6 +252,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     job = parse_completion_request(await read_json(request, state.config.max_body_size), state.limits)
     async with state.model_for(job.model) as model:
         options = dataclasses.replace(job.options, adapter=model.adapter)
+        job = dataclasses.replace(job, sampling=job.sampling.with_defaults(model.sampling_defaults))
         prepare, echo_texts = completion_prepare(model.engine, job, options)
         fmt = CompletionFormat(ResponseMeta.new("cmpl", job.model), model.token_texts, job.sampling.logprobs,
                                job.streaming.include_usage, echo_texts)

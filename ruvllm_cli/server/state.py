@@ -39,6 +39,7 @@ class ServerConfig:
     verbose: bool = False
     tool_call_parser: str | None = None   # None: detected from the model's chat template
     reasoning_parser: str = "auto"        # auto: from the chat template; none: reasoning stays in the content
+    model_sampling: bool = True           # a request's unset knobs take the model's generation_config values
     allow_runtime_lora: bool = False      # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     cache_dir: Path | None = None         # where a hub id given as lora_path is fetched to
     web_ui: bool = True                   # the chat page at / (server/web.py)
@@ -105,7 +106,8 @@ class ServerState:
         # Submitting and tokenizing happen here, off the event loop (see bridge.submit).
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="ruvllm-submit")
         # The models served: one attached engine, or several loaded on demand (server/models.py).
-        self.models = ModelPool(config.tool_call_parser, self.executor, config.reasoning_parser)
+        self.models = ModelPool(config.tool_call_parser, self.executor, config.reasoning_parser,
+                                config.model_sampling)
         self.metrics.registry.register(PoolCollector(self.models))
         self.limits = config.limits
         self.started = time.monotonic()

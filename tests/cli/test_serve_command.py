@@ -87,10 +87,14 @@ def test_banner_names_the_chat_page_unless_it_is_off(capsys, monkeypatch) -> Non
 def test_no_web_ui_reaches_the_server_config() -> None:
     options = {"cors_origins": None, "max_prompts_per_request": 16, "max_sequences_per_request": 16,
                "api_key": None, "max_queue": 64, "max_body_size": 1024, "max_tokens_default": 16,
-               "tool_call_parser": "auto", "reasoning_parser": "none", "allow_runtime_lora": False}
+               "tool_call_parser": "auto", "reasoning_parser": "none", "allow_runtime_lora": False,
+               "generation_config": "auto"}
     assert server_config({**options, "no_web_ui": False}, verbose=False).web_ui
     assert not server_config({**options, "no_web_ui": True}, verbose=False).web_ui
     assert server_config({**options, "no_web_ui": False}, verbose=False).reasoning_parser == "none"
+    assert server_config({**options, "no_web_ui": False}, verbose=False).model_sampling
+    assert not server_config({**options, "no_web_ui": False, "generation_config": "ignore"},
+                             verbose=False).model_sampling
 
 
 def read_lines(stream, into: "queue.Queue[str]") -> None:

@@ -33,7 +33,8 @@ def test_the_document_is_valid_openapi_and_lists_every_route(server):
     assert list(chat["properties"]) == [field.name for field in CHAT_FIELDS]
     assert chat["required"] == ["model", "messages"]
     assert chat["properties"]["temperature"] == {
-        "type": ["number", "null"], "description": "0: greedy; higher: more random.", "default": 1.0,
+        "type": ["number", "null"],
+        "description": "0: greedy; higher: more random (default: the model's generation_config.json value, else 1).",
         "minimum": 0.0, "maximum": 2.0}
     assert chat["properties"]["top_p"]["exclusiveMinimum"] == 0.0
     completion = request_schema(document, "/v1/completions")

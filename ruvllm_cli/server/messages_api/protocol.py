@@ -14,7 +14,7 @@ from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
 from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value, string_list
 from ruvllm_cli.server.messages_api.blocks import MESSAGES_SCHEMA, SYSTEM_SCHEMA, parse_messages, parse_system
-from ruvllm_cli.server.protocol import MODEL, SAMPLING, SERVING, SamplingFields
+from ruvllm_cli.server.protocol import MODEL, MODEL_DEFAULT, SAMPLING, SERVING, SamplingFields
 from ruvllm_cli.server.spec import Field, read_fields
 from ruvllm_cli.server.structured import Structured, grammar_spec
 from ruvllm_cli.server.tool_fields import MAX_TOOLS, check_object_schema, tool_request
@@ -152,7 +152,8 @@ MESSAGES_FIELDS = (
           schema=SYSTEM_SCHEMA),
     Field("stop_sequences", "array", "Text that ends the reply (not included; echoed as stop_sequence).", (),
           parse=_stop_sequences, schema=_STOP),
-    Field("temperature", "number", "0: greedy; 1 (Anthropic's highest): plain sampling.", 1.0, low=0.0, high=1.0),
+    Field("temperature", "number", "0: greedy; 1 (Anthropic's highest): plain sampling "
+                                   f"({MODEL_DEFAULT} 1).", low=0.0, high=1.0),
     _SHARED["top_p"], _SHARED["top_k"],
     Field("stream", "boolean", "Send the reply as Anthropic's server-sent events, message_start to "
                                "message_stop.", False),

@@ -113,6 +113,13 @@ def _template(think: bool | str | None) -> TemplateOptions:
     return TemplateOptions(kwargs)
 
 
+# Ollama's own defaults (its api.DefaultOptions) for the options a request and the
+# model's generation_config.json leave unset; its repeat_penalty 1.1 over the last 64
+# tokens has no counterpart here (ruvllm's repetition_penalty reads the whole history),
+# so it stays off.
+OLLAMA_SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+
+
 def _sampling(values: dict[str, Any]) -> SamplingFields:
     options = values["options"] or {}
     structured = values["format"]
@@ -122,9 +129,9 @@ def _sampling(values: dict[str, Any]) -> SamplingFields:
         default_max_tokens=predict if predict is not None and predict > 0 else None,
         max_tokens_param="options.num_predict",
         stop=tuple(options.get("stop") or ()),
-        temperature=_given(options, "temperature", 1.0), top_p=_given(options, "top_p", 1.0),
-        top_k=_given(options, "top_k", 0), min_p=_given(options, "min_p", 0.0),
-        repetition_penalty=_given(options, "repeat_penalty", 1.0),
+        # Unset, these five take the model's recommendation, else OLLAMA_SAMPLING (the route).
+        temperature=options.get("temperature"), top_p=options.get("top_p"), top_k=options.get("top_k"),
+        min_p=options.get("min_p"), repetition_penalty=options.get("repeat_penalty"),
         presence_penalty=_given(options, "presence_penalty", 0.0),
         frequency_penalty=_given(options, "frequency_penalty", 0.0),
         seed=options.get("seed"), structured=structured)
@@ -264,9 +271,11 @@ def _options(fields: Fields) -> dict[str, Any]:
 
 
 _OPTION_FIELDS = (
-    Field("temperature", "number", "0: greedy; higher: more random (default 1).", low=0.0, high=2.0),
-    Field("top_p", "number", "Nucleus sampling (default 1: off).", low=0.0, high=1.0, above_low=True),
-    _whole("top_k", "Sample from the k likeliest tokens (default 0: off).", 0),
+    Field("temperature", "number", "0: greedy; higher: more random (default: the model's generation_config.json "
+                                   "value, else Ollama's 0.8).", low=0.0, high=2.0),
+    Field("top_p", "number", "Nucleus sampling (default: the model's, else Ollama's 0.9).", low=0.0, high=1.0,
+          above_low=True),
+    _whole("top_k", "Sample from the k likeliest tokens; 0: off (default: the model's, else Ollama's 40).", 0),
     Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", low=0.0, high=1.0),
     Field("repeat_penalty", "number", "Divides the logits of tokens already seen (1: off).", low=0.0, high=10.0,
           above_low=True),

@@ -24,7 +24,7 @@ from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.server.errors import ApiError, bad_request, json_response
 from ruvllm_cli.server.middlewares import ARRIVED
 from ruvllm_cli.server.model_entry import ModelEntry, ModelStatus
-from ruvllm_cli.server.ollama_api.protocol import OllamaJob, parse_chat, parse_generate, parse_show
+from ruvllm_cli.server.ollama_api.protocol import OLLAMA_SAMPLING, OllamaJob, parse_chat, parse_generate, parse_show
 from ruvllm_cli.server.ollama_api.responses import Clock, OllamaFormat, timestamp
 from ruvllm_cli.server.prompts import SequencePlan, check_constraints, plan_sequences, tokenize_prompts
 from ruvllm_cli.server.sse import NDJSONStream
@@ -81,6 +81,8 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
         parser = model.require_tool_parser() if job.tools and job.tools.active else None
         sampling = job.sampling if job.length_given else dataclasses.replace(
             job.sampling, default_max_tokens=state.config.chat_max_tokens)
+        # Unset options: the model's recommendation, else Ollama's own defaults.
+        sampling = sampling.with_defaults({**OLLAMA_SAMPLING, **model.sampling_defaults})
         options = RequestOptions(adapter=model.adapter)
         templated = job.messages is not None and getattr(model.engine.tokenizer, "chat_template", None)
         if templated:
@@ -214,9 +216,16 @@ async def show(request: web.Request) -> web.Response:
         async with state.model_for(name) as model:
             facts = served_facts(model.served)
     capabilities = ["completion", *(["tools"] if facts.tools else []), *(["thinking"] if facts.thinking else [])]
-    return json_response({"modelfile": "", "parameters": "", "template": facts.template or "",
+    return json_response({"modelfile": "", "parameters": parameters(facts.sampling), "template": facts.template or "",
                           "details": details(facts, parent), "model_info": architecture_info(facts),
                           "capabilities": capabilities, "modified_at": timestamp(state.wall_started)})
+
+
+def parameters(sampling: dict[str, float | int]) -> str:
+    """A model's sampling defaults as Ollama's `parameters` text (its Modelfile's
+    PARAMETER lines, name padded to 30): what a request's unset options take."""
+    names = {"repetition_penalty": "repeat_penalty"}
+    return "".join(f"{names.get(name, name):<30} {value:g}\n" for name, value in sampling.items())
 
 
 def tagged(name: str) -> str:
@@ -241,6 +250,7 @@ class Facts:
     context: int | None               # the context it is served with (None: not loaded)
     tools: bool                       # its tool-call format is known
     thinking: bool                    # it reasons (markers in its template)
+    sampling: dict[str, float | int]  # what unset sampling options take (generation_config.json's)
 
 
 def entry_facts(state: ServerState, entry: ModelEntry) -> Facts | None:
@@ -256,7 +266,8 @@ def served_facts(served: Any) -> Facts:
     path = str(getattr(config, "_name_or_path", "") or "")
     return Facts(config.to_dict(), template if isinstance(template, str) else None,
                  "gguf" if path.endswith(".gguf") else "safetensors", getattr(quantization, "value", "") or "",
-                 engine.max_model_len, served.tool_parser is not None, served.reasoning is not None)
+                 engine.max_model_len, served.tool_parser is not None, served.reasoning is not None,
+                 served.sampling_defaults)
 
 
 def file_facts(path: Path | None, state: ServerState) -> Facts | None:
@@ -265,6 +276,7 @@ def file_facts(path: Path | None, state: ServerState) -> Facts | None:
     import json
 
     from ruvllm_cli.engine.reasoning import detect_format
+    from ruvllm_cli.engine.sampling import model_sampling_defaults
     from ruvllm_cli.engine.tool_parsers import detect_parser
 
     if path is None or not (path / "config.json").is_file():
@@ -279,7 +291,8 @@ def file_facts(path: Path | None, state: ServerState) -> Facts | None:
     architecture = (config.get("architectures") or [None])[0]
     tools = state.config.tool_call_parser is not None or detect_parser(template, architecture) is not None
     thinking = state.config.reasoning_parser != "none" and detect_format(template) is not None
-    return Facts(config, template, "safetensors", "", None, tools, thinking)
+    sampling = model_sampling_defaults(path) if state.config.model_sampling else {}
+    return Facts(config, template, "safetensors", "", None, tools, thinking, sampling)
 
 
 def _template_file(path: Path) -> str | None:

@@ -96,7 +96,7 @@ def _echo(values: dict[str, Any], text_format: TextFormat) -> dict[str, Any]:
     choice: ToolChoice = values["tool_choice"]
     return {"instructions": values["instructions"], "max_output_tokens": values["max_output_tokens"],
             "metadata": values["metadata"] or {}, "parallel_tool_calls": values["parallel_tool_calls"],
-            "temperature": values["temperature"], "top_p": values["top_p"], "text": {"format": text_format.echo},
+            "text": {"format": text_format.echo},   # temperature and top_p: the route's, as sampled
             "tool_choice": {"type": "function", "name": choice.name} if choice.name is not None else choice.mode,
             "tools": [function.echo() for function in values["tools"]],
             "user": values["user"], "safety_identifier": values["safety_identifier"]}
