@@ -149,7 +149,16 @@ def starting_adapter(specs: Sequence[str], adapter: str | None) -> str | None:
 
 
 def read_stdin_message() -> str:
-    text = sys.stdin.read().strip()
+    hint = "convert it first, e.g. iconv -f latin1 -t utf-8"
+    try:
+        text = sys.stdin.read().strip()
+    except UnicodeDecodeError as error:   # stdin decoded strictly (PYTHONIOENCODING=utf-8)
+        raise UsageError(f"stdin is not UTF-8 text: byte 0x{error.object[error.start]:02x}", hint) from None
+    # Else undecodable bytes arrive as lone surrogates (surrogateescape), which the
+    # tokenizer would refuse with a message about its own input types.
+    bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None)
+    if bad is not None:
+        raise UsageError(f"stdin is not UTF-8 text: byte 0x{ord(bad) - 0xDC00:02x}", hint)
     if not text:
         raise UsageError("no message on stdin", 'pipe one in: echo "hello" | ruvllm chat MODEL')
     return text

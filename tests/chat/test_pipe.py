@@ -7,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
@@ -43,3 +45,17 @@ def test_empty_stdin_is_a_usage_error(ruvllm: Run, tiny_model_dir: Path) -> None
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr.splitlines()[0] == "Error: no message on stdin"
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", ""])   # stdin decoded strictly, or with surrogateescape
+def test_stdin_that_is_not_utf8_is_a_usage_error(cli_env: dict[str, str], tiny_model_dir: Path,
+                                                 encoding: str) -> None:
+    import sys
+
+    env = {**cli_env, "PYTHONIOENCODING": encoding, "LC_ALL": "C.UTF-8"}
+    result = subprocess.run([sys.executable, "-m", "ruvllm_cli", "chat", str(tiny_model_dir), "-q", "none"],
+                            input=b"caf\xe9 au lait\n", capture_output=True, env=env, timeout=120)
+    assert result.returncode == 2
+    assert result.stdout == b""
+    assert result.stderr.decode().splitlines()[:2] == ["Error: stdin is not UTF-8 text: byte 0xe9",
+                                                       "Hint: convert it first, e.g. iconv -f latin1 -t utf-8"]
