@@ -25,7 +25,7 @@ from ruvllm_cli.engine.outputs import EngineStats, RequestOutput
 from ruvllm_cli.engine.request import FinishReason, Request, RequestOptions
 from ruvllm_cli.engine.sampler import SamplingFailure, TokenLogprob, sample
 from ruvllm_cli.engine.sampling import SamplingParams
-from ruvllm_cli.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from ruvllm_cli.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from ruvllm_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -205,33 +205,55 @@ class LLMEngine:
             if chunk.request.timings.scheduled is None:
                 chunk.request.timings.scheduled = now
         try:
-            logits, sampled = self.runner.execute(plan.chunks)
+            outputs = self._execute(plan.chunks)
         except Exception as error:  # noqa: BLE001 - see _forward_failed
             return self._forward_failed(plan, error)
         self._failed_last_step = False
-        self.scheduler.postprocess(plan)
+        return outputs
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One forward over `chunks`, its tokens counted as computed, its rows sampled."""
+        logits, sampled = self.runner.execute(chunks)
+        tokens = sum(c.num_new_tokens for c in chunks)
+        self.scheduler.postprocess(SchedulerOutput(chunks=chunks))
         self.stats.steps += 1
-        self.stats.last_step_tokens = plan.num_tokens
-        self.stats.batched_tokens += plan.num_tokens
+        self.stats.last_step_tokens = tokens
+        self.stats.batched_tokens += tokens
         if logits is None:
             return []
-        tokens, logprobs = sample(logits, sampled)
+        tokens_out, logprobs = sample(logits, sampled)
         return [self.outputs.fail(r, t.message) if isinstance(t, SamplingFailure) else self.outputs.accept(r, t, lp)
-                for r, t, lp in zip(sampled, tokens, logprobs)]
+                for r, t, lp in zip(sampled, tokens_out, logprobs)]
 
     def _forward_failed(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        """A forward that raised ends the requests it ran, with the error, and not the
-        engine: one request's poison (an input no check foresaw) must not stop a server
-        and every other client's request. Nothing of the step was kept: the scheduler
-        had not counted its tokens as computed, so no block it wrote joined the prefix
-        cache, and finishing its requests frees their blocks. A second failure in a row
-        (a device left broken, say) is the engine's own: raised."""
+        """A forward that raised must not stop a server, nor fail every other client's
+        request beside the one whose input no check foresaw: each of the step's
+        requests runs its chunks again alone, and only those that fail alone end, with
+        the error. Nothing of the failed step was kept (the scheduler had not counted
+        its tokens as computed, so no block it wrote joined the prefix cache; the rerun
+        writes the same KV slots again; nothing was sampled, so seeded replies replay).
+        A step whose every request fails alone, right after such a step, is the
+        engine's own failure (a device left broken, say): raised."""
         if self._failed_last_step:
             raise error
-        self._failed_last_step = True
-        message = f"the model failed on this request's step ({type(error).__name__}: {error})"
-        requests = {id(chunk.request): chunk.request for chunk in plan.chunks}.values()
-        outputs = [self.outputs.fail(request, message) for request in requests if not request.is_finished]
+        by_request: dict[int, list[ScheduledChunk]] = {}
+        for chunk in plan.chunks:
+            by_request.setdefault(id(chunk.request), []).append(chunk)
+        outputs: list[RequestOutput] = []
+        failed = 0
+        for chunks in by_request.values():
+            request = chunks[0].request
+            if request.is_finished:
+                continue
+            try:
+                if len(by_request) == 1:
+                    raise error   # it ran alone already
+                outputs += self._execute(chunks)
+            except Exception as alone:  # noqa: BLE001 - this request's own failure
+                failed += 1
+                message = f"the model failed on this request's step ({type(alone).__name__}: {alone})"
+                outputs.append(self.outputs.fail(request, message))
+        self._failed_last_step = failed == len(by_request)
         self.check_integrity()
         return outputs
 

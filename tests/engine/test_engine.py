@@ -278,3 +278,37 @@ def test_a_forward_that_raises_fails_its_step_s_requests_not_the_engine(make_eng
     engine.add_request(PROMPTS[2], GREEDY)
     with pytest.raises(RuntimeError, match="broken"):
         engine.step()   # the second in a row: the engine's
+
+
+def test_a_forward_one_request_breaks_fails_that_request_alone(make_engine, expected, monkeypatch):
+    """A step whose forward raises runs each of its requests again alone: only the one
+    that fails alone ends (with the error); its step-mates go on to the tokens a clean
+    engine gives, batched again from the next step."""
+    engine = make_engine()
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    poison = requests[2]
+    execute = engine.runner.execute
+    sizes = []
+
+    def breaks_on_poison(chunks):
+        sizes.append(len(chunks))
+        if any(chunk.request is poison for chunk in chunks):
+            raise RuntimeError("selected index k out of range")
+        return execute(chunks)
+
+    monkeypatch.setattr(engine.runner, "execute", breaks_on_poison)
+    tokens = {r.request_id: [] for r in requests}
+    finished = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            if out.finished:
+                finished[out.request_id] = out
+        engine.check_integrity()
+    assert finished[poison.request_id].finish_reason is FinishReason.ERROR
+    assert "selected index k out of range" in finished[poison.request_id].error
+    assert [tokens[r.request_id] for r in requests if r is not poison] == \
+        [e for r, e in zip(requests, expected) if r is not poison]
+    assert all(finished[r.request_id].finish_reason is FinishReason.LENGTH for r in requests if r is not poison)
+    assert max(sizes[sizes.index(1) + 1:]) > 1   # batched again after the reruns
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
