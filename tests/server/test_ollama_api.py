@@ -14,6 +14,7 @@ import ollama
 import openai
 import pytest
 
+from ruvllm_cli import __version__
 from ruvllm_cli.engine.outputs import RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestTimings
 from ruvllm_cli.engine.tool_parsers import get_parser
@@ -226,7 +227,8 @@ def test_models_version_show_and_ps(client, server):
     assert shown.capabilities[0] == "completion" and shown.template
     assert shown.modelinfo["general.architecture"] == "llama"
     assert shown.modelinfo["llama.context_length"] == 1024
-    assert httpx.get(server.url + "/api/version").json()["version"]
+    # the Ollama API level answered (clients compare it with Ollama's releases), ruvllm's own beside it
+    assert httpx.get(server.url + "/api/version").json() == {"version": "0.11.0", "ruvllm_version": __version__}
     # Ollama's clients add the default tag
     assert client.chat(model=server.model + ":latest", messages=HELLO, options=GREEDY).eval_count == 12
 

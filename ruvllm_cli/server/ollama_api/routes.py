@@ -46,8 +46,15 @@ def add_ollama_routes(app: web.Application) -> None:
     app.router.add_post("/api/generate", generate, expect_handler=expect_continue)
 
 
+# The Ollama release whose API these routes answer as (`think` levels, `tool_name`,
+# `format` schemas: 0.11's). Clients read `version` as Ollama's and some refuse an old
+# one (VS Code's Copilot Chat asks for 0.6.4 or later): ruvllm's own 0.1.0 there read
+# as an Ollama from 2023. ruvllm's version is beside it.
+OLLAMA_API_VERSION = "0.11.0"
+
+
 async def version(request: web.Request) -> web.Response:
-    return json_response({"version": __version__})
+    return json_response({"version": OLLAMA_API_VERSION, "ruvllm_version": __version__})
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
