@@ -93,3 +93,19 @@ def test_no_ray_call_may_start_a_cluster_of_its_own():
               "print(auto_init_hook.enable_auto_connect)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False"], out.stderr
+
+
+def test_serve_s_router_warnings_about_busy_replicas_are_not_the_user_s():
+    import logging
+
+    from ruvllm_cli.cluster.deploy import QueuedRequestsFilter
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("ray.serve", logging.WARNING, __file__, 1, message, None, None)
+
+    quiet = QueuedRequestsFilter()
+    assert not quiet.filter(record("Failed to get queue length from Replica(id='x3xx', deployment='EngineReplica', "
+                                   "app='ruvllm-1') within 0.1s. If this happens repeatedly it's likely caused by "
+                                   "high network latency in the cluster."))
+    assert not quiet.filter(record("Failed to route request after 200 attempts over 10.00s."))
+    assert quiet.filter(record("Replica EngineReplica#x3xx failed its health check"))
