@@ -131,6 +131,7 @@ class Request:
     adapter_uid: int = 0                                 # LoRA adapter (LoRAAdapter.uid); 0 is the base model
     swappable: bool = True                               # False: its KV has a second pool (X-LoRA)
     swapped: SwappedKV | None = None                     # preempted by swapping, until resumed
+    prompt_seen: "torch.Tensor | None" = None            # the prompt's distinct ids (repetition_penalty's)
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 ENGINE_SCRIPTS = ["bench_engine", "bench_prefix_cache", "bench_packed_linear", "bench_decode_attention",
-                  "bench_serve", "bench_fused"]
+                  "bench_serve", "bench_fused", "bench_sampling"]
 
 
 @pytest.mark.parametrize("name", ENGINE_SCRIPTS)
@@ -32,6 +32,19 @@ def test_decode_attention_script_runs_on_a_small_model(engine_model_dir):
     lines = result.stdout.splitlines()
     assert [line.split(",")[0] for line in lines[:3]] == ["prompt  128", "prompt  512", "prompt 1500"]
     assert lines[3].startswith("median decode step: batched matmuls ")
+
+
+def test_sampling_benchmark_runs_on_a_small_model(engine_model_dir):
+    result = subprocess.run([sys.executable, str(SCRIPTS / "bench_sampling.py"), "--model", str(engine_model_dir),
+                             "--quantization", "none", "--streams", "1,2", "--prompt-length", "8",
+                             "--gen-length", "4", "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines[:3]] == [
+        f"sample_row, {lines[0].split(',')[1].strip()}, {name}" for name in ("greedy", "plain", "recommended")]
+    assert [line.split(":")[0] for line in lines[3:]] == [
+        f"{count} streams, {name}" for count in (1, 2) for name in ("greedy", "plain", "recommended")]
+    assert lines[3].endswith("1.00x greedy")
 
 
 def test_engine_benchmark_runs_on_a_small_model_and_prints_its_ratios_as_json(engine_model_dir):

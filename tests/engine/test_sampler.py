@@ -5,8 +5,8 @@ import torch
 
 from ruvllm_cli.engine import kernels
 from ruvllm_cli.engine.request import Request
-from ruvllm_cli.engine.sampler import (SamplingFailure, greedy_tokens, apply_penalties, filter_min_p, filter_top_k, filter_top_p,
-                                       sample)
+from ruvllm_cli.engine.sampler import (CANDIDATES, SamplingFailure, _candidates, _draw, apply_penalties,
+                                       distinct_ids, filter_min_p, filter_top_k, filter_top_p, greedy_tokens, sample)
 from ruvllm_cli.engine.sampling import SamplingParams
 
 ROW = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
@@ -36,6 +36,62 @@ def test_penalties():
     row = torch.tensor([1.0, -1.0, 2.0, 0.0])
     out = apply_penalties(row.clone(), prompt_ids=[0], output_ids=[1, 1], params=params)
     assert out.tolist() == [0.5, -2.0 - 0.5 - 0.5, 2.0, 0.0]
+
+
+def test_penalties_with_the_prompt_s_ids_made_once_are_the_same():
+    row = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 3
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+    prompt, output = [3, 9, 9, 40, 3], [9, 11, 11, 2]
+    once = apply_penalties(row.clone(), prompt, output, params, distinct_ids(prompt, row.device))
+    assert torch.equal(once, apply_penalties(row.clone(), prompt, output, params))
+    expected = row.clone()
+    for i in (2, 3, 9, 11, 40):   # repetition: each seen id once, whatever its count
+        expected[i] = expected[i] / 1.3 if expected[i] > 0 else expected[i] * 1.3
+    expected[9] -= 0.5 + 0.2
+    expected[11] -= 0.5 + 0.4
+    expected[2] -= 0.5 + 0.2
+    assert torch.allclose(once, expected)
+
+
+def reference_probs(scaled, params):
+    """The filter chain over the whole row, as sample_row's candidates must match."""
+    kept_row = filter_top_p(filter_top_k(scaled.clone(), params.top_k), params.top_p)
+    return filter_min_p(kept_row, params.min_p).softmax(-1)
+
+
+ROWS = {"peaked": torch.randn(5000, generator=torch.Generator().manual_seed(2)) * 6,
+        "flat": torch.randn(5000, generator=torch.Generator().manual_seed(3)) * 0.01,   # top_p past CANDIDATES
+        "ties": torch.tensor([5.0, 4.0, 4.0, 4.0, 3.0] + [0.0] * 95)}                    # ties at the k-th
+
+
+@pytest.mark.parametrize("row", ROWS, ids=str)
+@pytest.mark.parametrize("top_k", [0, 1, 2, 7, 50])
+@pytest.mark.parametrize("top_p", [1.0, 0.999, 0.9, 0.5, 1e-300])
+@pytest.mark.parametrize("min_p", [0.0, 0.1])
+def test_the_candidates_keep_what_the_filter_chain_keeps(row, top_k, top_p, min_p):
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    scaled = ROWS[row] / 0.7
+    ids, kept_logits = _candidates(scaled, params)
+    probs = filter_min_p(kept_logits, min_p).softmax(-1)
+    ours = probs if ids is None else torch.zeros_like(scaled).index_put_((ids,), probs)
+    expected = reference_probs(scaled, params)
+    if row == "ties":   # which of equal tokens crosses p is the sort's pick: the same probabilities
+        ours, expected = ours.sort().values, expected.sort().values
+    assert torch.equal(ours > 0, expected > 0)
+    assert torch.allclose(ours, expected, atol=1e-6)
+    if row == "flat" and top_k == 0 and top_p == 0.9:
+        assert ids is None and int((expected > 0).sum()) > CANDIDATES   # the whole-row path
+
+
+def test_draws_follow_the_probabilities():
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.1, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([_draw(probs, generator) for _ in range(20000)]), minlength=6)
+    assert counts[1] == counts[5] == 0
+    assert torch.allclose(counts / 20000, probs, atol=0.012)
+    # a seed replays
+    assert [_draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)] == \
+        [_draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
 
 
 def test_logits_processor_hook_masks_tokens():
