@@ -114,9 +114,13 @@ def _candidates(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     k = params.top_k if 0 < params.top_k < vocab else 0
     if not k and params.top_p >= 1.0:
         return None, scaled
-    values, ids = torch.topk(scaled, k or min(vocab, CANDIDATES))
-    if k and int((scaled >= values[-1]).sum()) > k:
-        return None, filter_top_p(filter_top_k(scaled, k), params.top_p)
+    if k:   # one more than k: a tie across the k-th is the (k+1)-th equal to it
+        values, ids = torch.topk(scaled, k + 1)
+        if bool(values[k] == values[k - 1]):
+            return None, filter_top_p(filter_top_k(scaled, k), params.top_p)
+        values, ids = values[:k], ids[:k]
+    else:
+        values, ids = torch.topk(scaled, min(vocab, CANDIDATES))
     if params.top_p < 1.0:
         # probabilities among what top_k left (the whole row where top_k is off)
         probs = (values - (values if k else scaled).logsumexp(-1)).exp()
