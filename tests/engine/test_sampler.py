@@ -5,8 +5,9 @@ import torch
 
 from ruvllm_cli.engine import kernels
 from ruvllm_cli.engine.request import Request
-from ruvllm_cli.engine.sampler import (CANDIDATES, SamplingFailure, _candidates, _draw, apply_penalties,
-                                       distinct_ids, filter_min_p, filter_top_k, filter_top_p, greedy_tokens, sample)
+from ruvllm_cli.engine.sampler import (CANDIDATES, SamplingFailure, _candidates, apply_penalties,
+                                       distinct_ids, filter_min_p, filter_top_k, filter_top_p, greedy_tokens, sample,
+                                       sample_row)
 from ruvllm_cli.engine.sampling import SamplingParams
 
 ROW = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
@@ -83,15 +84,43 @@ def test_the_candidates_keep_what_the_filter_chain_keeps(row, top_k, top_p, min_
         assert ids is None and int((expected > 0).sum()) > CANDIDATES   # the whole-row path
 
 
-def test_draws_follow_the_probabilities():
-    probs = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.1, 0.0])
+@pytest.mark.parametrize("knobs, expected", [
+    ({}, [0.5, 0.0, 0.25, 0.15, 0.1, 0.0]),                       # the whole row
+    ({"top_k": 3}, [0.5 / 0.9, 0.0, 0.25 / 0.9, 0.15 / 0.9, 0.0, 0.0]),   # topk's candidates
+    ({"top_p": 0.7}, [0.5 / 0.75, 0.0, 0.25 / 0.75, 0.0, 0.0, 0.0]),   # top_p's, without top_k
+])
+def test_draws_follow_the_probabilities(knobs, expected):
+    row = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.1, 0.0]).log()
+    params = SamplingParams(temperature=1.0, **knobs)
     generator = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([_draw(probs, generator) for _ in range(20000)]), minlength=6)
-    assert counts[1] == counts[5] == 0
-    assert torch.allclose(counts / 20000, probs, atol=0.012)
+    counts = torch.bincount(torch.tensor([sample_row(row, params, generator) for _ in range(20000)]), minlength=6)
+    assert torch.allclose(counts / 20000, torch.tensor(expected), atol=0.012)
+    assert all(counts[i] == 0 for i, p in enumerate(expected) if p == 0)
     # a seed replays
-    assert [_draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)] == \
-        [_draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
+    assert [sample_row(row, params, torch.Generator().manual_seed(5)) for _ in range(3)] == \
+        [sample_row(row, params, torch.Generator().manual_seed(5)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("knobs", [{}, {"top_k": 50}, {"min_p": 0.05}], ids=str)
+def test_a_masked_token_changes_no_other_draw(knobs):
+    """As with torch.multinomial: masking tokens out (a grammar, padding ids) leaves the
+    same seeded draw wherever it did not take the drawn token away, so a constrained
+    reply is token for token the free one until the constraint bites."""
+    row = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 2
+    masked = row.clone()
+    outside = row.argsort()[:900]   # below the top 50: top_k's candidates stay the same
+    taken = outside[torch.randperm(900, generator=torch.Generator().manual_seed(5))[:300]]
+    masked[taken] = float("-inf")
+    params = SamplingParams(temperature=1.0, **knobs)
+    same = 0
+    for seed in range(200):
+        free = sample_row(row, params, torch.Generator().manual_seed(seed))
+        constrained = sample_row(masked, params, torch.Generator().manual_seed(seed))
+        assert constrained not in set(taken.tolist())
+        if free not in set(taken.tolist()):
+            assert constrained == free
+            same += 1
+    assert same > 150
 
 
 def test_logits_processor_hook_masks_tokens():

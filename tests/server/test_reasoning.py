@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 
 HELLO = [{"role": "user", "content": "What is the weather in Paris?"}]
 THINK = FORMATS["think"]
-SEEDS = range(8)
+SEEDS = range(12)
 
 
 @pytest.fixture(scope="module", params=["opens", "model"])
@@ -69,7 +69,7 @@ def bias_for(live, mode: str = "opens") -> dict[str, float]:
     """</think> likely enough to close most replies within their tokens (and, where the
     model opens the block, <think> likely as its first token)."""
     start, end = ids_of(live, THINK_START, THINK_END)
-    return {str(end): 3.5} if mode == "opens" else {str(start): 7.0, str(end): 3.0}
+    return {str(end): 3.5} if mode == "opens" else {str(start): 7.0, str(end): 5.0}
 
 
 def raw_reply(live, messages, **ask):
@@ -125,17 +125,23 @@ def test_the_reasoning_is_split_from_the_answer_streamed_or_not(reasoning_server
 
 
 def test_include_reasoning_false_leaves_it_out(opens_server):
-    ask = dict(temperature=1.0, seed=3, max_tokens=24, logit_bias=bias_for(opens_server))
     client = client_of(opens_server)
-    raw, _ = raw_reply(opens_server, HELLO, **ask)
-    reply = client.chat.completions.create(model=opens_server.model, messages=HELLO,
-                                           extra_body={"include_reasoning": False}, **ask)
-    message = reply.choices[0].message.model_dump()
-    assert "reasoning" not in message and "reasoning_content" not in message
-    assert message["content"] == split_reasoning(THINK, raw, True).content
-    streamed = chat_stream(client.chat.completions.create(model=opens_server.model, messages=HELLO, stream=True,
-                                                          extra_body={"include_reasoning": False}, **ask))
-    assert streamed[:2] == ("", message["content"])
+    answered = 0
+    for seed in SEEDS:
+        ask = dict(temperature=1.0, seed=seed, max_tokens=24, logit_bias=bias_for(opens_server))
+        raw, _ = raw_reply(opens_server, HELLO, **ask)
+        reply = client.chat.completions.create(model=opens_server.model, messages=HELLO,
+                                               extra_body={"include_reasoning": False}, **ask)
+        message = reply.choices[0].message.model_dump()
+        assert "reasoning" not in message and "reasoning_content" not in message
+        answer = split_reasoning(THINK, raw, True).content
+        assert message["content"] == (answer or None)   # no answer beside the reasoning: null
+        streamed = chat_stream(client.chat.completions.create(model=opens_server.model, messages=HELLO,
+                                                              stream=True, extra_body={"include_reasoning": False},
+                                                              **ask))
+        assert streamed[:2] == ("", answer)
+        answered += bool(answer)
+    assert answered >= 2
 
 
 def test_thinking_turned_off_in_the_template_leaves_the_reply_all_answer(opens_server):
@@ -201,12 +207,17 @@ def test_a_constraint_waits_for_the_end_of_the_reasoning(reasoning_server):
     for seed in SEEDS:
         ask = dict(model=live.model, messages=HELLO, temperature=1.0, seed=seed, max_tokens=60,
                    logit_bias=bias_for(live, live.mode))
-        free = client.chat.completions.create(**ask).choices[0].message.model_dump()
+        free_choice = client.chat.completions.create(**ask).choices[0]
+        free = free_choice.message.model_dump()
         fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
         reply = client.chat.completions.create(**ask, response_format=fmt).choices[0]
         message = reply.message.model_dump()
         if live.mode == "opens" or free["reasoning"]:   # else the mask made <think> likelier than unmasked
-            assert message["reasoning"] == free["reasoning"]
+            if free_choice.finish_reason == "stop" and free["content"] is None:
+                # the free reply ended inside its block, where the constraint holds EOS off
+                assert message["reasoning"].startswith(free["reasoning"])
+            else:
+                assert message["reasoning"] == free["reasoning"]
         reasoned += bool(message["reasoning"])
         if reply.finish_reason == "stop":
             jsonschema.validate(json.loads(message["content"]), SCHEMA)
