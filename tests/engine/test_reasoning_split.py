@@ -131,7 +131,7 @@ def test_constraints_that_wait_batch_with_others_as_they_run_alone(make_tiny_mod
     start, end = engine.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     prompt = render_chat(engine.tokenizer, [{"role": "user", "content": "hi"}])
     schema = GrammarSpec.json_schema({"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}})
-    bias = {start: 6.0, end: 3.0}
+    bias = {start: 6.0, end: 5.0}
     kinds = [SamplingParams(max_tokens=40, temperature=1.0, seed=1, logit_bias=bias),
              SamplingParams(max_tokens=40, temperature=1.0, seed=2, logit_bias=bias, structured=schema),
              SamplingParams(max_tokens=40, temperature=1.0, seed=3, logit_bias=bias, structured=schema,
