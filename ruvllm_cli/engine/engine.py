@@ -205,25 +205,24 @@ class LLMEngine:
             if chunk.request.timings.scheduled is None:
                 chunk.request.timings.scheduled = now
         try:
-            outputs = self._execute(plan.chunks)
+            logits, sampled = self.runner.execute(plan.chunks)
         except Exception as error:  # noqa: BLE001 - see _forward_failed
             return self._forward_failed(plan, error)
         self._failed_last_step = False
-        return outputs
+        return self._ran(plan, logits, sampled)
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
-        """One forward over `chunks`, its tokens counted as computed, its rows sampled."""
-        logits, sampled = self.runner.execute(chunks)
-        tokens = sum(c.num_new_tokens for c in chunks)
-        self.scheduler.postprocess(SchedulerOutput(chunks=chunks))
+    def _ran(self, plan: SchedulerOutput, logits: Any, sampled: list[Request]) -> list[RequestOutput]:
+        """After a forward over `plan`'s chunks: their tokens counted as computed, the
+        rows that complete a prompt or decode sampled."""
+        self.scheduler.postprocess(plan)
         self.stats.steps += 1
-        self.stats.last_step_tokens = tokens
-        self.stats.batched_tokens += tokens
+        self.stats.last_step_tokens = plan.num_tokens
+        self.stats.batched_tokens += plan.num_tokens
         if logits is None:
             return []
-        tokens_out, logprobs = sample(logits, sampled)
+        tokens, logprobs = sample(logits, sampled)
         return [self.outputs.fail(r, t.message) if isinstance(t, SamplingFailure) else self.outputs.accept(r, t, lp)
-                for r, t, lp in zip(sampled, tokens_out, logprobs)]
+                for r, t, lp in zip(sampled, tokens, logprobs)]
 
     def _forward_failed(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A forward that raised must not stop a server, nor fail every other client's
@@ -248,11 +247,13 @@ class LLMEngine:
             try:
                 if len(by_request) == 1:
                     raise error   # it ran alone already
-                outputs += self._execute(chunks)
+                logits, sampled = self.runner.execute(chunks)
             except Exception as alone:  # noqa: BLE001 - this request's own failure
                 failed += 1
                 message = f"the model failed on this request's step ({type(alone).__name__}: {alone})"
                 outputs.append(self.outputs.fail(request, message))
+                continue
+            outputs += self._ran(SchedulerOutput(chunks=chunks), logits, sampled)
         self._failed_last_step = failed == len(by_request)
         self.check_integrity()
         return outputs

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ruvllm_cli.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ruvllm_cli.engine.grammar import GrammarSpec
@@ -107,16 +112,12 @@ class SamplingParams(SamplingKnobs):
 MODEL_SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
-def model_sampling_defaults(path: Any) -> dict[str, float | int]:
+def model_sampling_defaults(path: str | Path) -> dict[str, float | int]:
     """The sampling values a model's generation_config.json recommends (its creator's),
     which requests that do not set them get, as vLLM's `--generation-config auto`: the
     fields of MODEL_SAMPLING_FIELDS the file sets away from transformers' defaults,
     each within SamplingParams' bounds (others are left out, with a log line). Empty
     for a GGUF file or a directory without the file."""
-    import json
-    import logging
-    from pathlib import Path
-
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return {}
@@ -136,8 +137,7 @@ def model_sampling_defaults(path: Any) -> dict[str, float | int]:
         try:
             SamplingParams(**{name: value})
         except (UsageError, TypeError):
-            logging.getLogger(__name__).warning("%s: %s %r is outside what ruvllm samples with; not used",
-                                                file, name, value)
+            log.warning("%s: %s %r is outside what ruvllm samples with; not used", file, name, value)
             continue
         found[name] = value
     return found
