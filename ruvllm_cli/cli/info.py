@@ -285,8 +285,6 @@ def _render_model(out: Output, data: dict[str, Any]) -> None:
 
 def _render_config(out: Output, data: dict[str, Any]) -> None:
     config = data["config"]
-    if data["config_error"]:
-        out.warn(f"config.json could not be read: {data['config_error']}")
     if not config:
         return
     rows = [("Architecture", config["architecture"]), ("Model type", config["model_type"]),
@@ -348,9 +346,10 @@ def _render_memory(out: Output, data: dict[str, Any]) -> None:
               title="Memory estimates", caption=escape(caption))
 
 
-def _render_gguf(out: Output, record: dict[str, Any]) -> None:
+def _render_gguf(out: Output, record: dict[str, Any], unreadable: str | None) -> None:
     if "error" in record:
-        out.warn(record["error"])
+        if record["error"] != unreadable:  # that one is the command's error, said last
+            out.warn(record["error"])
         return
     default = record["default_quantization"]
     way = (f"through transformers ({record['through_transformers']}), dequantized whole"
@@ -360,13 +359,28 @@ def _render_gguf(out: Output, record: dict[str, Any]) -> None:
     _kv(out, "GGUF file", rows)
 
 
+def unreadable(data: dict[str, Any]) -> str | None:
+    """Why the model itself cannot be read, where it cannot: its config.json, or its only GGUF files.
+
+    `info` still shows what else it knows (path, files, sizes), then says this as its error and exits 1,
+    as serve and chat would fail to load it: a script checking a model with `info` learns it is broken.
+    """
+    if data["config_error"]:
+        return f"config.json could not be read: {data['config_error']}"
+    errors = [record["error"] for record in data["gguf"] if "error" in record]
+    if data["config"] is None and errors and len(errors) == len(data["gguf"]):
+        return errors[0]
+    return None
+
+
 def render(out: Output, data: dict[str, Any]) -> None:
     _render_model(out, data)
     _render_config(out, data)
     _render_capabilities(out, data)
     _render_cache(out, data)
+    error = unreadable(data)
     for record in data["gguf"]:
-        _render_gguf(out, record)
+        _render_gguf(out, record, error)
     _render_memory(out, data)
 
 
@@ -393,3 +407,6 @@ def command(model: str, as_json: bool) -> None:
         out.json(data)
     else:
         render(out, data)
+    error = unreadable(data)
+    if error:
+        raise ModelLoadError(error, hint=None if as_json else "the fields above are what could be read without it")

@@ -25,7 +25,7 @@ from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quanti
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.engine.reasoning import PARSER_NAMES as REASONING_PARSERS
 from ruvllm_cli.errors import RuvllmError, UsageError
-from ruvllm_cli.registry.locate import locate_model
+from ruvllm_cli.registry.locate import check_readable, locate_model
 
 # Where an option's value comes from when the user did not set it.
 DEFAULT_SOURCES = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
@@ -171,9 +171,11 @@ def command(**options: Any) -> None:
         raise UsageError("--swap-space sizes the pool of --preemption-mode swap",   # it had been ignored
                          "add --preemption-mode swap, or leave --swap-space out")
     # A missing or undownloaded model fails here, before the port is bound or announced.
-    names = {name for model in options["models"]
-             for name in served_names(locate_model(model, app.cache_dir, options["quantization"]), model,
-                                      options["served_model_name"])}
+    located = [locate_model(model, app.cache_dir, options["quantization"]) for model in options["models"]]
+    for model in located:
+        check_readable(model)   # a broken config.json or GGUF header too
+    names = {name for model, where in zip(options["models"], located)
+             for name in served_names(where, model, options["served_model_name"])}
     check_adapter_names(options["lora"], names)
     options["adapters"] = locate_adapters(app, options["lora"])
     options["cluster"] = cluster_options(options)

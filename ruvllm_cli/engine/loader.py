@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -24,6 +23,7 @@ from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memor
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.memory import layout_bytes
+from ruvllm_cli.registry.model_config import read_config_json
 
 log = logging.getLogger(__name__)
 STREAM_ENV = "RUVLLM_STREAM_LOAD"  # "0": always load through transformers, then quantize
@@ -108,10 +108,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise ModelLoadError(f"{path} is not a model directory (no config.json)",
                              "download the model first: ruvllm download MODEL")
-    try:
-        return json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ModelLoadError(f"cannot read {config_file}: {error}") from None
+    return read_config_json(config_file)   # a clear error for one not UTF-8 JSON, or no object
 
 
 def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, GGUFLayout | None]:

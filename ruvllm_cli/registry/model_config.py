@@ -119,8 +119,9 @@ def shape_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelSh
     )
 
 
-def read_model_config(path: Path) -> ModelShape:
-    """Reads `config.json` (or the directory holding it) into a `ModelShape`."""
+def read_config_json(path: Path) -> dict[str, Any]:
+    """`config.json` (or the directory holding it) as a dict, or a ModelLoadError that
+    says what is wrong with it: missing, unreadable, not UTF-8 JSON, not an object."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -132,7 +133,13 @@ def read_model_config(path: Path) -> ModelShape:
         raise ModelLoadError(f"cannot read {path}: {error}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path} is not a JSON object")
-    return shape_from_dict(raw, str(path))
+    return raw
+
+
+def read_model_config(path: Path) -> ModelShape:
+    """Reads `config.json` (or the directory holding it) into a `ModelShape`."""
+    config_file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    return shape_from_dict(read_config_json(config_file), str(config_file))
 
 
 def count_parameters(shape: ModelShape) -> int:

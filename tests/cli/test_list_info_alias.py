@@ -297,12 +297,18 @@ def test_info_downloaded_gguf_repo_memory_from_its_file(ruvllm: Run, isolated_en
 def test_info_local_gguf_file(ruvllm: Run, tmp_path: Path) -> None:
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 60)
-    data = json.loads(ruvllm("info", str(gguf), "--json").stdout)
+    result = ruvllm("info", str(gguf), "--json")
+    assert result.returncode == 1
+    data = json.loads(result.stdout)
     assert data["kind"] == "local" and data["local"]["format"] == "gguf"
     assert data["local"]["weights"] == ["model-Q4_K_M.gguf"] and data["local"]["size_bytes"] == 64
     assert data["parameters"] is None and data["memory"] is None
-    assert data["gguf"] == [{"path": str(gguf), "error": f"{gguf} is not a valid GGUF file: it is version 0; "
-                                                         "ruvllm reads little-endian GGUF versions 2 and 3"}]
+    message = f"{gguf} is not a valid GGUF file: it is version 0; ruvllm reads little-endian GGUF versions 2 and 3"
+    assert data["gguf"] == [{"path": str(gguf), "error": message}]
+    assert error_lines(result.stderr) == [f"Error: {message}"]
+    table = ruvllm("info", str(gguf))
+    assert table.returncode == 1 and "Size" in table.stdout
+    assert error_lines(table.stderr) == [f"Error: {message}"] and "Warning" not in table.stderr
 
 
 def test_info_gguf_says_what_each_tensor_becomes(ruvllm: Run, cli_env: dict[str, str], tiny_model_dir: Path,
@@ -475,15 +481,17 @@ def test_corrupt_alias_file_is_one_error(ruvllm: Run, isolated_env: Any) -> None
         assert line.startswith(f"Error: cannot read user aliases file {path}")
 
 
-def test_info_with_an_unreadable_config_shows_the_rest(ruvllm: Run, tmp_path: Path) -> None:
+def test_info_with_an_unreadable_config_shows_the_rest_and_fails(ruvllm: Run, tmp_path: Path) -> None:
     model = tmp_path / "broken"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
     result = ruvllm("info", str(model), "--json")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1  # as serve and chat fail on it: a script checking with info learns so
     data = json.loads(result.stdout)
     assert data["config"] is None and data["memory"] is None
     assert "lacks hidden_size" in data["config_error"]
     assert data["local"]["format"] == "no weights" and data["local"]["weights"] == []
     table = ruvllm("info", str(model))
-    assert table.returncode == 0 and "Warning: config.json could not be read" in table.stderr
+    assert table.returncode == 1 and "Layers" not in table.stdout and "Path" in table.stdout
+    (line,) = error_lines(table.stderr)
+    assert line.startswith("Error: config.json could not be read:") and "lacks hidden_size" in line

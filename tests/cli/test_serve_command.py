@@ -44,6 +44,33 @@ def test_a_missing_model_fails_before_listening(ruvllm: Run, free_port: int, mod
     assert result.stderr.splitlines() == lines
 
 
+@pytest.mark.parametrize("content, error", [
+    (b"\xff\xfe{", "cannot read {config}: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte"),
+    (b"[1, 2]", "{config} is not a JSON object"),
+    (b"{broken", "cannot read {config}: Expecting property name enclosed in double quotes: line 1 column 2 "
+                 "(char 1)"),
+])
+def test_a_broken_config_fails_before_listening(ruvllm: Run, free_port: int, tmp_path: Path, content: bytes,
+                                                error: str) -> None:
+    """Not "Listening on ..." and then a traceback's last line (a config.json not UTF-8 gave
+    UnicodeDecodeError, a JSON list AttributeError), but the loader's own error first."""
+    config = tmp_path / "config.json"
+    config.write_bytes(content)
+    result = ruvllm("serve", str(tmp_path), "--port", str(free_port), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"Error: {error.format(config=config)}"]
+
+
+def test_a_damaged_gguf_fails_before_listening(ruvllm: Run, free_port: int, tmp_path: Path) -> None:
+    gguf = tmp_path / "model-Q8_0.gguf"
+    gguf.write_bytes(b"GGUF\0\0\0\0")
+    result = ruvllm("serve", str(gguf), "--port", str(free_port), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == f"Error: {gguf} is not a valid GGUF file: it is 8 bytes, shorter " \
+                                            "than a GGUF header"
+    assert "Listening" not in result.stderr
+
+
 def banner(options: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setenv("COLUMNS", "400")
     print_banner(AppContext(no_color=True), "http://127.0.0.1:8080", "tiny · cpu", ["tiny"],

@@ -30,6 +30,14 @@ def test_a_directory_without_config_is_not_a_model(tmp_path):
     assert error.value.hint == "download the model first: ruvllm download MODEL"
 
 
+@pytest.mark.parametrize("content, says", [(b"\xff\xfe{", "'utf-8' codec can't decode byte 0xff"),
+                                            (b"[1, 2]", "is not a JSON object")])
+def test_a_config_that_is_no_json_object_is_one_line(tmp_path, content, says):
+    (tmp_path / "config.json").write_bytes(content)   # was UnicodeDecodeError / AttributeError
+    with pytest.raises(ModelLoadError, match=re.escape(says)):
+        load_model(tmp_path, torch.device("cpu"), Q.F32)
+
+
 def test_a_directory_without_tokenizer_files_says_so_in_one_line(engine_model_dir, tmp_path):
     """transformers' own message for it ran over several lines and was cut after the first."""
     broken = copy_model(engine_model_dir, tmp_path / "notok")
