@@ -161,7 +161,9 @@ def gguf_record(path: Path, layout: GGUFLayout | ModelLoadError) -> dict[str, An
     return {"path": str(path), "file_type": gguf_plan.label(layout),
             "default_quantization": gguf_plan.file_quantization(layout).value,
             "through_transformers": gguf_plan.unstreamable(layout),
-            "tensors": {q.value: gguf_plan.summary(layout, q, half=half) for q in Quantization}}
+            "tensors": {q.value: gguf_plan.summary(layout, q, half=half) for q in Quantization},
+            # its general.sampling.* keys: what requests to it sample with unless they say
+            "sampling_defaults": model_sampling_defaults(path, layout.metadata)}
 
 
 def _gguf_files(ref: ModelRef, downloads: list[DownloadedModel]) -> list[Path]:
@@ -229,6 +231,7 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         # readable file: no config.json, but its header holds what the table needs.
         (params, memory), source = gguf_memory(readable[0]), "GGUF header"
     files_read = bool(directory) or bool(readable)
+    gguf_records = [gguf_record(path, layout) for path, layout in ggufs.items()]
     template = chat_template_of(directory, readable) if files_read else None
     return {
         "model": name,
@@ -240,7 +243,8 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "config_path": str(directory / "config.json") if directory else None,
         "config_error": config_error,
         # what serve's requests (and chat, for a model not in the registry) sample with unless they say
-        "sampling_defaults": model_sampling_defaults(directory) if directory else {},
+        "sampling_defaults": (model_sampling_defaults(directory) if directory
+                              else next((r["sampling_defaults"] for r in gguf_records if "error" not in r), {})),
         "local": local_storage(ref.local_path) if ref.local_path else None,
         "downloaded": bool(downloads),
         "downloads": [download_record(d) for d in downloads],
@@ -248,7 +252,7 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "parameter_source": source,
         "memory": memory,
         "memory_context": DEFAULT_CONTEXT,
-        "gguf": [gguf_record(path, layout) for path, layout in ggufs.items()],
+        "gguf": gguf_records,
         # None where no file of it is at hand (an alias not downloaded)
         "capabilities": capabilities(template, shape.architecture if shape else None) if files_read else None,
     }
@@ -355,7 +359,8 @@ def _render_gguf(out: Output, record: dict[str, Any], unreadable: str | None) ->
     way = (f"through transformers ({record['through_transformers']}), dequantized whole"
            if record["through_transformers"] else "tensor by tensor, straight into the layouts below")
     rows = [("Path", record["path"]), ("Type", record["file_type"]), ("Loads as", f"{default} (without -q)"),
-            ("Loading", way), *((f"Tensors, -q {q}", text) for q, text in record["tensors"].items())]
+            ("Loading", way), *((f"Tensors, -q {q}", text) for q, text in record["tensors"].items()),
+            ("Sampling defaults", describe_defaults(record["sampling_defaults"]) or None)]
     _kv(out, "GGUF file", rows)
 
 

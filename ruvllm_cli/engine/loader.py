@@ -43,7 +43,8 @@ class LoadedModel:
     quantization_path: str  # which load-time path was taken, for the notice line
     streamed: bool = False  # built one module at a time from safetensors (stream_load)
     from_weight_cache: bool = False  # q8/q4k tensors read from the weight cache (weight_cache)
-    # generation_config.json's recommended sampling (sampling.model_sampling_defaults):
+    # the creator's recommended sampling (generation_config.json, a GGUF's general.sampling.*;
+    # sampling.model_sampling_defaults):
     # what requests that leave a field out get
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
@@ -388,7 +389,9 @@ def load_model(path: str | Path, device: str = "auto",
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path, streamed=streamed is not None,
-                       from_weight_cache=cached is not None, sampling_defaults=model_sampling_defaults(path))
+                       from_weight_cache=cached is not None,
+                       sampling_defaults=model_sampling_defaults(
+                           path, header.metadata if header is not None else None))
 
 
 def _streaming_on() -> bool:

@@ -112,12 +112,16 @@ class SamplingParams(SamplingKnobs):
 MODEL_SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
-def model_sampling_defaults(path: str | Path) -> dict[str, float | int]:
-    """The sampling values a model's generation_config.json recommends (its creator's),
-    which requests that do not set them get, as vLLM's `--generation-config auto`: the
-    fields of MODEL_SAMPLING_FIELDS the file sets away from transformers' defaults,
-    each within SamplingParams' bounds (others are left out, with a log line). Empty
-    for a GGUF file or a directory without the file."""
+def model_sampling_defaults(path: str | Path, gguf_metadata: dict[str, Any] | None = None
+                            ) -> dict[str, float | int]:
+    """The sampling values a model's creator recommends, which requests that do not set
+    them get, as vLLM's `--generation-config auto` and llama.cpp do: a directory's
+    generation_config.json (the fields of MODEL_SAMPLING_FIELDS it sets away from
+    transformers' defaults), or a GGUF file's `general.sampling.*` keys (given as
+    `gguf_metadata`, its checked header's). Each within SamplingParams' bounds (others
+    are left out, with a log line). Empty where the model says nothing."""
+    if gguf_metadata is not None:
+        return gguf_sampling_defaults(gguf_metadata, str(path))
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return {}
@@ -133,14 +137,41 @@ def model_sampling_defaults(path: str | Path) -> dict[str, float | int]:
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or value == transformers_default:
             continue
-        value = int(value) if name == "top_k" and float(value).is_integer() else value
-        try:
-            SamplingParams(**{name: value})
-        except (UsageError, TypeError):
-            log.warning("%s: %s %r is outside what ruvllm samples with; not used", file, name, value)
-            continue
-        found[name] = value
+        if _usable(name, value, str(file)):
+            found[name] = int(value) if name == "top_k" and float(value).is_integer() else value
     return found
+
+
+# llama.cpp's GGUF keys for the creator's sampling (convert_hf_to_gguf.py writes those
+# generation_config.json sets), for the fields ruvllm samples with; penalty_last_n,
+# mirostat and xtc have no counterpart here.
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                      "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def gguf_sampling_defaults(metadata: dict[str, Any], source: str) -> dict[str, float | int]:
+    """MODEL_SAMPLING_FIELDS from a GGUF header's `general.sampling.*` keys: each key
+    written is the creator's choice (llama.cpp takes it as its default). Float32 values
+    are rounded back to the decimal written (0.699999988 -> 0.7)."""
+    found: dict[str, float | int] = {}
+    for key, name in GGUF_SAMPLING_KEYS.items():
+        value = metadata.get(key)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        value = int(value) if name == "top_k" else float(f"{float(value):.6g}")
+        if _usable(name, value, source):
+            found[name] = value
+    return {name: found[name] for name in MODEL_SAMPLING_FIELDS if name in found}
+
+
+def _usable(name: str, value: float | int, source: str) -> bool:
+    try:
+        SamplingParams(**{name: int(value) if name == "top_k" and float(value).is_integer() else value})
+    except (UsageError, TypeError, ValueError, OverflowError):
+        log.warning("%s: %s %r is outside what ruvllm samples with; not used", source, name, value)
+        return False
+    return True
 
 
 def describe_defaults(defaults: dict[str, float | int]) -> str:

@@ -54,12 +54,15 @@ def permute_qk(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def write_gguf(model_dir: str | Path, out_file: str | Path, *, alignment: int | None = None,
                types: Callable[[str], str] | None = None, arch: str = "llama",
-               file_type: str | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
+               file_type: str | None = None, extra: dict[str, np.ndarray] | None = None,
+               metadata: dict[str, float | int | str] | None = None) -> Path:
     """The model in `model_dir` as a GGUF file; `alignment` writes `general.alignment`
     (the default 32 is implied when the key is absent); `types` names the ggml type of
     each 2-D weight by its GGUF name (Q8_0 for all when not given); `file_type` the
     `general.file_type` (LlamaFileType's name without MOSTLY_; from the types when
-    all weights share one); `extra` adds F32 tensors (e.g. llama 3's rope_freqs)."""
+    all weights share one); `extra` adds F32 tensors (e.g. llama 3's rope_freqs);
+    `metadata` more keys (a float as float32, an int as uint32, as llama.cpp writes
+    `general.sampling.*`)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -87,6 +90,13 @@ def write_gguf(model_dir: str | Path, out_file: str | Path, *, alignment: int | 
     written.discard(None)
     _write_config(writer, config, file_type or (written.pop() if len(written) == 1 else "Q4_K_M"))
     _write_tokenizer(writer, model_dir)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -331,7 +331,8 @@ def test_info_gguf_says_what_each_tensor_becomes(ruvllm: Run, cli_env: dict[str,
                           "q4k": "15 Q8_0 requantized into int4; 5 norms and biases",
                           "q8": "15 Q8_0 requantized into int8; 5 norms and biases",
                           "f16": f"15 Q8_0 rounded into {sixteen}; 5 norms and biases",
-                          "none": "15 Q8_0 dequantized exactly into float32; 5 norms and biases"}}
+                          "none": "15 Q8_0 dequantized exactly into float32; 5 norms and biases"},
+                      "sampling_defaults": {}}
     table = ruvllm("info", str(path), env=wide_env(cli_env)).stdout
     for text in ("GGUF file", "q8 (without -q)", "tensor by tensor", "15 Q8_0 requantized into int8"):
         assert text in table, text

@@ -97,6 +97,41 @@ def test_the_loader_reads_them_for_the_engine(tiny_model_dir, tmp_path):
     assert loaded.sampling_defaults == {"temperature": 0.3, "top_k": 7}
 
 
+GGUF_SAMPLING = {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95, "general.sampling.top_k": 20,
+                 "general.sampling.min_p": 0.0, "general.sampling.penalty_repeat": 1.05,
+                 "general.sampling.penalty_last_n": 64, "general.sampling.sequence": "penalties;top_k;top_p;temp"}
+
+
+def test_a_gguf_file_s_sampling_keys_are_read(tiny_model_dir, tmp_path, caplog):
+    """llama.cpp writes generation_config.json's fields as general.sampling.* (float32):
+    each key written is a recommendation, even one at an API's default (min_p 0)."""
+    from ruvllm_cli.engine.gguf_check import check_gguf
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    gguf = write_gguf(tiny_model_dir, tmp_path / "tiny-Q8_0.gguf", metadata=GGUF_SAMPLING)
+    expected = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05}
+    assert model_sampling_defaults(gguf, check_gguf(gguf).metadata) == expected
+    assert load_model(gguf, "cpu", Quantization.Q8_0).sampling_defaults == expected
+    plain = write_gguf(tiny_model_dir, tmp_path / "plain-Q8_0.gguf")
+    assert model_sampling_defaults(plain, check_gguf(plain).metadata) == {}
+    odd = write_gguf(tiny_model_dir, tmp_path / "odd-Q8_0.gguf",
+                     metadata={"general.sampling.temp": 9.0, "general.sampling.top_p": 0.5})
+    with caplog.at_level(logging.WARNING):
+        assert model_sampling_defaults(odd, check_gguf(odd).metadata) == {"top_p": 0.5}
+    assert "temperature 9.0 is outside" in caplog.text
+
+
+def test_info_shows_a_gguf_file_s_recommendation(ruvllm, cli_env, tiny_model_dir, tmp_path):
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    gguf = write_gguf(tiny_model_dir, tmp_path / "tiny-Q8_0.gguf", metadata=GGUF_SAMPLING)
+    data = json.loads(ruvllm("info", str(gguf), "--json").stdout)
+    assert data["sampling_defaults"] == data["gguf"][0]["sampling_defaults"] == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.05}
+    table = ruvllm("info", str(gguf), env={**cli_env, "COLUMNS": "200"})
+    assert "temperature 0.6, top_p 0.95, top_k 20, min_p 0, repetition_penalty 1.05" in table.stdout
+
+
 def test_a_request_s_own_values_win_field_by_field():
     fields = SamplingFields(temperature=0.2, top_p=None, top_k=None, min_p=None, repetition_penalty=None)
     assert fields.unset == {"top_p", "top_k", "min_p", "repetition_penalty"}
