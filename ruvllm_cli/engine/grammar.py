@@ -81,11 +81,12 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> "GrammarSpec":
-        """A JSON value valid against `schema` (a JSON Schema object)."""
+        """A JSON value valid against `schema` (a JSON Schema object), its objects
+        closed where it does not say otherwise (`closed_objects`)."""
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
         try:
-            source = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+            source = json.dumps(closed_objects(schema), separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise GrammarError(f"the JSON schema is not plain JSON: {error}") from None
         return cls("json_schema", source)
@@ -143,6 +144,45 @@ def map_subschemas(schema: Any, visit: Callable[[dict[str, Any]], dict[str, Any]
         else:
             rebuilt[key] = map_subschemas(value, visit)
     return visit(rebuilt)
+
+
+# A node with these says itself what else it holds, or shares its properties with
+# subschemas: it is left as written.
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+              "$ref", "if", "dependentSchemas")
+# Subschemas whose closing would change what the schema means (a `not` of a closed
+# object accepts more, a `contains` match fewer): not entered.
+_NOT_ENTERED = ("not", "if", "contains")
+
+
+def closed_objects(schema: Any, shares_properties: bool = False) -> Any:
+    """`schema` with `"additionalProperties": false` on each object schema that lists
+    `properties` and says nothing of other keys, as llama.cpp's (so Ollama's) and
+    xgrammar's (vLLM's default) converters read it: where JSON Schema allows any other
+    key there, a model fills it (a random-weight one at once, a real one now and then)
+    with keys no client asked for, and a reply cut mid-key is no JSON. A schema that
+    says `additionalProperties` (or `patternProperties`, ...) keeps its word; a member of
+    `allOf` (or of `anyOf`/`oneOf` beside the node's own `properties`) is left open, as
+    it holds only part of the object."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebuilt: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_VALUES or key in _NOT_ENTERED:
+            rebuilt[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            rebuilt[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list):
+            partial = key == "allOf" or "properties" in schema
+            rebuilt[key] = [closed_objects(sub, shares_properties=partial) for sub in value]
+        else:
+            rebuilt[key] = closed_objects(value)
+    if isinstance(rebuilt.get("properties"), dict) and not shares_properties \
+            and not any(key in rebuilt for key in _OPEN_KEYS):
+        rebuilt["additionalProperties"] = False
+    return rebuilt
 
 
 def _non_empty_text(value: Any, what: str) -> str:

@@ -439,3 +439,58 @@ def test_a_tokenizer_with_padding_and_truncation_is_read_without_them_and_kept_a
     text = "a long enough text to be truncated at eight tokens, padded to sixty-four"
     assert built.tokenize_str(text) == tokenizer.encode(text)
     assert len(built.tokenize_str(text)) > 8
+
+
+# ---- objects closed where the schema does not say otherwise ---------------------------
+ITEM = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema, closed", [
+    (ITEM, {**ITEM, "additionalProperties": False}),
+    # nested, under $defs, in items and in anyOf alternatives
+    ({"type": "object", "properties": {"x": ITEM, "y": {"type": "array", "items": ITEM}},
+      "$defs": {"D": ITEM}, "required": []},
+     {"type": "object", "properties": {"x": {**ITEM, "additionalProperties": False},
+                                       "y": {"type": "array", "items": {**ITEM, "additionalProperties": False}}},
+      "$defs": {"D": {**ITEM, "additionalProperties": False}}, "required": [], "additionalProperties": False}),
+    ({"anyOf": [ITEM, {"type": "string"}]}, {"anyOf": [{**ITEM, "additionalProperties": False}, {"type": "string"}]}),
+    # what the schema says itself stays
+    ({**ITEM, "additionalProperties": True}, {**ITEM, "additionalProperties": True}),
+    ({**ITEM, "additionalProperties": {"type": "string"}}, {**ITEM, "additionalProperties": {"type": "string"}}),
+    ({**ITEM, "patternProperties": {"^x": {}}}, {**ITEM, "patternProperties": {"^x": {}}}),
+    # a free object (no properties) stays free, as llama.cpp's converter reads it
+    ({"type": "object"}, {"type": "object"}),
+    # parts of one object: allOf members, anyOf beside the node's own properties
+    ({"allOf": [ITEM, {"properties": {"b": {}}}]}, {"allOf": [ITEM, {"properties": {"b": {}}}]}),
+    ({**ITEM, "anyOf": [{"properties": {"b": {}}}, {"required": ["a"]}]},
+     {**ITEM, "anyOf": [{"properties": {"b": {}}}, {"required": ["a"]}]}),
+    # subschemas whose closing would change the meaning; values that are not schemas
+    ({"not": ITEM, "enum": [{"properties": 1}]}, {"not": ITEM, "enum": [{"properties": 1}]}),
+])
+def test_objects_are_closed_where_the_schema_says_nothing(schema, closed):
+    from ruvllm_cli.engine.grammar import closed_objects
+
+    assert closed_objects(schema) == closed
+
+
+def test_a_schema_s_objects_take_no_keys_it_does_not_name(compiler):
+    """Ollama (llama.cpp's converter) and vLLM (xgrammar's strict mode) close them: a
+    model had filled the open object with invented keys (and run out of tokens in one)."""
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}, "b": ITEM}})
+    assert compiler.accepts_text(spec, '{"a":1,"b":{"a":2}}')
+    assert not compiler.accepts_text(spec, '{"a":1,"zz":2}')
+    assert not compiler.accepts_text(spec, '{"b":{"a":2,"zz":2}}')
+    open_spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
+                                         "additionalProperties": True})
+    assert compiler.accepts_text(open_spec, '{"a":1,"zz":2}')
+
+
+def test_a_tool_s_arguments_are_closed_too(compiler, tokenizer):
+    from ruvllm_cli.engine.tools import Tool, ToolChoice, ToolRequest, forced_call_grammar
+
+    tools = ToolRequest((Tool("f", {"type": "object", "properties": {"city": {"type": "string"}}}),),
+                        ToolChoice("required"), parallel=False)
+    spec = forced_call_grammar(tools, "hermes", tokenizer)
+    call = '<tool_call>\n{"name":"f","arguments":{"city":"x"%s}}\n</tool_call>'
+    assert compiler.accepts_text(spec, call % "")
+    assert not compiler.accepts_text(spec, call % ',"zz":1')
