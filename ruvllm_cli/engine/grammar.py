@@ -466,8 +466,12 @@ class GrammarCompiler:
         matcher = compiled.matcher()
         matcher.fill_bitmask(bitmask, 0)
         if matcher.failed or not bool(bitmask.any()):
-            reason = matcher.error or "it allows no output at all"
-            raise grammar_error(compiled.spec, f"the grammar cannot be used: {reason}")
+            reason = matcher.error
+            if not reason or re.fullmatch(r"[A-Za-z]+", reason):   # a Rust enum's name: NoExtensionBias
+                reason = "it allows no output at all" + (f" (llguidance: {reason})" if reason else "")
+            error = grammar_error(compiled.spec, f"the grammar cannot be used: {reason}")
+            error.hint = error.hint or "a $ref that refers only to itself, or a repeat past its limits, allows no output"
+            raise error
 
     def _check_token_ids(self, spec: GrammarSpec) -> None:
         # Padding ids are real ids to llguidance; a grammar that needs one could only

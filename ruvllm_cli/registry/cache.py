@@ -224,6 +224,19 @@ class ModelCache:
         ref.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(ref, commit)
 
+    def partly_downloaded(self, repo_id: str, revision: str | None = None) -> bool:
+        """Whether a download of `revision` (None: main) began and did not finish, or its
+        files changed since: its commit is known (a ref or manifest) with a snapshot or
+        manifest left, or (main) a killed run's `*.incomplete` files are there. A revision
+        never fetched, or removed, is not."""
+        if self.find(repo_id, revision) is not None:
+            return False
+        commit = self.resolve_commit(repo_id, revision)
+        if commit is not None and (self.snapshot_dir(repo_id, commit).is_dir()
+                                   or self.manifest_path(repo_id, commit).is_file()):
+            return True
+        return revision in (None, DEFAULT_REVISION) and bool(self.orphaned_incomplete_files(repo_id))
+
     def orphaned_incomplete_files(self, repo_id: str) -> list[Path]:
         """`*.incomplete` blobs a killed run left behind: those whose download lock is free."""
         blobs = self.repo_dir(repo_id) / "blobs"

@@ -86,7 +86,7 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     revision = f" --revision {ref.revision}" if ref.revision else ""
     quant = f" -q {quantization.value}" if quantization else ""
     partly = " (only partly: the download did not finish, or its files changed since)" \
-        if cache.repo_dir(ref.repo_id).is_dir() else ""
+        if cache.partly_downloaded(ref.repo_id, ref.revision) else ""
     raise NotDownloadedError(f"{ref.display_name} is not downloaded{partly}",
                              f"run: ruvllm download {target}{quant}{revision}")
 

@@ -29,8 +29,14 @@ def _message(item: Any, where: str) -> dict[str, Any]:
         raise invalid_value(f"{where}.role", f"must be one of {', '.join(sorted(ROLES))}", role)
     message: dict[str, Any] = {"role": "system" if role == "developer" else role}
     tool_calls = item.get("tool_calls")
-    content_required = not (role == "assistant" and tool_calls)
-    message["content"] = _content(item.get("content"), f"{where}.content", content_required)
+    refusal = item.get("refusal") if role == "assistant" else None
+    if refusal is not None and not isinstance(refusal, str):
+        raise invalid_type(f"{where}.refusal", "a string", refusal)
+    content_required = not (role == "assistant" and (tool_calls or refusal))
+    message["content"] = _content(item.get("content"), f"{where}.content", content_required,
+                                  refusals=role == "assistant")
+    if message["content"] is None and refusal:   # an OpenAI reply's refusal, passed back as it came
+        message["content"] = refusal
     if tool_calls is not None:
         if role != "assistant" or not isinstance(tool_calls, list):
             raise invalid_value(f"{where}.tool_calls", "only assistant messages carry an array of tool calls",
@@ -67,8 +73,9 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def _content(value: Any, where: str, required: bool) -> str | None:
-    """A string, or text parts joined by newlines; any other part is refused."""
+def _content(value: Any, where: str, required: bool, refusals: bool = False) -> str | None:
+    """A string, or text parts joined by newlines (an assistant's `refusal` parts, as
+    OpenAI's replies carry them, count as its text); any other part is refused."""
     if value is None:
         if required:
             raise bad_request(f"Missing required parameter: '{where}'.", where, "missing_required_parameter")
@@ -79,12 +86,13 @@ def _content(value: Any, where: str, required: bool) -> str | None:
         raise invalid_type(where, "a string or an array of content parts", value)
     texts = []
     for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else part
+        kind = part.get("type") if isinstance(part, dict) else part
+        key = "refusal" if refusals and kind == "refusal" else "text"
+        if kind != key:
             raise invalid_value(f"{where}[{i}].type", "only text content parts are supported", kind)
-        if not isinstance(part.get("text"), str):
-            raise invalid_type(f"{where}[{i}].text", "a string", part.get("text"))
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise invalid_type(f"{where}[{i}].{key}", "a string", part.get(key))
+        texts.append(part[key])
     return "\n".join(texts)
 
 
@@ -102,14 +110,21 @@ _TOOL = {"type": "object", "required": ["role", "content", "tool_call_id"], "pro
     "role": {"const": "tool"}, "content": _CONTENT, "name": {"type": ["string", "null"]},
     "tool_call_id": {"type": "string", "minLength": 1, "description": "The call this message answers."},
     "tool_calls": {"type": "null"}}}
+_REFUSAL_PART = {"type": "object", "required": ["type", "refusal"],
+                 "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}}}
+_ASSISTANT_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_TEXT_PART, _REFUSAL_PART]}}]}
 _ASSISTANT = {"type": "object", "required": ["role"], "description": "content, or tool_calls, or both.",
-              "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [_CONTENT, {"type": "null"}]},
+              "properties": {"role": {"const": "assistant"},
+                             "content": {"anyOf": [_ASSISTANT_CONTENT, {"type": "null"}]},
+                             "refusal": {"type": ["string", "null"], "description": "A reply's refusal (its text "
+                                         "where content is null)."},
                              "name": {"type": ["string", "null"]},
                              "tool_calls": {"type": ["array", "null"], "items": _PAST_CALL},
                              "reasoning": {"type": ["string", "null"], "description": "A reasoning model's "
                                            "reasoning in that turn (or `reasoning_content`)."},
                              "reasoning_content": {"type": ["string", "null"]}},
-              "anyOf": [{"required": ["content"], "properties": {"content": _CONTENT}},
+              "anyOf": [{"required": ["content"], "properties": {"content": _ASSISTANT_CONTENT}},
+                        {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}},
                         {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}
 MESSAGES = Field("messages", "array", "The conversation so far.", required=True, parse=parse_messages,
                  schema={"type": "array", "minItems": 1, "items": {"anyOf": [_MESSAGE, _TOOL, _ASSISTANT]}})

@@ -12,7 +12,7 @@ from ruvllm_cli.engine.sampling import MODEL_SAMPLING_FIELDS, ReasoningBlock, Sa
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
-from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
+from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value, string_list
 from ruvllm_cli.server.messages import MESSAGES
 from ruvllm_cli.server.spec import Field, read_fields
 from ruvllm_cli.server.structured import LOGIT_BIAS, STRUCTURED_FIELDS, Structured, pick_structured
@@ -149,11 +149,9 @@ class CompletionRequest:
 def _stop(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+    if not isinstance(value, list):
         raise invalid_type("stop", "a string or an array of strings", value)
-    if len(value) > MAX_STOP:
-        raise invalid_value("stop", f"at most {MAX_STOP} stop sequences", value)
-    return tuple(value)
+    return string_list(value, "stop", MAX_STOP)   # names the item that is no string: stop[1]
 
 
 MAX_STOP_TOKEN_IDS = 64

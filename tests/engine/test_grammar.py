@@ -391,6 +391,14 @@ def test_rejected_grammars_give_one_line(compiler, spec, message):
     assert caught.value.message == message
 
 
+def test_a_schema_that_allows_nothing_says_so_in_words(compiler):
+    with pytest.raises(GrammarError) as caught:
+        compiler.validate(GrammarSpec.json_schema({"$ref": "#"}))   # was "...: NoExtensionBias" alone
+    assert caught.value.message == ("invalid JSON schema: the grammar cannot be used: it allows no output at all "
+                                    "(llguidance: NoExtensionBias)")
+    assert caught.value.hint == "a $ref that refers only to itself, or a repeat past its limits, allows no output"
+
+
 def test_regex_errors_hint_at_the_syntax(compiler):
     with pytest.raises(GrammarError) as caught:
         compiler.validate(GrammarSpec.regex(r"(a)\1"))

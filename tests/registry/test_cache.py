@@ -98,6 +98,23 @@ def test_short_blob_means_not_downloaded(cache: ModelCache) -> None:
     assert cache.downloaded() == []
 
 
+def test_partly_downloaded_is_a_revision_begun_not_another_one(cache: ModelCache) -> None:
+    """`chat org/x@v9` with main downloaded said "only partly: the download did not
+    finish": the repo's folder was there, v9 was never fetched."""
+    model = record(cache)
+    assert not cache.partly_downloaded(REPO) and not cache.partly_downloaded(REPO, "v9")
+    assert not cache.partly_downloaded(REPO, C2)
+    (model.path / "tokenizer.json").unlink()   # main's files changed since
+    assert cache.partly_downloaded(REPO) and not cache.partly_downloaded(REPO, "v9")
+    put_snapshot(cache, REPO, C2, {"config.json": b"{}"}, ref="v2")   # v2 begun, never finished
+    assert cache.partly_downloaded(REPO, "v2") and cache.partly_downloaded(REPO, C2)
+    other = "someone/killed-early"   # killed before any ref: only its *.incomplete blob
+    blobs = cache.repo_dir(other) / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{'a' * 64}.incomplete").write_bytes(b"w" * 10)
+    assert cache.partly_downloaded(other) and not cache.partly_downloaded(other, "v2")
+
+
 def test_corrupt_manifest_is_ignored(cache: ModelCache) -> None:
     record(cache)
     cache.manifest_path(REPO, C1).write_text("{not json")

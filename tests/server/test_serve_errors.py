@@ -65,6 +65,7 @@ def test_missing_messages_and_prompt(http):
     ("frequency_penalty", [1], "frequency_penalty", "invalid_type"),
     ("stop", 5, "stop", "invalid_type"),
     ("stop", ["a", "b", "c", "d", "e"], "stop", "invalid_value"),
+    ("stop", ["a", 2], "stop[1]", "invalid_type"),   # was "expected ... an array of strings, but got an array"
     ("seed", "x", "seed", "invalid_type"),
     ("stream", "yes", "stream", "invalid_type"),
     ("stream_options", {"include_usage": 1}, "stream_options.include_usage", "invalid_type"),

@@ -258,3 +258,19 @@ def test_a_tool_conversation_renders_through_the_template(client, server):
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in rendered
     assert reply.usage.prompt_tokens == len(server.engine(lambda e: e.tokenizer.encode(
         rendered, add_special_tokens=False)))
+
+
+def test_an_assistant_s_refusal_passed_back_is_its_text(client, server):
+    """OpenAI's replies carry a refusal as `refusal` (content null) or a `refusal` part;
+    clients append them to the history as they came (it was a 400: "only text parts")."""
+    def prompt_of(assistant):
+        messages = [{"role": "user", "content": "x"}, assistant, {"role": "user", "content": "y"}]
+        return chat(client, server, messages=messages, max_tokens=1).usage.prompt_tokens
+
+    as_text = prompt_of({"role": "assistant", "content": "I can't help with that."})
+    assert prompt_of({"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}) \
+        == as_text
+    assert prompt_of({"role": "assistant", "content": None, "refusal": "I can't help with that."}) == as_text
+    with pytest.raises(openai.BadRequestError, match="only text content parts"):
+        chat(client, server, messages=[{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+             max_tokens=1)
