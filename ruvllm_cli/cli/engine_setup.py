@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ruvllm_cli.cli.context import AppContext
-from ruvllm_cli.errors import ModelLoadError, RuvllmError
+from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization, quantization_of_gguf
 from ruvllm_cli.registry.locate import LocatedModel, locate_model
 
@@ -82,6 +82,15 @@ def _stored_as_float32(located: LocatedModel) -> bool:
     return directory.is_dir() and safetensors_dtype(sorted(directory.glob("*.safetensors"))) == "f32"
 
 
+# The least context `serve` starts with when the KV pool caps it (unless --max-context asks less).
+MIN_SERVED_CONTEXT = 256
+
+
+def _size_text(size: int) -> str:
+    return (f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB" if size >= 2**20
+            else f"{size / 2**10:.0f} KiB")
+
+
 @dataclass
 class OpenedEngine:
     engine: Any          # ruvllm_cli.engine.engine.LLMEngine
@@ -103,12 +112,33 @@ class OpenedEngine:
         else:
             source = (f"{engine.config.kv_cache_fraction:.0%} of free memory; "
                       "--kv-cache-memory sets it")
-        size_text = (f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB" if size >= 2**20
-                     else f"{size / 2**10:.0f} KiB")
+        size_text = _size_text(size)
         capped = engine.context_before_kv_cap
         cap = (f"; it caps the context at {engine.max_model_len:,} of {capped:,} tokens" if capped is not None
                else "")
         return f"{size_text}, {tokens:,} tokens of context ({source}){cap}"
+
+    def check_served_context(self) -> None:
+        """Refuse to serve a KV pool that caps the context below MIN_SERVED_CONTEXT tokens
+        (or the context asked, where less): every chat request would be "too long" (16
+        tokens do not hold a chat template's own), under a /health of 200. vLLM refuses
+        any pool smaller than its context; a pool that caps a long context to a usable
+        one is served, with kv_summary saying so."""
+        engine = self.engine
+        asked = engine.context_before_kv_cap
+        if asked is None:
+            return
+        floor = min(asked, MIN_SERVED_CONTEXT)
+        if engine.max_model_len >= floor:
+            return
+        block = engine.config.block_size
+        need = -(-floor // block) * (engine.kv_cache_bytes // engine.block_manager.num_blocks)
+        given = engine.config.kv_cache_memory is not None
+        source = "--kv-cache-memory" if given else f"{engine.config.kv_cache_fraction:.0%} of free memory"
+        error = UsageError if given else ModelLoadError
+        raise error(f"the KV cache ({_size_text(engine.kv_cache_bytes)}, {source}) holds {engine.max_model_len} "
+                    f"tokens of context, fewer than the {floor} a server needs to answer requests",
+                    f"give --kv-cache-memory {_size_text(need)} or more ({floor} tokens of this model)")
 
     def context_note(self, asked: int) -> str | None:
         """A line when the context is shorter than --max-context asked because the model

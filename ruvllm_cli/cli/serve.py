@@ -82,7 +82,8 @@ BYTE_SIZE = ByteSize()
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
               help="Token budget of one engine step (default: 1024 on CPU, 8192 on GPU).")
 @click.option("--kv-cache-memory", type=BYTE_SIZE, default=None,
-              help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory).")
+              help="Memory for the KV cache, e.g. 2GiB or 512MiB (default: a share of free memory). A pool "
+                   "smaller than the context caps it; one under 256 tokens (or --max-context) is refused.")
 @prefix_cache_option()
 @weight_cache_option()
 @compile_option()

@@ -72,6 +72,7 @@ def load_local(app: AppContext, options: dict[str, Any]) -> LocalBackend:
 
     opened = open_engine(app, options["model"], adapters=options["adapters"],
                          skip_bad_adapters=options.get("skip_bad_adapters", False), **engine_options(options))
+    opened.check_served_context()
     warm_up(opened.engine.tokenizer)   # before the first chat request, not during it
     return LocalBackend(opened)
 

@@ -363,3 +363,40 @@ def test_the_kv_summary_says_what_sized_the_pool(tiny_model_dir, tmp_path, monke
                          located)
     assert re.fullmatch(r"96 KiB, (\d+) tokens of context \(--kv-cache-memory\); it caps the context at \1 of "
                         r"256 tokens", small.kv_summary()), small.kv_summary()
+
+
+def test_a_kv_pool_too_small_to_answer_is_refused_at_start(ruvllm, tiny_model_dir, free_port):
+    """--kv-cache-memory 1KiB held 16 tokens: the server started, /health said 200, and
+    every chat request (the banner's own example) was "too long"."""
+    result = ruvllm("serve", str(tiny_model_dir), "--port", str(free_port), "-q", "none", "--device", "cpu",
+                    "--kv-cache-memory", "1KiB", timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("Error:", "Hint:"))]
+    assert re.fullmatch(r"Error: the KV cache \(\d+ KiB, --kv-cache-memory\) holds 16 tokens of context, fewer "
+                        r"than the 256 a server needs to answer requests", errors[0]), errors
+    assert re.fullmatch(r"Hint: give --kv-cache-memory \d+ KiB or more \(256 tokens of this model\)", errors[1])
+
+
+def test_a_pool_that_caps_the_context_to_a_usable_one_is_served(tiny_model_dir, tmp_path):
+    from ruvllm_cli.cli.engine_setup import OpenedEngine
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.errors import UsageError
+    from ruvllm_cli.quantization import Quantization
+
+    located = locate_model(str(tiny_model_dir), tmp_path)
+    loaded = load_model(tiny_model_dir, "cpu", Quantization.F32)
+    probe = LLMEngine(loaded, EngineConfig(device="cpu", max_model_len=64))
+    per_block = probe.kv_cache_bytes // probe.block_manager.num_blocks
+
+    def opened(blocks: int, context: int) -> OpenedEngine:
+        config = EngineConfig(device="cpu", max_model_len=context, kv_cache_memory=blocks * per_block)
+        return OpenedEngine(LLMEngine(loaded, config), located)
+
+    opened(16, 4096).check_served_context()   # 256 of 4,096 tokens: capped, served
+    opened(4, 64).check_served_context()      # all of a short context asked for
+    with pytest.raises(UsageError, match="holds 240 tokens of context, fewer than the 256"):
+        opened(15, 4096).check_served_context()
+    with pytest.raises(UsageError, match="holds 48 tokens of context, fewer than the 64"):
+        opened(3, 64).check_served_context()
