@@ -27,6 +27,10 @@ class Tool:
     name: str
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     description: str | None = None
+    # OpenAI's `strict`: its arguments must follow the schema. They do wherever the
+    # grammar holds calls (forced, or opened under auto); strict only decides what a
+    # schema the grammar library cannot enforce is: a 400 (strict), or free arguments.
+    strict: bool = False
 
     def __post_init__(self) -> None:
         if not TOOL_NAME.fullmatch(self.name):
@@ -124,11 +128,38 @@ def marker(tokenizer: Any, text: str) -> str:
     return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
 
+# Where a call opens with one marker token, under tool_choice "auto" the reply is free
+# text until the model writes it, then calls held to the offered tools.
+OPENING_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+
+
 def forced_call_grammar(request: ToolRequest, parser_name: str, tokenizer: Any) -> GrammarSpec | None:
     """The Lark grammar of a reply made only of calls, in the parser's format; None
     when nothing is forced."""
     if not request.choice.forced:
         return None
+    return GrammarSpec.lark("\n".join(["start: calls", *_call_rules(request, parser_name, tokenizer)]))
+
+
+def auto_call_grammar(request: ToolRequest, parser_name: str, tokenizer: Any) -> GrammarSpec | None:
+    """Under tool_choice "auto": any text (the model's answer, its reasoning) until the
+    model writes the format's opening marker, then calls in the parser's format to the
+    offered tools, arguments valid against their schemas, and nothing after them: what
+    llama.cpp's server does with its lazy grammars, and what OpenAI's `strict` promises.
+    None where a call does not open with one token (llama3_json's calls are JSON text,
+    a tokenizer without the marker as an added token): calls stay free there."""
+    if request.choice.mode != "auto" or not request.tools or parser_name not in OPENING_MARKERS:
+        return None
+    opening = tokenizer.get_added_vocab().get(OPENING_MARKERS[parser_name])
+    if opening is None:
+        return None
+    rules = _call_rules(request, parser_name, tokenizer)
+    return GrammarSpec.lark("\n".join(["start: text calls?", f"text: <[^{opening}]>*", *rules]))
+
+
+def _call_rules(request: ToolRequest, parser_name: str, tokenizer: Any) -> list[str]:
+    """Lark rules of `calls`: one call or more (parallel calls on: up to
+    MAX_PARALLEL_CALLS) to the offered tools, in the parser's format."""
     def calls(item: str, separator: str) -> str:
         more = f"({separator} {item}){{0,{MAX_PARALLEL_CALLS - 1}}}" if request.parallel else ""
         return f"{item} {more}".strip()
@@ -137,13 +168,13 @@ def forced_call_grammar(request: ToolRequest, parser_name: str, tokenizer: Any) 
     if parser_name == "hermes":
         obj = json.dumps(call_schema(tools, "arguments"))
         call = f'{marker(tokenizer, "<tool_call>")} "\\n" obj "\\n" {marker(tokenizer, "</tool_call>")}'
-        rules = [f'start: {calls("call", json.dumps(chr(10)))}', f"call: {call}"]
+        rules = [f'calls: {calls("call", json.dumps(chr(10)))}', f"call: {call}"]
     elif parser_name == "llama3_json":
         obj = json.dumps(call_schema(tools, "parameters"))
-        rules = [f'start: {calls("obj", json.dumps("; "))}']
+        rules = [f'calls: {calls("obj", json.dumps("; "))}']
     elif parser_name == "mistral":
         obj = json.dumps(call_schema(tools, "arguments"))
-        rules = [f'start: {marker(tokenizer, "[TOOL_CALLS]")} "[" {calls("obj", json.dumps(","))} "]"']
+        rules = [f'calls: {marker(tokenizer, "[TOOL_CALLS]")} "[" {calls("obj", json.dumps(","))} "]"']
     else:
         raise UsageError(f"no tool-call grammar for the {parser_name!r} format")
-    return GrammarSpec.lark("\n".join([*rules, f"obj: %json {obj}"]))
+    return [*rules, f"obj: %json {obj}"]

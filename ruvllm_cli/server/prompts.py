@@ -13,7 +13,7 @@ from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.reasoning import Reasoning
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
-from ruvllm_cli.engine.tools import ToolRequest, forced_call_grammar
+from ruvllm_cli.engine.tools import ToolRequest, auto_call_grammar, forced_call_grammar
 from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
@@ -35,12 +35,14 @@ class SequencePlan:
     in_reasoning: bool = False                   # the prompt left the reply inside its reasoning block
 
 
-def check_constraints(engine: Any, sampling: SamplingFields) -> None:
+def check_constraints(engine: Any, sampling: SamplingFields) -> SamplingFields:
     """What needs the model to check: logit_bias ids in its vocabulary, and a grammar
-    the library can enforce (compiled here, off the event loop and the engine thread)."""
+    the library can enforce (compiled here, off the event loop and the engine thread).
+    The sampling to use: without an optional grammar the library refused."""
     check_token_ids("logit_bias", (token for token, _ in sampling.logit_bias), len(engine.tokenizer))
     check_token_ids("stop_token_ids", sampling.stop_token_ids, len(engine.tokenizer))
-    check_grammar(sampling.structured, engine)
+    structured = check_grammar(sampling.structured, engine)
+    return sampling if structured is sampling.structured else replace(sampling, structured=structured)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -68,21 +70,30 @@ def template_tools(tools: ToolRequest | None, messages: list[dict[str, Any]]) ->
 
 def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampling: SamplingFields) -> SamplingFields:
     """Sampling for a reply that may call tools: markers that are special tokens reach
-    the parser (other special tokens are still skipped), and a forced tool_choice
-    becomes the grammar of its calls. A forced reply is calls only, which `stop`
-    strings would cut mid-call (a "\\n" left the markup as content and no call; a "}"
-    invalid arguments under finish_reason "tool_calls"): they apply to text, and a
-    forced reply has none, so they are left out, as OpenAI's stop never cuts a call."""
+    the parser (other special tokens are still skipped), and the calls follow a
+    grammar. A forced tool_choice makes the reply calls only, which `stop` strings
+    would cut mid-call (a "\\n" left the markup as content and no call; a "}" invalid
+    arguments under finish_reason "tool_calls"): they apply to text, and a forced reply
+    has none, so they are left out, as OpenAI's stop never cuts a call. Under "auto"
+    the reply is free until the model opens a call (`auto_call_grammar`), unless a
+    response_format holds it; a tool schema the library cannot enforce is a 400 where
+    the tool is strict, else leaves the calls free."""
     sampling = replace(sampling, kept_special_tokens=parser.markers)
     try:
-        spec = forced_call_grammar(tools, parser.name, tokenizer)
+        forced = forced_call_grammar(tools, parser.name, tokenizer)
+        auto = auto_call_grammar(tools, parser.name, tokenizer) \
+            if forced is None and sampling.structured is None else None
     except UsageError as error:
         raise bad_request(error.message, "tool_choice") from error
-    if spec is None:
+    if forced is None and auto is None:
         return sampling
     parts = tuple((f"the parameters schema of tool '{tool.name}'", GrammarSpec.json_schema(tool.parameters))
                   for tool in tools.offered())
-    return replace(sampling, structured=Structured(spec, "tools", parts=parts), stop=())
+    if forced is not None:
+        return replace(sampling, structured=Structured(forced, "tools", parts=parts), stop=())
+    assert auto is not None
+    strict = any(tool.strict for tool in tools.offered())
+    return replace(sampling, structured=Structured(auto, "tools", parts=parts, optional=not strict, free_text=True))
 
 
 def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingFields, prompt_ids: list[int],
@@ -90,8 +101,8 @@ def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingF
     """Sampling for a reasoning model's reply (its markers reach the splitter even where
     they are special tokens; a constraint lets it reason first: `Reasoning.plan`), and
     whether it starts inside its block."""
-    plan = reasoning.plan(tokenizer, prompt_ids, sampling.structured is not None, continued,
-                          budgeted=sampling.thinking_budget is not None)
+    constrained = sampling.structured is not None and not sampling.structured.free_text
+    plan = reasoning.plan(tokenizer, prompt_ids, constrained, continued, budgeted=sampling.thinking_budget is not None)
     return plan.sampling(sampling, reasoning), plan.inside
 
 

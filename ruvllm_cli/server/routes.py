@@ -228,7 +228,7 @@ def chat_prepare(engine: Any, messages: list[dict[str, Any]], tools: ToolRequest
         if parser is not None:
             assert tools is not None
             plan_sampling = tool_sampling(engine.tokenizer, tools, parser, sampling)
-        check_constraints(engine, plan_sampling)
+        plan_sampling = check_constraints(engine, plan_sampling)
         prompt_ids = render_chat(engine.tokenizer, messages, template_tools(tools, messages), param, template)
         in_reasoning = False
         if reasoning is not None:
@@ -267,12 +267,12 @@ def completion_prepare(engine: Any, job: CompletionRequest, options: RequestOpti
     echo_texts: list[str] = []
 
     def prepare() -> list[SequencePlan]:
-        check_constraints(engine, job.sampling)
+        sampling = check_constraints(engine, job.sampling)
         prompt_ids = tokenize_prompts(engine.tokenizer, job.prompts, engine.vocab_size)
         if job.echo:
             echo_texts.extend(p if isinstance(p, str) else engine.tokenizer.decode(ids)
                               for p, ids in zip(job.prompts, prompt_ids))
-        return plan_sequences(prompt_ids, job.sampling, engine.max_model_len, "prompt", options)
+        return plan_sequences(prompt_ids, sampling, engine.max_model_len, "prompt", options)
 
     return prepare, echo_texts
 

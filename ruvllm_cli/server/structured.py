@@ -7,6 +7,7 @@ tokenizer (`check_grammar`)."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -15,6 +16,8 @@ from ruvllm_cli.engine.grammar import GrammarError, GrammarSpec, map_subschemas
 from ruvllm_cli.server.errors import ApiError, bad_request
 from ruvllm_cli.server.fields import Fields, invalid_value
 from ruvllm_cli.server.spec import Field
+
+log = logging.getLogger("ruvllm.server")
 
 MAX_LOGIT_BIAS = 300         # OpenAI's own cap on entries
 # A token id as a logit_bias key. At most 19 digits: int() of a 5,000-digit key
@@ -37,6 +40,12 @@ class Structured:
     # What the grammar is made of, each part on its own (a forced call's tools' schemas):
     # the one the library refuses is named in the 400, not a line of the whole grammar.
     parts: tuple[tuple[str, GrammarSpec], ...] = ()
+    # The server's own constraint, not the request's word (tool_choice "auto"'s calls):
+    # one the library cannot compile is left out (the calls go free), not a 400.
+    optional: bool = False
+    # Any text is allowed until a call opens: a reasoning model reasons as it would
+    # unconstrained (the constraint does not wait out its block).
+    free_text: bool = False
 
     @property
     def repairable(self) -> bool:
@@ -134,14 +143,18 @@ def check_token_ids(param: str, ids: Iterable[int], vocab_size: int) -> None:
         raise invalid_value(param, f"token ids must be in [0, {vocab_size})", outside)
 
 
-def check_grammar(structured: Structured | None, engine: Any) -> None:
+def check_grammar(structured: Structured | None, engine: Any) -> Structured | None:
     """Compile the grammar now (cached for the engine): a schema the library cannot
-    enforce is a 400 naming it, never a silent unconstrained run."""
+    enforce is a 400 naming it, never a silent unconstrained run; an optional one
+    (the server's own) is left out instead, with a log line (the returned None)."""
     if structured is None:
-        return
+        return None
     try:
         engine.grammar_compiler.validate(structured.spec)
     except GrammarError as error:
+        if structured.optional:
+            log.info("%s: not held to a grammar (%s)", structured.param, error.message)
+            return None
         for label, part in structured.parts:
             try:
                 engine.grammar_compiler.validate(part)
@@ -150,6 +163,7 @@ def check_grammar(structured: Structured | None, engine: Any) -> None:
         # Named in the message too: Anthropic's error shape has no `param`.
         raise ApiError(error.http_status, f"'{structured.param}' cannot be enforced: {error.message}",
                        param=structured.param) from error
+    return structured
 
 
 def repair_spec(spec: GrammarSpec) -> GrammarSpec:

@@ -49,8 +49,12 @@ def _tool(item: Any, where: str) -> Tool:
     if parameters is not None and not isinstance(parameters, dict):
         raise invalid_type(f"{where}.function.parameters", "an object (a JSON schema)", parameters)
     check_object_schema(parameters, f"{where}.function.parameters")
+    strict = function.raw("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid_type(f"{where}.function.strict", "a boolean", strict)
     try:
-        tool = Tool(name, parameters or {"type": "object", "properties": {}}, function.string("description"))
+        tool = Tool(name, parameters or {"type": "object", "properties": {}}, function.string("description"),
+                    strict=bool(strict))
     except UsageError as error:
         raise invalid_value(f"{where}.function.name", error.message, name) from error
     return tool

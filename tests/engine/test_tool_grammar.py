@@ -14,7 +14,8 @@ import torch
 from ruvllm_cli.engine.grammar import GrammarCompiler
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tool_parsers import get_parser
-from ruvllm_cli.engine.tools import (MAX_PARALLEL_CALLS, Tool, ToolChoice, ToolRequest, forced_call_grammar)
+from ruvllm_cli.engine.tools import (MAX_PARALLEL_CALLS, Tool, ToolChoice, ToolRequest, auto_call_grammar,
+                                     forced_call_grammar)
 from ruvllm_cli.errors import UsageError
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -32,8 +33,9 @@ def tokenizer(engine_model_dir):
     return AutoTokenizer.from_pretrained(engine_model_dir)
 
 
-def walk(compiled, tokenizer, seed: int) -> str:
-    """Decode a random path through the grammar, each token drawn from the allowed ones."""
+def walk(compiled, tokenizer, seed: int, prefer: int | None = None) -> str:
+    """Decode a random path through the grammar, each token drawn from the allowed ones
+    (`prefer`, where allowed, a tenth of the time: a call's marker in free text)."""
     matcher, rng, out = compiled.matcher(), random.Random(seed), []
     words = compiled.layout.words
     bitmask = torch.empty((1, words), dtype=torch.int32)
@@ -42,9 +44,9 @@ def walk(compiled, tokenizer, seed: int) -> str:
         matcher.fill_bitmask(bitmask, 0)
         row = bitmask[0].tolist()
         allowed = [t for t in range(32 * words) if (row[t // 32] >> (t % 32)) & 1]
-        if matcher.eos_allowed and rng.random() < 0.3:
+        if matcher.eos_allowed and rng.random() < (0.05 if prefer is not None else 0.3):
             break
-        token = rng.choice(allowed)
+        token = prefer if prefer in allowed and rng.random() < 0.1 else rng.choice(allowed)
         assert matcher.accept(token)
         out.append(token)
     return tokenizer.decode(out, skip_special_tokens=False)
@@ -81,6 +83,54 @@ def test_a_named_function_is_the_only_one_called(tokenizer):
 def test_nothing_is_forced_under_auto_and_none(tokenizer):
     for mode in ("auto", "none"):
         assert forced_call_grammar(ToolRequest(TOOLS, ToolChoice(mode)), "hermes", tokenizer) is None
+
+
+def with_mistral_marker(tokenizer):
+    """The tiny tokenizer with Mistral's [TOOL_CALLS] as an added token, as Mistral's own has it."""
+    import copy
+
+    mistral = copy.deepcopy(tokenizer)
+    mistral.add_tokens(["[TOOL_CALLS]"], special_tokens=True)
+    return mistral
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_auto_grammar_is_text_then_valid_calls(tokenizer, fmt):
+    """tool_choice auto: any text, and once the model opens a call, calls to offered
+    tools with valid arguments, then the end (random walks: both kinds of reply)."""
+    tokenizer = with_mistral_marker(tokenizer) if fmt == "mistral" else tokenizer
+    marker = "<tool_call>" if fmt == "hermes" else "[TOOL_CALLS]"
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    compiled = compiler.compile(auto_call_grammar(ToolRequest(TOOLS), fmt, tokenizer))
+    kinds = set()
+    for seed in range(16):
+        text = walk(compiled, tokenizer, seed, prefer=tokenizer.convert_tokens_to_ids(marker))
+        parsed = get_parser(fmt).parse(text.replace("<|im_end|>", "").replace("<|endoftext|>", ""))
+        kinds.add(bool(parsed.tool_calls))
+        assert text.count(marker) == (1 if parsed.tool_calls and fmt == "mistral" else len(parsed.tool_calls))
+        for call in parsed.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert kinds == {True, False}
+
+
+def test_auto_grammar_holds_what_follows_the_marker(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    spec = auto_call_grammar(ToolRequest(TOOLS, parallel=False), "hermes", tokenizer)
+    call = '<tool_call>\n{"name":"add","arguments":{"a":1%s}}\n</tool_call>'
+    assert compiler.accepts_text(spec, "Let me add.")
+    assert compiler.accepts_text(spec, "Let me add.\n" + call % "")
+    assert not compiler.accepts_text(spec, call % ',"b":2')        # an argument the schema has not
+    assert not compiler.accepts_text(spec, call.replace("add", "sub") % "")   # a tool not offered
+    assert not compiler.accepts_text(spec, call % "" + " and more text")     # nothing after the calls
+    assert not compiler.accepts_text(spec, call % "" + "\n" + call % "")    # parallel calls off: one
+
+
+def test_no_auto_grammar_where_a_call_does_not_open_with_one_token(tokenizer):
+    request = ToolRequest(TOOLS)
+    assert auto_call_grammar(request, "llama3_json", tokenizer) is None   # its calls are JSON text
+    assert auto_call_grammar(request, "mistral", tokenizer) is None       # no [TOOL_CALLS] token here
+    assert auto_call_grammar(ToolRequest(TOOLS, ToolChoice("none")), "hermes", tokenizer) is None
+    assert auto_call_grammar(ToolRequest(TOOLS, ToolChoice("required")), "hermes", tokenizer) is None
 
 
 @pytest.mark.parametrize("make, words", [

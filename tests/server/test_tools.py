@@ -260,3 +260,61 @@ def test_a_forced_reply_is_calls_only_whatever_cuts_it(client, server):
         assert whole.finish_reason == finish == "length"
         assert not whole.message.content and content == ""
         assert len(whole.message.tool_calls or []) == len(calls)
+
+
+# ---- tool_choice auto: free until the model opens a call, then held to the tools --------------
+def opening_bias(server, bias: float = 5.0) -> dict[str, float]:
+    """logit_bias that makes the random model open calls now and then (it never would)."""
+    opening = server.engine(lambda e: e.tokenizer.convert_tokens_to_ids("<tool_call>"))
+    return {str(opening): bias}
+
+
+def test_a_call_opened_under_auto_follows_the_tools(client, server):
+    """A helper's pass: with a strict tool under auto, the model's opened calls had
+    free arguments ('<tool_call><tool_call>% water...'); OpenAI's strict promises them
+    valid, and llama.cpp's server holds them with a lazy grammar. Now: text, then calls
+    to offered tools with valid arguments, then nothing; streamed the same."""
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    called = texts = 0
+    for seed in range(8):
+        ask = dict(model=server.model, messages=HELLO, tools=strict, temperature=1.0, seed=seed, max_tokens=300,
+                   logit_bias=opening_bias(server))
+        reply = client.chat.completions.create(**ask).choices[0]
+        if reply.message.tool_calls:
+            called += 1
+            assert reply.finish_reason == "tool_calls"
+            check_calls(reply.message.tool_calls)
+            assert "<tool_call>" not in (reply.message.content or "")
+        else:
+            texts += 1
+            assert reply.finish_reason in ("stop", "length")
+        content, calls, finish = collect_stream(client.chat.completions.create(**ask, stream=True))
+        assert (content or None, finish) == (reply.message.content or None, reply.finish_reason)
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+            [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
+    assert called >= 3, (called, texts)
+
+
+def test_without_a_call_an_auto_reply_is_the_free_one(client, server):
+    """Until a call opens, the grammar allows every token but the marker: a reply that
+    opens none is the unconstrained reply token for token (greedy, the same seed)."""
+    ask = dict(model=server.model, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=HELLO, tools=TOOLS, **ask).choices[0]
+    prompt = server.engine(lambda e: e.tokenizer.apply_chat_template(
+        HELLO, tools=TOOLS, add_generation_prompt=True, tokenize=False))
+    free = client.completions.create(prompt=prompt, **ask).choices[0]   # the same prompt, no grammar
+    assert not chat.message.tool_calls and chat.message.content == free.text.strip()   # the parser strips it
+
+
+def test_an_auto_tool_schema_the_grammar_cannot_take(server):
+    """Not strict: the calls go free, as before (it is the server's constraint, not the
+    request's); strict: a 400 naming the tool, as for a forced call."""
+    import httpx
+
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "not": {}}}}
+    body = {"model": server.model, "messages": HELLO, "max_tokens": 5, "tools": [*TOOLS, odd]}
+    assert httpx.post(f"{server.base_url}/chat/completions", timeout=30, json=body).status_code == 200
+    strict = {**odd, "function": {**odd["function"], "strict": True}}
+    response = httpx.post(f"{server.base_url}/chat/completions", timeout=30, json={**body, "tools": [*TOOLS, strict]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith("the parameters schema of tool 'odd' cannot be enforced")

@@ -102,8 +102,11 @@ def _tool(item: Any, where: str) -> Tool:
         raise bad_request(f"Missing required parameter: '{where}.input_schema'.", f"{where}.input_schema",
                           "missing_required_parameter")
     check_object_schema(schema.body, f"{where}.input_schema")
+    strict = fields.raw("strict")   # Anthropic's structured outputs: the input follows the schema
+    if strict is not None and not isinstance(strict, bool):
+        raise invalid_type(f"{where}.strict", "a boolean", strict)
     try:
-        return Tool(name, schema.body, fields.string("description"))
+        return Tool(name, schema.body, fields.string("description"), strict=bool(strict))
     except UsageError as error:
         raise invalid_value(f"{where}.name", error.message, name) from error
 

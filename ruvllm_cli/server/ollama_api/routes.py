@@ -149,9 +149,9 @@ def raw_prepare(engine: Any, prompt: str, sampling: Any, options: Any) -> Callab
     """/api/generate's prompt as it is (`raw`, or a model without a chat template)."""
 
     def prepare() -> list[SequencePlan]:
-        check_constraints(engine, sampling)
+        checked = check_constraints(engine, sampling)
         prompt_ids = tokenize_prompts(engine.tokenizer, [prompt], engine.vocab_size)
-        return plan_sequences(prompt_ids, sampling, engine.max_model_len, "prompt", options)
+        return plan_sequences(prompt_ids, checked, engine.max_model_len, "prompt", options)
 
     return prepare
 

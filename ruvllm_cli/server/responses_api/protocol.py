@@ -30,8 +30,8 @@ LOGPROBS = "message.output_text.logprobs"
 
 @dataclass(frozen=True)
 class FunctionTool:
-    """A function tool in the Responses API's flat shape; `strict` is only echoed (the
-    arguments follow the schema by grammar when tool_choice forces a call)."""
+    """A function tool in the Responses API's flat shape; `strict` as given is echoed
+    (the tool's own `strict` is true unless it said false)."""
 
     tool: Tool
     strict: bool | None = None
@@ -127,7 +127,9 @@ def _tool(item: Any, where: str) -> FunctionTool:
     if strict is not None and not isinstance(strict, bool):
         raise invalid_type(f"{where}.strict", "a boolean", strict)
     try:
-        tool = Tool(name, parameters or {"type": "object", "properties": {}}, fields.string("description"))
+        # The Responses API's function tools are strict unless they say otherwise.
+        tool = Tool(name, parameters or {"type": "object", "properties": {}}, fields.string("description"),
+                    strict=strict is not False)
     except UsageError as error:
         raise invalid_value(f"{where}.name", error.message, name) from error
     return FunctionTool(tool, strict)
