@@ -470,7 +470,8 @@ class GrammarCompiler:
             if not reason or re.fullmatch(r"[A-Za-z]+", reason):   # a Rust enum's name: NoExtensionBias
                 reason = "it allows no output at all" + (f" (llguidance: {reason})" if reason else "")
             error = grammar_error(compiled.spec, f"the grammar cannot be used: {reason}")
-            error.hint = error.hint or "a $ref that refers only to itself, or a repeat past its limits, allows no output"
+            error.hint = error.hint or ("a $ref that refers only to itself, or a repeat past its limits, "
+                                        "allows no output")
             raise error
 
     def _check_token_ids(self, spec: GrammarSpec) -> None:

@@ -263,6 +263,14 @@ def _template_kwargs(fields: Fields) -> dict[str, Any]:
     return dict(fields.body)
 
 
+def _deprecated(legacy: str, now: str, value: Any) -> None:
+    """OpenAI's pre-2023 function fields had been ignored: the model saw no functions
+    and a forced call was dropped under a 200 (a helper's pass); a client learns it now."""
+    if value != []:
+        raise bad_request(f"'{legacy}' (OpenAI's deprecated form of '{now}') is not supported; send '{now}'.",
+                          legacy, "unsupported_parameter")
+
+
 TEMPLATE_FIELDS = (   # vLLM's
     Field("chat_template_kwargs", "object", "Variables for the model's chat template (vLLM's), e.g. "
           '{"enable_thinking": false} for Qwen3.', parse=_template_kwargs),
@@ -272,6 +280,11 @@ TEMPLATE_FIELDS = (   # vLLM's
 )
 CHAT_FIELDS = (
     MODEL, MESSAGES, *TOOL_FIELDS, *TEMPLATE_FIELDS,
+    Field("functions", None, "Not supported (OpenAI's deprecated form of tools): a non-empty list is a 400.",
+          parse=lambda value: _deprecated("functions", "tools", value),
+          schema={"type": ["array", "null"], "maxItems": 0}),
+    Field("function_call", None, "Not supported (OpenAI's deprecated form of tool_choice): a value is a 400.",
+          parse=lambda value: _deprecated("function_call", "tool_choice", value), schema={"type": "null"}),
     Field("logprobs", "boolean", "Return each token's log probability.", False),
     Field("top_logprobs", "integer", "Alternatives per token (needs logprobs).", low=0, high=MAX_LOGPROBS),
     Field("max_completion_tokens", "integer", "max_tokens under its newer name (wins over it).", low=1),

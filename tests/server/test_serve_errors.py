@@ -315,3 +315,17 @@ def test_text_we_cannot_tokenize_and_absurd_nesting_are_400(http, raw, param, co
     path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
     response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert_error(response, 400, param, contains=contains)
+
+
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+                                          ("function_call", {"name": "f"}), ("function_call", "auto")])
+def test_openai_s_deprecated_function_fields_are_refused_not_ignored(http, field, value):
+    """They had been ignored: the model never saw the functions and a forced call was
+    dropped, under a 200 (a helper's pass)."""
+    response = post_chat(http, messages=HELLO, **{field: value})
+    assert_error(response, 400, field, "unsupported_parameter")
+    assert "deprecated" in response.json()["error"]["message"]
+
+
+def test_empty_deprecated_function_fields_are_no_request_for_functions(http):
+    assert post_chat(http, messages=HELLO, functions=[], function_call=None, max_tokens=2).status_code == 200
