@@ -52,7 +52,7 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool, force: b
         raise UsageError(f"two revisions given: '{ref.revision}' and '{revision}'", "give only one")
     plans = ModelCache(app.cache_dir).plan_removals(download_repos(ref), revision or ref.revision)
     what = " and ".join(_describe(plan) for plan in plans)
-    users = users_of(path for plan in plans for path in plan.files)
+    users = users_of((path for plan in plans for path in plan.files), app.cache_dir)
     if users and not force and not dry_run:
         servers = ", ".join(f"pid {u['pid']} at {u['url']}" for u in users)
         raise RuvllmError(f"{model} is in use by ruvllm serve ({servers}): a server that unloads it loads it "

@@ -262,7 +262,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     failures: list[BaseException] = []
     from ruvllm_cli.registry.in_use import register
 
-    unregister = register([backend.located.path], server.url)   # `ruvllm rm` leaves it alone meanwhile
+    unregister = register([backend.located.path], server.url, app.cache_dir)   # `ruvllm rm` leaves it alone
     try:
         names = served_names(backend.located, options["model"], options["served_model_name"])
         attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)

@@ -170,7 +170,7 @@ async def serve_models(app: "AppContext", options: dict[str, Any], web_app: Any,
     pool = attach_models(web_app, specs, settings, options["max_concurrent"])
     from ruvllm_cli.registry.in_use import register
 
-    unregister = register([spec.path for spec in specs if spec.path is not None], server.url)
+    unregister = register([spec.path for spec in specs if spec.path is not None], server.url, app.cache_dir)
     try:
         pool.report = lambda line: out.info(f"[dim]{escape(line)}[/dim]")
         described = f"{len(specs)} model{'s' if len(specs) > 1 else ''}, each loaded on first use"

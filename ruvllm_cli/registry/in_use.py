@@ -1,7 +1,10 @@
 """Which models a running `ruvllm serve` uses: each server leaves a record of its
-models' paths in the data directory while it runs, so that `ruvllm rm` can refuse to
-pull the files from under it (a server that unloads a model loads it again from
-them). Records of processes that are gone are ignored and cleared. Torch-free."""
+models' paths in the cache directory while it runs, so that `ruvllm rm` on that cache
+can refuse to pull the files from under it (a server that unloads a model loads it
+again from them). The record lives with the files it protects, not in the data
+directory: a server run as a service (another user, another HOME or
+RUVLLM_DATA_DIR) on a shared --cache-dir is seen by every `rm` of that cache.
+Records of processes that are gone are ignored and cleared. Torch-free."""
 
 from __future__ import annotations
 
@@ -10,23 +13,21 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ruvllm_cli.paths import resolve_data_dir
+
+def run_dir(cache_dir: Path) -> Path:
+    return Path(cache_dir) / "in-use"
 
 
-def run_dir() -> Path:
-    return resolve_data_dir() / "run"
-
-
-def register(paths: Iterable[Path], url: str) -> Callable[[], None]:
+def register(paths: Iterable[Path], url: str, cache_dir: Path) -> Callable[[], None]:
     """Record that this process serves `paths` at `url`; returns what removes the record."""
-    record = run_dir() / f"serve-{os.getpid()}.json"
+    record = run_dir(cache_dir) / f"serve-{os.getpid()}.json"
     partial = record.with_suffix(".tmp")
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
                                        "paths": [str(Path(p).absolute()) for p in paths]}))
         os.replace(partial, record)
-    except OSError:   # a data directory we cannot write: serve all the same, unprotected
+    except OSError:   # a cache we cannot write: serve all the same, unprotected
         return lambda: None
 
     def unregister() -> None:
@@ -35,12 +36,13 @@ def register(paths: Iterable[Path], url: str) -> Callable[[], None]:
     return unregister
 
 
-def users_of(files: Iterable[Path]) -> list[dict[str, Any]]:
-    """The running servers (records: pid, url, paths) that serve any of `files`, or a
-    model inside a directory among them."""
+def users_of(files: Iterable[Path], cache_dir: Path) -> list[dict[str, Any]]:
+    """The running servers on `cache_dir` (records: pid, url, paths) that serve any of
+    `files`, or a model inside a directory among them."""
     wanted = [Path(f).absolute() for f in files]
     users = []
-    for record in sorted(run_dir().glob("serve-*.json")) if run_dir().is_dir() else []:
+    records = run_dir(cache_dir)
+    for record in sorted(records.glob("serve-*.json")) if records.is_dir() else []:
         try:
             data = json.loads(record.read_text())
             pid, paths = int(data["pid"]), [Path(p) for p in data["paths"]]

@@ -252,13 +252,13 @@ def test_rm_of_a_local_path_is_a_usage_error(ruvllm: Run, tiny_model_dir: Path) 
     assert tiny_model_dir.joinpath("config.json").exists()
 
 
-def test_rm_refuses_a_model_a_running_server_uses(ruvllm: Run, downloaded: DownloadedModel,
-                                                 cache: ModelCache) -> None:
+def test_rm_refuses_a_model_a_running_server_uses(ruvllm: Run, downloaded: DownloadedModel, cache: ModelCache,
+                                                 cli_env: dict[str, str], tmp_path: Path) -> None:
     """A server records its models while it runs (here: this test's own process, alive);
     rm refuses them unless --force, and ignores (and clears) the records of dead ones."""
     from ruvllm_cli.registry.in_use import register, run_dir
 
-    unregister = register([downloaded.path], "http://127.0.0.1:8080")
+    unregister = register([downloaded.path], "http://127.0.0.1:8080", cache.root)
     try:
         refused = ruvllm("rm", downloaded.repo_id, "-y")
         assert refused.returncode == 1 and downloaded.path.exists()
@@ -266,19 +266,23 @@ def test_rm_refuses_a_model_a_running_server_uses(ruvllm: Run, downloaded: Downl
         assert "--force" in refused.stderr and "Traceback" not in refused.stderr
         dry = ruvllm("rm", downloaded.repo_id, "--dry-run")
         assert dry.returncode == 0 and "in use by ruvllm serve" in dry.stderr
+        # the record is the cache's: an rm with another data directory (a server run as
+        # a service, another HOME) sees it too (it had removed the files)
+        elsewhere = ruvllm("rm", downloaded.repo_id, "-y", env={**cli_env, "RUVLLM_DATA_DIR": str(tmp_path)})
+        assert elsewhere.returncode == 1 and downloaded.path.exists()
     finally:
         unregister()
-    stale = run_dir() / "serve-999999999.json"   # a server that is gone
+    stale = run_dir(cache.root) / "serve-999999999.json"   # a server that is gone
     stale.write_text(json.dumps({"pid": 999999999, "url": "http://x", "paths": [str(downloaded.path)]}))
     removed = ruvllm("rm", downloaded.repo_id, "-y")
     assert removed.returncode == 0, removed.stderr
     assert not downloaded.path.exists() and not stale.exists()
 
 
-def test_rm_force_removes_a_model_in_use(ruvllm: Run, downloaded: DownloadedModel) -> None:
+def test_rm_force_removes_a_model_in_use(ruvllm: Run, downloaded: DownloadedModel, cache: ModelCache) -> None:
     from ruvllm_cli.registry.in_use import register
 
-    unregister = register([downloaded.path], "http://127.0.0.1:8080")
+    unregister = register([downloaded.path], "http://127.0.0.1:8080", cache.root)
     try:
         forced = ruvllm("rm", downloaded.repo_id, "-y", "--force")
         assert forced.returncode == 0 and not downloaded.path.exists()
@@ -291,6 +295,5 @@ def test_a_server_that_cannot_write_its_record_serves_all_the_same(tmp_path, mon
 
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    monkeypatch.setattr(in_use, "run_dir", lambda: blocked / "run")
-    in_use.register([tmp_path], "http://x")()   # no error, and nothing to undo
-    assert in_use.users_of([tmp_path]) == []
+    in_use.register([tmp_path], "http://x", blocked)()   # no error, and nothing to undo
+    assert in_use.users_of([tmp_path], blocked) == []

@@ -237,11 +237,12 @@ def test_serve_with_a_local_and_a_hub_adapter(tiny_model_dir, adapters, fake_hub
         # while it runs, `ruvllm rm` can see what it serves (registry/in_use.py)
         from ruvllm_cli.registry.in_use import run_dir, users_of
 
-        [user] = users_of([tiny_model_dir])
+        cache_dir = cli_env["RUVLLM_CACHE_DIR"]
+        [user] = users_of([tiny_model_dir], cache_dir)
         assert user["pid"] == process.pid and user["url"] == url
         process.send_signal(subprocess.signal.SIGTERM)
         _, stderr = process.communicate(timeout=20)
-        assert not list(run_dir().glob("serve-*.json"))   # gone with the server
+        assert not list(run_dir(cache_dir).glob("serve-*.json"))   # gone with the server
     finally:
         if process.poll() is None:
             process.kill()
