@@ -3,7 +3,8 @@
 huggingface_hub accepts `tqdm_class=` in `hf_hub_download`; `DownloadProgress.tqdm_class`
 is a class with just enough of tqdm's interface that forwards the client's byte counts
 to a rich `Progress` (one task per file plus a total, with bytes, speed and ETA). On a
-stderr that is not a terminal there is no live display, only the summary lines.
+stderr that is not a terminal (a CI log, a file) there is no live display: a line when
+it starts, one every PLAIN_INTERVAL seconds with the bytes so far, and the summary.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from ruvllm_cli.registry.cache import DownloadedModel, FileRecord
+
+
+PLAIN_INTERVAL = 10.0   # seconds between progress lines on a stderr that is not a terminal
 
 
 class DownloadObserver:
@@ -116,6 +120,7 @@ class DownloadProgress(DownloadObserver):
         self._fetched: list[FileRecord] = []
         self._linked: list[FileRecord] = []
         self._start = time.monotonic()
+        self._last_line = self._start
 
     # -- events ----------------------------------------------------------------------------
     def already_downloaded(self, model: DownloadedModel) -> None:
@@ -135,7 +140,8 @@ class DownloadProgress(DownloadObserver):
     def started(self, repo_id: str, commit: str, files: Sequence[FileRecord],
                 pending: Sequence[FileRecord]) -> None:
         self._files, self._pending, self._start = files, pending, time.monotonic()
-        if self.verbose or self.live:
+        self._last_line = self._start
+        if self.verbose or self.live or pending:
             size = format_size(sum(r.size for r in pending))
             self.console.print(f"Downloading {escape(repo_id)} (commit {commit[:7]}): "
                                f"{len(pending)} of {len(files)} files to fetch, {size}")
@@ -159,6 +165,8 @@ class DownloadProgress(DownloadObserver):
         self._transferred += n
         self._current_bytes = max(0, self._current_bytes + n)
         self._show(self._current_bytes)
+        if not self.live and time.monotonic() - self._last_line >= PLAIN_INTERVAL:
+            self._plain_line()
 
     def file_finished(self, record: FileRecord) -> None:
         (self._fetched if self._current_transferred else self._linked).append(record)
@@ -199,6 +207,16 @@ class DownloadProgress(DownloadObserver):
             self._progress.update(self._file_task, completed=file_bytes)
         if self._total_task is not None:
             self._progress.update(self._total_task, completed=self._done_bytes + self._current_bytes)
+
+    def _plain_line(self) -> None:
+        """`  41.2 MB of 123.4 MB (33%), 4.1 MB/s`: a log's view of the download so far."""
+        now = time.monotonic()
+        self._last_line = now
+        total = sum(r.size for r in self._pending)
+        done = self._done_bytes + self._current_bytes
+        speed = format_size(int(self._transferred / max(now - self._start, 1e-6)))
+        share = f" ({100 * done // total}%)" if total else ""
+        self.console.print(f"  {format_size(done)} of {format_size(total)}{share}, {speed}/s", highlight=False)
 
     def _stop(self) -> None:
         if self._progress is not None:

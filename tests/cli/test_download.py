@@ -38,12 +38,15 @@ def unique_repo(prefix: str = "model") -> str:
 
 def assert_one_error(result: subprocess.CompletedProcess, message: str, hint: str | None = None,
                      code: int = 1) -> None:
-    """Exactly `Error: <message>` (and `Hint: <hint>`) on stderr, nothing on stdout, no traceback."""
+    """Exactly `Error: <message>` (and `Hint: <hint>`) on stderr, nothing on stdout, no
+    traceback; after the line that says what began downloading, where the hub refused a file."""
     assert result.returncode == code, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
     expected = [f"Error: {message}"] + ([f"Hint: {hint}"] if hint else [])
-    assert result.stderr.splitlines() == expected
+    lines = result.stderr.splitlines()
+    assert lines[-len(expected):] == expected and all(line.startswith("Downloading ") for line in
+                                                      lines[:-len(expected)][:1]) and len(lines) <= len(expected) + 1
 
 
 def snapshot_of(cache_dir: Path, repo_id: str, commit: str) -> Path:
@@ -83,7 +86,8 @@ def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hu
     assert result.stdout == ""
     snapshot = snapshot_of(isolated_env.cache_dir, ALIAS_REPO, commit)
     size = format_size(total_size(tiny_model_dir))
-    fetched, done = result.stderr.splitlines()
+    starting, fetched, done = result.stderr.splitlines()
+    assert starting == f"Downloading {ALIAS_REPO} (commit {commit[:7]}): 6 of 6 files to fetch, {size}"
     assert fetched.startswith(f"Fetched 6 file(s) ({size}) in ") and fetched.endswith("; 0 already in the cache.")
     # The label says what the files are (the tiny model is a float32 checkpoint), not a -q.
     assert done == (f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, safetensors f32) to {snapshot} "
@@ -725,3 +729,33 @@ class socket_bound_but_closed:
 
 if os.name != "posix":  # SIGKILL/SIGINT semantics above are POSIX
     pytestmark = pytest.mark.skip("POSIX only")
+
+
+def test_a_log_gets_progress_lines_while_a_download_runs(monkeypatch) -> None:
+    """On a stderr that is no terminal (a CI log) the live bars are off; a download of
+    minutes had printed nothing until its end (a helper's pass)."""
+    import io
+
+    from rich.console import Console
+
+    from ruvllm_cli.registry import progress
+    from ruvllm_cli.registry.cache import FileRecord
+
+    clock = iter(range(0, 1000, 4))
+    monkeypatch.setattr(progress.time, "monotonic", lambda: float(next(clock)))
+    log = io.StringIO()
+    shown = progress.DownloadProgress(Console(file=log, width=200))
+    weights = FileRecord("model.safetensors", 4_000_000)
+    shown.started("org/x", "a" * 40, [weights], [weights])
+    with shown:
+        shown.file_started(weights)
+        for _ in range(8):
+            shown.bar_advanced(500_000)
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "Downloading org/x (commit aaaaaaa): 1 of 1 files to fetch, 4.0 MB"
+    import re
+
+    found = [re.fullmatch(r"  ([\d.]+) MB of 4\.0 MB \((\d+)%\), [\d.]+ kB/s", line) for line in lines[1:]]
+    assert len(found) >= 2 and all(found), lines   # one a PLAIN_INTERVAL (10 s of a clock 4 s a call)
+    shares = [int(m.group(2)) for m in found]
+    assert shares == sorted(shares) and shares[0] < 100
