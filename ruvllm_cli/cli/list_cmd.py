@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import click
@@ -43,8 +45,30 @@ def downloads_of(entry: ModelEntry, downloaded: list[DownloadedModel]) -> list[D
     return [model for model in downloaded if model.repo_id.lower() in repos]
 
 
+def with_config_facts(entry: ModelEntry, mine: list[DownloadedModel]) -> ModelEntry:
+    """An entry that does not give its size (a user alias) with what its files say: its
+    local directory's config.json, else its download's. A user alias of a downloaded
+    repo showed "-" for params and memory, which `info` read fine."""
+    from ruvllm_cli.errors import ModelLoadError
+    from ruvllm_cli.registry.model_config import count_parameters, read_model_config
+
+    directory = entry.path if entry.path is not None else (mine[0].path if mine else None)
+    if entry.params is not None or directory is None or not Path(directory).is_dir():
+        return entry
+    try:
+        shape = read_model_config(Path(directory))
+    except ModelLoadError:
+        return entry
+    count = count_parameters(shape)
+    return dataclasses.replace(entry, exact_params=count, params_b=round(count / 1e9, 3),
+                               num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                               head_dim=shape.head_dim, architecture=entry.architecture or shape.architecture,
+                               context_length=entry.context_length or shape.context_length)
+
+
 def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel], cache: ModelCache) -> dict[str, Any]:
     mine = downloads_of(entry, downloaded)
+    entry = with_config_facts(entry, mine)
     return {
         **entry.to_dict(),
         "memory_estimate": entry_memory(entry, cache),

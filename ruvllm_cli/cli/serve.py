@@ -24,7 +24,7 @@ from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quanti
                                     prefix_cache_option, weight_cache_option, compile_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.engine.reasoning import PARSER_NAMES as REASONING_PARSERS
-from ruvllm_cli.errors import RuvllmError, UsageError
+from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
 from ruvllm_cli.registry.locate import check_readable, locate_model
 
 # Where an option's value comes from when the user did not set it.
@@ -174,7 +174,14 @@ def command(**options: Any) -> None:
     # A missing or undownloaded model fails here, before the port is bound or announced.
     located = [locate_model(model, app.cache_dir, options["quantization"]) for model in options["models"]]
     for model in located:
-        check_readable(model)   # a broken config.json or GGUF header too
+        try:
+            check_readable(model)   # a broken config.json or GGUF header too
+        except ModelLoadError as error:
+            if not pooled(options):
+                raise
+            # One of several, each loaded on first use: the others serve, its requests get
+            # the error as a 503 (and a look at it now says so here).
+            app.output().warn(f"{model.served_name} will not load: {error.message}")
     names = {name for model, where in zip(options["models"], located)
              for name in served_names(where, model, options["served_model_name"])}
     check_adapter_names(options["lora"], names)

@@ -22,6 +22,7 @@ def register(paths: Iterable[Path], url: str, cache_dir: Path) -> Callable[[], N
     """Record that this process serves `paths` at `url`; returns what removes the record."""
     record = run_dir(cache_dir) / f"serve-{os.getpid()}.json"
     partial = record.with_suffix(".tmp")
+    users_of((), cache_dir)   # clears the records a killed server left
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
@@ -32,6 +33,10 @@ def register(paths: Iterable[Path], url: str, cache_dir: Path) -> Callable[[], N
 
     def unregister() -> None:
         record.unlink(missing_ok=True)
+        try:
+            record.parent.rmdir()   # the last server on this cache leaves it as it found it
+        except OSError:
+            pass   # another server's record is there
 
     return unregister
 

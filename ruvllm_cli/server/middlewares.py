@@ -40,8 +40,14 @@ def error_shape(path: str) -> ErrorShape | None:
 
 
 def endpoint_label(request: web.Request) -> str:
-    """The route's pattern, not the raw path, so unknown paths share one label."""
+    """The route's pattern, not the raw path, so unknown paths share one label. A path
+    that exists, asked with a method it does not take (a CORS preflight's OPTIONS, a GET
+    of /v1/chat/completions: 405), keeps its route's label: they had all been
+    "unmatched", and a dashboard lost which route was preflighted or misused."""
     resource = request.match_info.route.resource
+    if resource is None:
+        resource = next((r for r in request.app.router.resources()
+                         if getattr(r, "_match", lambda path: None)(request.path) is not None), None)
     return resource.canonical if resource is not None else "unmatched"
 
 

@@ -80,12 +80,16 @@ class ModelPool:
 
     def find(self, name: str) -> tuple[ModelEntry, str | None]:
         """The model a request's `model` names and the LoRA adapter it names (None:
-        the base model); a 404 listing what is served for any other name."""
-        for entry in self.entries:
-            if name in entry.names:
-                return entry, None
-            if name in entry.adapter_names():
-                return entry, name
+        the base model); a 404 listing what is served for any other name. A name with
+        Ollama's default tag (`tiny:latest`, as /api/tags lists it) is the name without
+        it, on every API (Ollama's own /v1 takes it: clients that list models through
+        /api/tags send it to /v1/chat/completions)."""
+        for candidate in dict.fromkeys((name, name.removesuffix(":latest"))):
+            for entry in self.entries:
+                if candidate in entry.names:
+                    return entry, None
+                if candidate in entry.adapter_names():
+                    return entry, candidate
         raise ApiError(404, f"The model '{name}' does not exist. This server serves: "
                             f"{', '.join(self.all_names())}.", param="model", code="model_not_found")
 

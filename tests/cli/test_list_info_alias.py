@@ -442,6 +442,10 @@ def test_alias_of_a_local_directory_chats_by_its_name(ruvllm: Run, cli_env: dict
     assert chat.stderr.startswith("Loaded mytiny · cpu · float32")
     row = next(line for line in ruvllm("list", env=wide_env(cli_env)).stdout.splitlines() if "mytiny" in line)
     assert "mytiny (user)" in row and row.rstrip(" │").endswith("local")
+    # its size and memory from its config.json, as `info` reads them (they were "-")
+    mine = next(m for m in json.loads(ruvllm("list", "--json").stdout)["models"] if m["alias"] == "mytiny")
+    assert mine["params"] == count_parameters(read_model_config(tiny_model_dir))
+    assert mine["memory_estimate"] is not None and mine["architecture"] == "LlamaForCausalLM"
     listed = json.loads(ruvllm("alias", "list", "--json").stdout)["aliases"]
     assert [(a["alias"], a["path"], a["repo_id"]) for a in listed] == [("mytiny", str(work / "models" / "tiny"), "")]
 

@@ -272,7 +272,9 @@ def test_rm_refuses_a_model_a_running_server_uses(ruvllm: Run, downloaded: Downl
         assert elsewhere.returncode == 1 and downloaded.path.exists()
     finally:
         unregister()
+    assert not run_dir(cache.root).exists()   # the last server out leaves the cache as it found it
     stale = run_dir(cache.root) / "serve-999999999.json"   # a server that is gone
+    stale.parent.mkdir()
     stale.write_text(json.dumps({"pid": 999999999, "url": "http://x", "paths": [str(downloaded.path)]}))
     removed = ruvllm("rm", downloaded.repo_id, "-y")
     assert removed.returncode == 0, removed.stderr

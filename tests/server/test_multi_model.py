@@ -210,6 +210,7 @@ def test_an_unknown_model_is_a_404_and_a_broken_one_a_503(multi_server):
     assert streamed_reply(served.client, a)   # the others are still served
     banner = served.stderr.read_text()
     assert f"Models      {a}: unloaded (also {served.dirs[0]})" in banner
+    assert "Warning: broken will not load: cannot read " in " ".join(banner.split())   # said at start
     assert "loaded on first use; at most 1 loaded at once; unloaded after 1s idle" in banner
     assert "broken failed to load: cannot read" in banner
 

@@ -233,11 +233,18 @@ def test_models_version_show_and_ps(client, server):
     assert client.chat(model=server.model + ":latest", messages=HELLO, options=GREEDY).eval_count == 12
 
 
-def test_load_and_unload_requests(pool_server):
+def test_load_and_unload_requests(pool_server, tiny_model_dir):
     """A pooled model: an empty request loads it, keep_alive 0 unloads it."""
     live, loads = pool_server(names=("a",), keep_alive=None)
     client = ollama.Client(host=live.url, timeout=60)
     assert [m.model for m in client.list().models] == ["a:latest"] and client.ps().models == []
+    # its files' bytes and a digest of them, as Ollama's list gives (UIs show the size, and
+    # the digest's start as the ID); the quantized-weight cache beside them is not counted
+    listed = client.list().models[0]
+    files = [f for f in tiny_model_dir.rglob("*") if f.is_file() and not f.relative_to(tiny_model_dir).parts[0]
+             .startswith(".")]
+    assert listed.size == sum(f.stat().st_size for f in files)
+    assert len(listed.digest) == 64 and int(listed.digest, 16) >= 0 and client.list().models[0].digest == listed.digest
     loaded = client.chat(model="a", messages=[])
     assert loaded.done and loaded.done_reason == "load" and loads.calls == {"a": 1}
     running = client.ps().models

@@ -265,6 +265,7 @@ def test_what_needs_a_stored_response_is_a_400(client, server):
         create(client, server, previous_response_id="resp_123")
     assert caught.value.body["param"] == "previous_response_id" and "stateless" in caught.value.body["message"]
     for fields, param in (({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
+                          ({"prompt": {"id": "pmpt_1", "version": "2"}}, "prompt"),   # had been ignored
                           ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type")):
         response = httpx.post(server.base_url + "/responses", json={"model": server.model, "input": HELLO, **fields})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

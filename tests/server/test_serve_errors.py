@@ -329,3 +329,13 @@ def test_openai_s_deprecated_function_fields_are_refused_not_ignored(http, field
 
 def test_empty_deprecated_function_fields_are_no_request_for_functions(http):
     assert post_chat(http, messages=HELLO, functions=[], function_call=None, max_tokens=2).status_code == 200
+
+
+def test_a_route_asked_with_a_method_it_does_not_take_keeps_its_metrics_label(http):
+    """A GET of /v1/chat/completions (405) and a CORS preflight's OPTIONS had been
+    counted as endpoint="unmatched" with the unknown paths."""
+    assert http.get("/v1/chat/completions").status_code == 405
+    assert http.get("/v1/no-such-route").status_code == 404
+    metrics = http.get("/metrics").text
+    assert 'ruvllm_http_requests_total{endpoint="/v1/chat/completions",status="405"}' in metrics
+    assert 'ruvllm_http_requests_total{endpoint="unmatched",status="404"}' in metrics

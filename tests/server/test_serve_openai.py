@@ -60,6 +60,11 @@ def test_chat_returns_a_message_with_real_usage(client, server):
 def test_any_served_name_is_accepted_and_echoed(client, server):
     reply = client.chat.completions.create(model="org/tiny-model", messages=HELLO, max_tokens=2)
     assert reply.model == "org/tiny-model"
+    # Ollama's default tag, as /api/tags lists the model (clients send that name here too)
+    tagged = client.chat.completions.create(model=server.model + ":latest", messages=HELLO, max_tokens=2)
+    assert tagged.model == server.model + ":latest"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=server.model + ":7b", messages=HELLO, max_tokens=2)
 
 
 def test_chat_stream_matches_the_plain_reply(client, server):

@@ -10,6 +10,7 @@ Ollama's shape that say so."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,8 +243,35 @@ def tagged(name: str) -> str:
 
 def model_object(state: ServerState, entry: ModelEntry, name: str) -> dict[str, Any]:
     facts = entry_facts(state, entry)
-    return {"name": tagged(name), "model": tagged(name), "modified_at": timestamp(state.wall_started),
-            "details": details(facts, parent=entry.name if name != entry.name else "")}
+    model = {"name": tagged(name), "model": tagged(name), "modified_at": timestamp(state.wall_started)}
+    if name == entry.name and entry.path is not None:   # an adapter's files are not the entry's
+        size, digest = files_digest(entry.path)
+        model.update(size=size, digest=digest)
+    return {**model, "details": details(facts, parent=entry.name if name != entry.name else "")}
+
+
+def files_digest(path: Path) -> tuple[int, str]:
+    """A model's bytes on disk and a digest of its files, as Ollama's `size` and `digest`
+    (clients show the digest's first 12 characters as the model's ID). Ollama's digest
+    is its manifest's sha256; ours hashes each file's name, size and, in the hub's
+    cache, the blob it links to (an LFS blob is named by its content's sha256): it
+    changes when the files do, and costs a stat a file, not a read."""
+    import hashlib
+
+    # Hidden entries (the quantized-weight cache a load writes beside a local model,
+    # .cache/ of a hub download to a folder) are not the model's files.
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(path).parts)) if path.is_dir() else [path]
+    digest, total = hashlib.sha256(), 0
+    for file in files:
+        try:
+            size = file.stat().st_size
+            target = os.readlink(file) if file.is_symlink() else ""
+        except OSError:
+            continue
+        total += size
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{size}\0{target}\n".encode())
+    return total, digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,9 @@ RESPONSES_FIELDS = (
     Field("store", "boolean", "Accepted and ignored: nothing is stored (the response reads store: false).", False),
     Field("previous_response_id", None, parse=_refused("previous_response_id", STATELESS), schema=_NOT_STORED),
     Field("conversation", None, parse=_refused("conversation", STATELESS), schema=_NOT_STORED),
+    # A prompt template stored on OpenAI's side: its instructions had been silently left out.
+    Field("prompt", None, parse=_refused("prompt", "prompt templates live on OpenAI's platform; send their "
+                                                   "text as 'instructions' and 'input'."), schema=_NOT_STORED),
     Field("background", "boolean", "Only false: a reply runs while its request waits.", False,
           parse=_refused("background", "a reply runs while its request waits (nothing is stored to poll)."),
           schema={"const": False}),
