@@ -1,5 +1,7 @@
 """Sampling filters and penalties as pure functions."""
 
+import math
+
 import pytest
 import torch
 
@@ -99,6 +101,37 @@ def test_draws_follow_the_probabilities(knobs, expected):
     # a seed replays
     assert [sample_row(row, params, torch.Generator().manual_seed(5)) for _ in range(3)] == \
         [sample_row(row, params, torch.Generator().manual_seed(5)) for _ in range(3)]
+
+
+def test_a_mask_narrower_than_top_k_keeps_the_free_draw():
+    """A grammar that leaves 5 tokens under top_k 20 (ties at -inf past the 5th): the
+    candidates are those 5, each with the noise it has in the free row, so the draw is
+    the free one wherever the free one is allowed."""
+    row = torch.randn(1000, generator=torch.Generator().manual_seed(7)) * 2
+    allowed = row.argsort(descending=True)[torch.tensor([0, 2, 5, 11, 17])]
+    masked = torch.full_like(row, float("-inf"))
+    masked[allowed] = row[allowed]
+    params = SamplingParams(temperature=1.5, top_k=20)
+    same = 0
+    for seed in range(300):
+        free = sample_row(row, params, torch.Generator().manual_seed(seed))
+        constrained = sample_row(masked, params, torch.Generator().manual_seed(seed))
+        assert constrained in allowed.tolist()
+        if free in allowed.tolist():
+            assert constrained == free
+            same += 1
+    assert same > 60
+
+
+def test_token_noise_is_a_function_of_the_id_and_the_step_s_key():
+    from ruvllm_cli.engine.sampler import token_noise
+
+    ids = torch.tensor([3, 151_000, 7, 42])
+    whole = token_noise(torch.arange(151_936), torch.Generator().manual_seed(9))
+    assert torch.equal(token_noise(ids, torch.Generator().manual_seed(9)), whole[ids])
+    assert not torch.equal(token_noise(ids, torch.Generator().manual_seed(10)), whole[ids])
+    # Gumbel-distributed: mean 0.5772 (Euler's constant), variance pi^2 / 6
+    assert abs(float(whole.mean()) - 0.5772) < 0.01 and abs(float(whole.var()) - math.pi ** 2 / 6) < 0.03
 
 
 @pytest.mark.parametrize("knobs", [{}, {"top_k": 50}, {"min_p": 0.05}], ids=str)
