@@ -39,6 +39,13 @@ def locate_adapter(spec: str, cache_dir: Path, observer: DownloadObserver | None
     return found.path
 
 
+# Ollama's default tag: a served name with it is the name without it (server/models.py),
+# so an adapter so named would take over a model's (or another adapter's) `:latest` name.
+LATEST = ":latest"
+LATEST_RULE = ("an adapter's name may not end in ':latest' (Ollama's default tag: 'NAME:latest' is NAME, "
+               "a served model or adapter)")
+
+
 def parse_lora_specs(specs: Sequence[str]) -> list[tuple[str, str]]:
     """`NAME=PATH` options (PATH a directory or a hub id) -> [(name, path)]; a bare
     PATH is named after its last component."""
@@ -50,6 +57,8 @@ def parse_lora_specs(specs: Sequence[str]) -> list[tuple[str, str]]:
         name, path = name.strip(), path.strip()
         if not name or not path:
             raise UsageError(f"--lora {spec!r}: expected NAME=PATH (a PEFT adapter directory or hub id)")
+        if name.endswith(LATEST):
+            raise UsageError(f"--lora {spec!r}: {LATEST_RULE}")
         if any(n == name for n, _ in pairs):
             raise UsageError(f"--lora: the name {name} is given twice")
         pairs.append((name, path))

@@ -22,6 +22,7 @@ from aiohttp import web
 from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, read_adapter
 from ruvllm_cli.errors import (CacheError, DownloadError, ModelNotFoundError, RepoUnavailableError, RuvllmError,
                                UsageError)
+from ruvllm_cli.registry.adapters import LATEST, LATEST_RULE
 from ruvllm_cli.server.body import read_json
 from ruvllm_cli.server.engine_client import LocalEngine
 from ruvllm_cli.server.errors import ApiError
@@ -38,6 +39,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     name, path = values["lora_name"].strip(), values["lora_path"]
     if not name:   # the rule --lora's names follow
         raise ApiError(400, "'lora_name' must not be blank.", param="lora_name", code="invalid_value")
+    if name.endswith(LATEST):
+        raise ApiError(400, f"'lora_name': {LATEST_RULE}.", param="lora_name", code="invalid_value")
     if state.models.adapter_owner(name) is not None or name in state.models.adapters_loading:
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                        code="invalid_value")

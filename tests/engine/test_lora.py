@@ -209,6 +209,8 @@ def test_lora_spec_parsing():
     assert parse_lora_specs(["a=/x/y", "/models/b/"]) == [("a", "/x/y"), ("b", "/models/b/")]
     with pytest.raises(UsageError, match="given twice"):
         parse_lora_specs(["a=/x", "a=/y"])
+    with pytest.raises(UsageError, match="may not end in ':latest'"):
+        parse_lora_specs(["tiny:latest=/x"])
     with pytest.raises(UsageError, match="NAME=PATH"):
         parse_lora_specs(["=/x"])
 

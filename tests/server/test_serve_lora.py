@@ -147,6 +147,10 @@ def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
     taken = httpx.post(url + "/load_lora_adapter", json={"lora_name": "tiny", "lora_path": str(adapters["mlp"])})
     assert taken.status_code == 400 and "name of a model this server serves" in taken.json()["error"]["message"]
+    # "tiny:latest" is tiny's name on every API: an adapter so named took it over (a helper's pass)
+    tagged = httpx.post(url + "/load_lora_adapter", json={"lora_name": "tiny:latest",
+                                                          "lora_path": str(adapters["mlp"])})
+    assert tagged.status_code == 400 and "may not end in ':latest'" in tagged.json()["error"]["message"]
     missing = httpx.post(url + "/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "no")})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     not_lora = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
