@@ -418,6 +418,25 @@ def test_the_markdown_renderer_builds_only_its_own_elements(server, page_for):
     assert [(text, render(page, text)) for text, _ in MARKDOWN] == MARKDOWN
 
 
+def test_a_page_opened_while_the_model_loads_gets_it_when_ready(make_server, page_for):
+    """The page asked for the model list once: opened during the load (the CLI prints
+    its URL before loading), it said "still loading" for good, and Enter opened the
+    settings with "no model" (a helper's pass). It asks again while the server answers
+    503; a message sent meanwhile stays in the box."""
+    from ruvllm_cli.server import attach_engine
+
+    live = make_server(attach=False)
+    page = page_for(live.url).open(ready=False)
+    page.wait(lambda: "still loading" in page.el("#notice").text)
+    page.send("Hello")
+    assert page.el("#input").get_attribute("value") == "Hello" and not page.el("#settings").is_displayed()
+    live.thread.call(lambda: attach_engine(live.thread.app, live.engine_loop, ["tiny"]))
+    page.wait(lambda: page.js("return document.querySelectorAll('#model option').length") > 0)
+    assert not page.el("#notice").is_displayed()
+    page.send("")   # Enter on the kept text
+    assert page.wait_reply().find_element("css selector", ".body").text
+
+
 def test_a_failed_turn_stays_out_of_later_requests(server, page_for):
     """A refused request (temperature 5) had stayed in the history and gone out with
     every later message, failing each; its text now goes back to the input box."""

@@ -16,7 +16,7 @@ const ui = {
 };
 const state = {
   chats: store.loadChats(), chat: null, settings: store.loadSettings(), key: store.loadKey(),
-  controller: null, pending: '', savedAt: 0, needsKey: false,
+  controller: null, pending: '', savedAt: 0, needsKey: false, modelsRetry: 0,
 };
 const api = new Api(() => state.key);
 const views = new WeakMap();   // message -> its <article>, kept out of what is saved
@@ -147,6 +147,10 @@ async function send() {
     state.pending = text;
     askKey();
     return;
+  }
+  if (!ui.model.value) {   // the list did not load (yet): ask again now; the text stays in the box
+    await loadModels();
+    if (!ui.model.value) return;
   }
   let body;
   try {
@@ -372,7 +376,13 @@ function setBusy(busy) {
 }
 
 // ---- models ---------------------------------------------------------------------------
+// While the server answers 503 (its model still loading, or it is starting), the list
+// is asked for again this often: a page opened during the load had stayed without
+// models until it was reloaded.
+const MODELS_RETRY_MS = 2000;
+
 async function loadModels() {
+  clearTimeout(state.modelsRetry);
   try {
     fillModels(await api.models());
     state.needsKey = false;
@@ -381,6 +391,9 @@ async function loadModels() {
     state.needsKey = error instanceof ApiError && error.status === 401;
     if (state.needsKey) askKey();
     else notice(`Could not list the models: ${error.message}`);
+    if (error instanceof ApiError && error.status === 503) {
+      state.modelsRetry = setTimeout(loadModels, MODELS_RETRY_MS);
+    }
   }
 }
 
