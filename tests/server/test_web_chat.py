@@ -398,6 +398,10 @@ MARKDOWN = [   # (model text, the HTML the renderer builds)
     ("line one\nline two", "<p>line one<br>line two</p>"),
     ("```js\nlet a = '<x>';\n```\nafter", "<pre><code data-lang=\"js\">let a = '&lt;x&gt;';</code></pre><p>after</p>"),
     ("```\nstill streaming", "<pre><code>still streaming</code></pre>"),
+    # a longer fence holds shorter ones (Markdown shown with its code): CommonMark's rule
+    ("````md\ncode\n```\nstill\n````\nafter",
+     "<pre><code data-lang=\"md\">code\n```\nstill</code></pre><p>after</p>"),
+    ("~~~\nx\n```\n~~~", "<pre><code>x\n```</code></pre>"),
     ("- a\n- **b**\n1. c", "<ul><li>a</li><li><strong>b</strong></li></ul><ol><li>c</li></ol>"),
     ("# Title\n> quoted", "<h3>Title</h3><blockquote><p>quoted</p></blockquote>"),
     ("[x](javascript:alert(1)) [y](/relative)", "<p>[x](javascript:alert(1)) [y](/relative)</p>"),
@@ -416,6 +420,15 @@ MARKDOWN = [   # (model text, the HTML the renderer builds)
 def test_the_markdown_renderer_builds_only_its_own_elements(server, page_for):
     page = page_for(server.url).open()
     assert [(text, render(page, text)) for text, _ in MARKDOWN] == MARKDOWN
+
+
+def test_n_above_one_shows_the_first_choice(server, page_for):
+    """Extra request fields may ask for `n`: the bubble had run every choice's deltas
+    together ("abcabc")."""
+    page = page_for(server.url).open()
+    page.settings(extra=json.dumps({"n": 2, "structured_outputs": {"choice": ["abc"]}}))
+    page.send("Pick")
+    assert page.wait_reply().find_element("css selector", ".body").text == "abc"
 
 
 def test_a_page_opened_while_the_model_loads_gets_it_when_ready(make_server, page_for):

@@ -213,7 +213,9 @@ async function readReply(body, reply, clock) {
   let finish = null;
   for await (const chunk of api.chat(body, state.controller.signal)) {
     usage = chunk.usage ?? usage;
-    for (const choice of chunk.choices ?? []) {
+    // One bubble is one reply: with `n` > 1 (an extra request field) the first choice
+    // is shown, not every choice's deltas run together.
+    for (const choice of (chunk.choices ?? []).filter((c) => (c.index ?? 0) === 0)) {
       // The server sends reasoning twice, as `reasoning` and as `reasoning_content`
       // (the older name): one of them is taken.
       const thought = choice.delta?.reasoning ?? choice.delta?.reasoning_content ?? '';
@@ -240,6 +242,11 @@ function failed(reply, error, clock) {
     reply.state = 'error';
     reply.stats = `error: ${error.message}`;
     if (error.code === 'model_not_found') loadModels();
+    // The page cannot shorten the history it sends: "reduce the length of the messages"
+    // was a dead end for every later turn.
+    if (error.code === 'context_length_exceeded' && state.chat.messages.length > 2) {
+      reply.stats += ' Start a new chat to go on (this one no longer fits the model\'s context).';
+    }
   }
 }
 

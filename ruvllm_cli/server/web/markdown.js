@@ -4,7 +4,7 @@
 // more. Covered: paragraphs, headings, code fences, inline code, bold, italic,
 // lists (flat), quotes, rules, and links to http(s) only.
 
-const FENCE = /^\s*(```|~~~)\s*([\w.+#-]*)/;
+const FENCE = /^\s*(`{3,}|~{3,})\s*([\w.+#-]*)/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const QUOTE = /^\s*>\s?(.*)$/;
@@ -57,7 +57,11 @@ function codeBlock(lines, start, match, out) {
   const body = [];
   let i = start + 1;
   // An unclosed fence (a reply still streaming) runs to the end.
-  while (i < lines.length && !lines[i].trim().startsWith(match[1])) {
+  // Closed by a line of the same character, at least as long (CommonMark): a 4-backtick
+  // block that shows Markdown holds 3-backtick lines.
+  const fence = match[1];
+  const closes = (text) => text.length >= fence.length && text === fence[0].repeat(text.length);
+  while (i < lines.length && !closes(lines[i].trim())) {
     body.push(lines[i]);
     i += 1;
   }
