@@ -220,7 +220,8 @@ def locate_adapters(app: AppContext, specs: Sequence[str]) -> list[tuple[str, Pa
 
     found = []
     for name, spec in parse_lora_specs(specs):
-        if not Path(spec).expanduser().exists():
+        # A path that is not there is the error locate_adapter gives, not a fetch.
+        if not Path(spec).expanduser().exists() and not spec.startswith(("/", ".", "~")):
             app.output().info(f"[dim]Fetching LoRA adapter {name} ({spec}) ...[/dim]")
         found.append((name, locate_adapter(spec, app.cache_dir)))
     return found
