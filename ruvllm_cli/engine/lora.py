@@ -170,6 +170,7 @@ def _modules(name: str, config: Any, weights: dict[str, torch.Tensor]) -> dict[s
         parts.setdefault(match["module"], {})[match["part"]] = tensor
     if not parts:
         raise AdapterError(f"adapter {name}: its weights file holds no LoRA tensors")
+    _check_targets(name, config, list(parts))
     modules = {}
     for module, pair in sorted(parts.items()):
         if set(pair) != {"A", "B"}:
@@ -180,6 +181,27 @@ def _modules(name: str, config: Any, weights: dict[str, torch.Tensor]) -> dict[s
                                f"(A {tuple(a.shape)}, B {tuple(b.shape)})")
         modules[module] = LoRAModule(a.contiguous(), b.contiguous(), _scaling(name, config, module, a.shape[0]))
     return modules
+
+
+def _check_targets(name: str, config: Any, modules: list[str]) -> None:
+    """The weights' layers are those the config's `target_modules` name (peft's own
+    match: a list by name suffix, a string as a regex; "all-linear" takes any): an
+    adapter whose config says other layers is refused, as peft refuses it ("Target
+    modules ... not found"), not served from its weights alone."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    target = getattr(config, "target_modules", None)
+    if not target or target == "all-linear":
+        return
+    try:
+        stray = [module for module in modules if not check_target_module_exists(config, module)]
+    except Exception:  # noqa: BLE001 - a config peft's matcher cannot read: the weights decide
+        return
+    if stray:
+        named = sorted(target) if isinstance(target, (set, list, tuple)) else target
+        raise AdapterError(f"adapter {name}: its weights hold {stray[0]}"
+                           f"{f' (and {len(stray) - 1} more)' if len(stray) > 1 else ''}, which its "
+                           f"{ADAPTER_CONFIG}'s target_modules ({named}) do not name")
 
 
 def _scaling(name: str, config: Any, module: str, rank: int) -> float:

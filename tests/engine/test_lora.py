@@ -270,6 +270,10 @@ def test_quantized_models_take_adapters_and_mix_them(model_dir, adapters, quanti
 @pytest.mark.parametrize("changes, reason", [
     ({"lora_alpha": None}, "lora_alpha and r must be numbers"),
     ({"r": 16}, "has weights of rank 8; its config says r=16"),
+    # its config names other layers than its weights hold: peft refuses it ("Target
+    # modules {'foo_proj'} not found"); it was served from the weights (a helper's pass)
+    ({"target_modules": ["foo_proj"]}, r"target_modules \(\['foo_proj'\]\) do not name"),
+    ({"target_modules": r".*\.foo_proj"}, "do not name"),
 ])
 def test_an_adapter_config_that_does_not_fit_its_weights_is_refused(loaded, model_dir, tmp_path, changes, reason):
     """lora_alpha null was a 500 (a TypeError at load); a config r other than the
