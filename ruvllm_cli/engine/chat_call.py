@@ -49,7 +49,8 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
     prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
     reasoning, inside = model_reasoning(engine.tokenizer), False
     if reasoning is not None:
-        plan = reasoning.plan(engine.tokenizer, prompt, params.structured is not None and params.structured is not auto)
+        constrained = params.structured is not None and (params.structured is not auto or reasoning.end_id is not None)
+        plan = reasoning.plan(engine.tokenizer, prompt, constrained)   # as prompts.reasoning_sampling
         params, inside = plan.sampling(params, reasoning), plan.inside
     [completion] = engine.generate([prompt], params)
     thought, text = "", completion.text

@@ -101,7 +101,13 @@ def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingF
     """Sampling for a reasoning model's reply (its markers reach the splitter even where
     they are special tokens; a constraint lets it reason first: `Reasoning.plan`), and
     whether it starts inside its block."""
-    constrained = sampling.structured is not None and not sampling.structured.free_text
+    # tool_choice auto's grammar (free text until a call) waits out the block like any
+    # constraint where the end marker is one token: a call the model opens while it
+    # reasons stays reasoning text, as it was. Where it is not, the grammar holds from
+    # the first token and its free text takes the reasoning (a forced constraint would
+    # make the reply all answer there).
+    constrained = sampling.structured is not None and (not sampling.structured.free_text
+                                                       or reasoning.end_id is not None)
     plan = reasoning.plan(tokenizer, prompt_ids, constrained, continued, budgeted=sampling.thinking_budget is not None)
     return plan.sampling(sampling, reasoning), plan.inside
 

@@ -243,6 +243,29 @@ def test_a_forced_tool_call_comes_after_the_reasoning(opens_server):
     assert called >= 3
 
 
+def test_under_auto_a_reasoning_model_reasons_then_its_calls_follow_the_tool(opens_server):
+    """tool_choice auto holds calls to the tools once the model opens one after its
+    reasoning; the reasoning stays free (a marker written in it is reasoning text, as
+    without the grammar) and apart."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+    client = client_of(opens_server)
+    opening = opens_server.engine(lambda e: e.tokenizer.convert_tokens_to_ids("<tool_call>"))
+    called = 0
+    for seed in SEEDS:
+        reply = client.chat.completions.create(
+            model=opens_server.model, messages=HELLO, tools=tools, temperature=1.0, seed=seed, max_tokens=120,
+            logit_bias={**bias_for(opens_server), str(opening): 3.0}).choices[0]
+        message = reply.message.model_dump()
+        if reply.finish_reason != "length":   # a call cut before its name stays text (ToolReplies.settle)
+            assert "<tool_call>" not in (message["content"] or "")
+        if reply.finish_reason == "tool_calls":
+            called += 1
+            for call in reply.message.tool_calls:
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    assert called >= 3
+
+
 def test_continuing_an_assistant_message_inside_its_block_continues_the_reasoning(reasoning_server):
     live, client = reasoning_server, client_of(reasoning_server)
     turns = [*HELLO, {"role": "assistant", "content": "<think>\nLet me see"}]
