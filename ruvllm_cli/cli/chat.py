@@ -13,6 +13,7 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
                                     prefix_cache_option, prefix_caching, weight_cache_option, compile_option)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
+from ruvllm_cli.engine.sampling import SEED_RANGE
 from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.errors import RuvllmError, UsageError
 
@@ -34,7 +35,8 @@ if TYPE_CHECKING:
 @click.option("--top-p", type=FiniteFloatRange(0.0, 1.0, min_open=True), default=None,
               help="Nucleus sampling: draw only from the most likely tokens whose probabilities add up to P "
                    "(1 keeps them all).  [default: the model's recommendation, else 1]")
-@click.option("--seed", type=int, default=None, help="Sampling seed, for reproducible replies.")
+@click.option("--seed", type=click.IntRange(*SEED_RANGE), default=None,
+              help="Sampling seed, for reproducible replies.")
 @json_schema_option("Every reply is JSON valid against the JSON Schema in FILE.")
 @click.option("--json", "json_object", is_flag=True, help="Every reply is a JSON object.")
 @click.option("--think/--no-think", default=None,

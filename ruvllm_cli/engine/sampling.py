@@ -89,6 +89,10 @@ class SamplingParams(SamplingKnobs):
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias", "values must be in [-100, 100]"),
+            # what torch.Generator.manual_seed takes: a larger one had failed every reply
+            # with "Overflow when unpacking long long"
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed",
+             f"must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -109,6 +113,8 @@ class SamplingParams(SamplingKnobs):
 # transformers takes when a field is absent: a field at that value is not a
 # recommendation (vLLM reads the file's difference from transformers' defaults, so
 # `top_k: 50` written out is transformers' default, not the creator's choice).
+SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
+
 MODEL_SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
 from ruvllm_cli.engine.request import RequestOptions
-from ruvllm_cli.engine.sampling import MODEL_SAMPLING_FIELDS, ReasoningBlock, SamplingKnobs, SamplingParams
+from ruvllm_cli.engine.sampling import (MODEL_SAMPLING_FIELDS, SEED_RANGE, ReasoningBlock, SamplingKnobs,
+                                        SamplingParams)
 from ruvllm_cli.engine.tools import ToolRequest
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import bad_request
@@ -21,7 +22,6 @@ from ruvllm_cli.server.tool_fields import TOOL_FIELDS, tool_request
 MAX_N = 128
 MAX_STOP = 4
 MAX_LOGPROBS = 20
-SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
 # One request fills at most one default batch (--max-concurrent 16), so a 1 KB body
 # cannot take the whole queue (80 sequences by default) from everyone else.
 DEFAULT_MAX_SEQUENCES = 16

@@ -47,6 +47,13 @@ def test_empty_stdin_is_a_usage_error(ruvllm: Run, tiny_model_dir: Path) -> None
     assert result.stderr.splitlines()[0] == "Error: no message on stdin"
 
 
+def test_a_seed_torch_cannot_take_is_refused_before_loading(ruvllm: Run, tiny_model_dir: Path) -> None:
+    """It was taken, and the reply failed with "Overflow when unpacking long long"."""
+    result = ruvllm("chat", str(tiny_model_dir), "--seed", str(2**64), input="hi\n")
+    assert result.returncode == 2 and "Loaded" not in result.stderr
+    assert "Invalid value for '--seed'" in result.stderr
+
+
 @pytest.mark.parametrize("encoding", ["utf-8", ""])   # stdin decoded strictly, or with surrogateescape
 def test_stdin_that_is_not_utf8_is_a_usage_error(cli_env: dict[str, str], tiny_model_dir: Path,
                                                  encoding: str) -> None:

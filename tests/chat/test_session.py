@@ -159,6 +159,10 @@ def test_settings_validate_with_the_parameter_name() -> None:
         ChatSettings().with_text("top-p", "0")
     with pytest.raises(UsageError, match=r"^top_k must be a whole number \(got 'abc'\)$"):
         ChatSettings().with_text("top_k", "abc")
+    # a seed torch cannot take: every reply had failed with "Overflow when unpacking long long"
+    with pytest.raises(UsageError, match=r"^seed must be between -9223372036854775808 and 18446744073709551615"):
+        ChatSettings().with_text("seed", "99999999999999999999999")
+    assert ChatSettings().with_text("seed", "18446744073709551615").seed == 2**64 - 1
 
 
 def test_settings_parse_names_and_values() -> None:
