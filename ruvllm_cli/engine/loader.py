@@ -23,7 +23,7 @@ from ruvllm_cli.engine.stream_load import hold_freed_memory, release_freed_memor
 from ruvllm_cli.errors import ModelLoadError
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.memory import layout_bytes
-from ruvllm_cli.registry.model_config import read_config_json
+from ruvllm_cli.registry.model_config import read_model_dir_config
 
 log = logging.getLogger(__name__)
 STREAM_ENV = "RUVLLM_STREAM_LOAD"  # "0": always load through transformers, then quantize
@@ -102,16 +102,6 @@ def half_weights_here() -> bool:
     return not own_bf16 and half_kernel() is not None
 
 
-def _read_config(path: Path) -> dict[str, Any]:
-    config_file = path / "config.json"
-    if not path.is_dir():
-        raise ModelLoadError(f"{path} is not a directory")
-    if not config_file.is_file():
-        raise ModelLoadError(f"{path} is not a model directory (no config.json)",
-                             "download the model first: ruvllm download MODEL")
-    return read_config_json(config_file)   # a clear error for one not UTF-8 JSON, or no object
-
-
 def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None, GGUFLayout | None]:
     """from_pretrained's arguments for a model directory or a GGUF file, the
     directory's config.json (None for a GGUF file) and the GGUF file's checked header
@@ -121,7 +111,7 @@ def _pretrained_args(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None,
             raise ModelLoadError(f"{path}: no such GGUF file")
         layout = check_gguf(path)  # before any reader trusts its counts and offsets
         return {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}, None, layout
-    return {"pretrained_model_name_or_path": path}, _read_config(path), None
+    return {"pretrained_model_name_or_path": path}, read_model_dir_config(path), None
 
 
 ORDER = (Quantization.F32, Quantization.F16, Quantization.Q8_0, Quantization.Q4_K_M)

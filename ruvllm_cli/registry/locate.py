@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ruvllm_cli.errors import ModelLoadError, NotDownloadedError
+from ruvllm_cli.errors import NotDownloadedError
 from ruvllm_cli.quantization import Quantization
 from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.registry import ModelRef, resolve_model
@@ -22,7 +22,7 @@ def check_readable(located: LocatedModel) -> None:
     """What a load would find wrong first, found without torch or reading weights: the
     directory's config.json is a JSON object, the GGUF file's header is sound. `serve`
     checks each MODEL so before it listens, rather than announcing a server that dies."""
-    from ruvllm_cli.registry.model_config import read_config_json
+    from ruvllm_cli.registry.model_config import read_model_dir_config
 
     path = located.path
     if path.suffix == ".gguf" and path.is_file():
@@ -30,10 +30,7 @@ def check_readable(located: LocatedModel) -> None:
 
         check_gguf(path)
     elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} is not a model directory (no config.json)",
-                                 "download the model first: ruvllm download MODEL")
-        read_config_json(path)
+        read_model_dir_config(path)
 
 
 def gguf_variant(ref: ModelRef, quantization: Quantization) -> tuple[ModelRef, str] | None:

@@ -136,6 +136,19 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return raw
 
 
+def read_model_dir_config(path: Path) -> dict[str, Any]:
+    """A model directory's config.json as a dict: the loader's reading, and serve's
+    check before it listens (locate.check_readable); a ModelLoadError that says what is
+    wrong (no directory, no config.json, or read_config_json's)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} is not a model directory (no config.json)",
+                             "download the model first: ruvllm download MODEL")
+    return read_config_json(path / "config.json")
+
+
 def read_model_config(path: Path) -> ModelShape:
     """Reads `config.json` (or the directory holding it) into a `ModelShape`."""
     config_file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
