@@ -38,7 +38,7 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
         forced = forced_call_grammar(tools, parser.name, engine.tokenizer)
         auto = auto_call_grammar(tools, parser.name, engine.tokenizer) \
             if forced is None and params.structured is None else None
-        if auto is not None and not any(tool.strict for tool in tools.offered()):
+        if auto is not None and not tools.strict:
             try:
                 engine.grammar_compiler.validate(auto)
             except UsageError:
@@ -49,8 +49,8 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
     prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
     reasoning, inside = model_reasoning(engine.tokenizer), False
     if reasoning is not None:
-        constrained = params.structured is not None and (params.structured is not auto or reasoning.end_id is not None)
-        plan = reasoning.plan(engine.tokenizer, prompt, constrained)   # as prompts.reasoning_sampling
+        plan = reasoning.plan(engine.tokenizer, prompt, params.structured is not None,
+                              free_text=auto is not None and params.structured is auto)
         params, inside = plan.sampling(params, reasoning), plan.inside
     [completion] = engine.generate([prompt], params)
     thought, text = "", completion.text

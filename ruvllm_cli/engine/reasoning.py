@@ -67,7 +67,7 @@ class Reasoning:
         return self.format.start, self.format.end
 
     def plan(self, tokenizer: Any, prompt_ids: Sequence[int], constrained: bool,
-             continued: str | None = None, budgeted: bool = False) -> "ReplyPlan":
+             continued: str | None = None, budgeted: bool = False, free_text: bool = False) -> "ReplyPlan":
         """Where a reply starts, and the block the engine follows in it where a
         constraint (a JSON schema, a forced tool call) or a thinking budget needs it:
         a constraint waits out the block (from the first token it would write the answer
@@ -76,7 +76,10 @@ class Reasoning:
         marker is not one token nothing can follow the block: a constraint holds from
         the first token and the reply is all answer (the model does not reason).
         `continued`: the assistant's text a reply continues (continue_final_message),
-        inside the block where it opened one and did not close it."""
+        inside the block where it opened one and did not close it. `free_text`: the
+        constraint takes any text until it bites (tool_choice auto's calls); it too
+        waits out the block, and where it cannot, its free text takes the reasoning
+        (a call the model opens while it reasons stays reasoning text where it can)."""
         ends_in = self.prompt_ends_in(tokenizer, prompt_ids) if continued is None else None
         inside = ends_in == "open" if continued is None else \
             continued.rfind(self.format.start) > continued.rfind(self.format.end)
@@ -86,7 +89,7 @@ class Reasoning:
             # the model to open a block anyway, the constraint would wait for ever).
             return ReplyPlan(False)
         if self.end_id is None:
-            return ReplyPlan(inside and not constrained)
+            return ReplyPlan(inside and not (constrained and not free_text))
         if not (constrained or budgeted):
             return ReplyPlan(inside)
         return ReplyPlan(inside, ReasoningBlock(self.end_id, self.start_id, inside))

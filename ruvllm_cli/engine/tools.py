@@ -88,6 +88,11 @@ class ToolRequest:
             return None
         return [t.for_template() for t in self.tools]
 
+    @property
+    def strict(self) -> bool:
+        """An offered tool is strict: its schema must be enforceable (a 400 if not)."""
+        return any(tool.strict for tool in self.offered())
+
     def offered(self) -> tuple[Tool, ...]:
         if self.choice.mode == "function":
             return tuple(t for t in self.tools if t.name == self.choice.name)

@@ -92,8 +92,8 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
     if forced is not None:
         return replace(sampling, structured=Structured(forced, "tools", parts=parts), stop=())
     assert auto is not None
-    strict = any(tool.strict for tool in tools.offered())
-    return replace(sampling, structured=Structured(auto, "tools", parts=parts, optional=not strict, free_text=True))
+    return replace(sampling, structured=Structured(auto, "tools", parts=parts, optional=not tools.strict,
+                                                   free_text=True))
 
 
 def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingFields, prompt_ids: list[int],
@@ -101,14 +101,10 @@ def reasoning_sampling(tokenizer: Any, reasoning: Reasoning, sampling: SamplingF
     """Sampling for a reasoning model's reply (its markers reach the splitter even where
     they are special tokens; a constraint lets it reason first: `Reasoning.plan`), and
     whether it starts inside its block."""
-    # tool_choice auto's grammar (free text until a call) waits out the block like any
-    # constraint where the end marker is one token: a call the model opens while it
-    # reasons stays reasoning text, as it was. Where it is not, the grammar holds from
-    # the first token and its free text takes the reasoning (a forced constraint would
-    # make the reply all answer there).
-    constrained = sampling.structured is not None and (not sampling.structured.free_text
-                                                       or reasoning.end_id is not None)
-    plan = reasoning.plan(tokenizer, prompt_ids, constrained, continued, budgeted=sampling.thinking_budget is not None)
+    structured = sampling.structured
+    plan = reasoning.plan(tokenizer, prompt_ids, structured is not None, continued,
+                          budgeted=sampling.thinking_budget is not None,
+                          free_text=structured is not None and structured.free_text)
     return plan.sampling(sampling, reasoning), plan.inside
 
 

@@ -43,8 +43,7 @@ class Structured:
     # The server's own constraint, not the request's word (tool_choice "auto"'s calls):
     # one the library cannot compile is left out (the calls go free), not a 400.
     optional: bool = False
-    # Any text is allowed until a call opens: where a reasoning model's end marker is not
-    # one token (the block cannot be waited out), its reasoning is that free text.
+    # Any text is allowed until a call opens (Reasoning.plan's `free_text`).
     free_text: bool = False
 
     @property
