@@ -378,12 +378,12 @@ def unreadable(data: dict[str, Any]) -> str | None:
     return None
 
 
-def render(out: Output, data: dict[str, Any]) -> None:
+def render(out: Output, data: dict[str, Any], error: str | None = None) -> None:
+    """The tables; `error`: unreadable(data), said by the command last (not as a warning here)."""
     _render_model(out, data)
     _render_config(out, data)
     _render_capabilities(out, data)
     _render_cache(out, data)
-    error = unreadable(data)
     for record in data["gguf"]:
         _render_gguf(out, record, error)
     _render_memory(out, data)
@@ -408,10 +408,10 @@ def command(model: str, as_json: bool) -> None:
     out = app.output()
     ref = resolve_model(model)
     data = describe(model, ref, ModelCache(app.cache_dir))
+    error = unreadable(data)
     if as_json:
         out.json(data)
     else:
-        render(out, data)
-    error = unreadable(data)
+        render(out, data, error)
     if error:
         raise ModelLoadError(error, hint=None if as_json else "the fields above are what could be read without it")

@@ -143,8 +143,9 @@ def model_sampling_defaults(path: str | Path, gguf_metadata: dict[str, Any] | No
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or value == transformers_default:
             continue
+        value = int(value) if name == "top_k" and float(value).is_integer() else value
         if _usable(name, value, str(file)):
-            found[name] = int(value) if name == "top_k" and float(value).is_integer() else value
+            found[name] = value
     return found
 
 
@@ -173,7 +174,7 @@ def gguf_sampling_defaults(metadata: dict[str, Any], source: str) -> dict[str, f
 
 def _usable(name: str, value: float | int, source: str) -> bool:
     try:
-        SamplingParams(**{name: int(value) if name == "top_k" and float(value).is_integer() else value})
+        SamplingParams(**{name: value})
     except (UsageError, TypeError, ValueError, OverflowError):
         log.warning("%s: %s %r is outside what ruvllm samples with; not used", source, name, value)
         return False

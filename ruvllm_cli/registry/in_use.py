@@ -22,7 +22,7 @@ def register(paths: Iterable[Path], url: str, cache_dir: Path) -> Callable[[], N
     """Record that this process serves `paths` at `url`; returns what removes the record."""
     record = run_dir(cache_dir) / f"serve-{os.getpid()}.json"
     partial = record.with_suffix(".tmp")
-    users_of((), cache_dir)   # clears the records a killed server left
+    _live_records(cache_dir)   # clears the records a killed server left
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
@@ -45,7 +45,14 @@ def users_of(files: Iterable[Path], cache_dir: Path) -> list[dict[str, Any]]:
     """The running servers on `cache_dir` (records: pid, url, paths) that serve any of
     `files`, or a model inside a directory among them."""
     wanted = [Path(f).absolute() for f in files]
-    users = []
+    return [data for data, paths in _live_records(cache_dir)
+            if any(_within(f, p) or _within(p, f) for f in wanted for p in paths)]
+
+
+def _live_records(cache_dir: Path) -> list[tuple[dict[str, Any], list[Path]]]:
+    """The records of servers still running (record, its paths); those of servers that
+    are gone are deleted on the way."""
+    live = []
     records = run_dir(cache_dir)
     for record in sorted(records.glob("serve-*.json")) if records.is_dir() else []:
         try:
@@ -56,9 +63,8 @@ def users_of(files: Iterable[Path], cache_dir: Path) -> list[dict[str, Any]]:
         if not _alive(pid):
             record.unlink(missing_ok=True)   # its server is gone
             continue
-        if any(_within(f, p) or _within(p, f) for f in wanted for p in paths):
-            users.append(data)
-    return users
+        live.append((data, paths))
+    return live
 
 
 def _within(path: Path, root: Path) -> bool:
