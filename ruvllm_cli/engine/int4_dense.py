@@ -8,7 +8,10 @@ under f16 (docs/design.md, sections 22 and 23). On AVX-512 CPUs, `kernels/int4_g
 takes every call: each group's sum keeps the scale and zero out of the inner loop, up
 to six rows take the codes straight from memory, more pass up to six at a time over a
 float32 tile of one group's codes in L1; a row's result is the same bits alone, in any
-batch, or in a prompt chunk. Elsewhere, for 64 rows and more, `Int4Linear` unpacks its
+batch, or in a prompt chunk. On AVX2 CPUs `kernels/int4_gemm_avx2.c` takes every call,
+the activations quantized to int8 per weight group and the products summed exactly in
+integers (llama.cpp's Q4_K x Q8_K arithmetic; one row twice as fast as float32
+activations, design section 23), the same bits for a row in any batch too. Elsewhere, for 64 rows and more, `Int4Linear` unpacks its
 codes a block of output rows at a time into float32 (w = (q - 8) * scale + zero,
 torch's kernel's own formula) for `dense_gemm.blockwise_gemm`, as `Bf16Linear` widens
 bfloat16 weights.

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ruvllm_cli.engine import kernels
+from ruvllm_cli.engine import int4_dense, kernels
 from ruvllm_cli.engine.config import EngineConfig
 from ruvllm_cli.engine.engine import LLMEngine
 from ruvllm_cli.engine.fused import fused_decoder, supported
@@ -186,14 +186,17 @@ def test_fused_decode_matches_the_stock_forward_in_float32(make_tiny_model, shap
 def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_tiny_model, shape, wide):
     # q4k keeps bfloat16 activations on every CPU. Rounding differs (float32 scores
     # here, bfloat16 there), so greedy paths may part on a near tie: compare the first
-    # decode step, where both read the same cache.
+    # decode step, where both read the same cache. The AVX2 int4 kernel quantizes its
+    # activations to int8, where a rounding apart moves a code: 4.6-5.1% of the largest
+    # logit there, measured, against 1.1-1.3% with float32 sums (AVX-512).
     loaded = load_model(make_tiny_model(**shape), "cpu", Quantization.Q4_K_M)
     assert loaded.dtype == torch.bfloat16
     _, fused_steps, taken = run(loaded, fused=True, quantization=Quantization.Q4_K_M)
     _, stock_steps, _ = run(loaded, fused=False, quantization=Quantization.Q4_K_M)
     first, reference = fused_steps[0], stock_steps[0]
     assert taken > 0 and first.shape == reference.shape
-    assert (first - reference).abs().max().item() <= 0.03 * reference.abs().max().item()
+    bound = 0.08 if int4_dense.own_kernel() is not None and int4_dense.own_kernel().block == 32 else 0.03
+    assert (first - reference).abs().max().item() <= bound * reference.abs().max().item()
     assert (first.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
 
 

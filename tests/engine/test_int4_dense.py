@@ -1,8 +1,9 @@
 """q4k layers beside torch's int4 kernel (engine/int4_dense.py): the layout read off
 torch; prompt chunks through float32 GEMM on weights unpacked in C and in torch (where
 no kernel of ours reads torch's layout); every call through our own kernel where it
-runs: kernels/int4_gemm.c on torch's AVX-512 layout, int4_gemm_avx2.c on its AVX2 one,
-the same bits."""
+runs: kernels/int4_gemm.c on torch's AVX-512 layout (bfloat16 activations, float32
+sums), int4_gemm_avx2.c on its AVX2 one (activations quantized to int8 per weight
+group, exact integer sums)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,30 @@ def avx2_packed(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     blocks = codes.to(torch.uint8).view(n // 32, 32, k).transpose(1, 2)
     return (blocks[..., :16] | (blocks[..., 16:] << 4)).contiguous().view(n, k // 2)
+
+
+def int8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bfloat16 as int4_gemm_avx2.c quantizes it: codes [M, K] (-127..127, as
+    float32) and one scale a row and group [M, K / group], absmax / 127, in float32 as C
+    computes them (round half to even)."""
+    m, k = x.shape
+    groups = x.float().view(m, k // group, group)
+    amax = groups.abs().amax(-1)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (groups * inverse.unsqueeze(-1)).round().view(m, k), amax / 127
+
+
+def int8_reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
+    """What int4_gemm_avx2.c computes, in float64: each group's integer sum of the weight
+    codes times the activation codes, times scale * dx, plus (zero - 8 * scale) times the
+    group's sum of x."""
+    q, dx = int8_rows(x, group)
+    (m, k), n = x.shape, codes.shape[0]
+    scale, zero = sz[..., 0].double().t(), sz[..., 1].double().t()           # [N, groups]
+    sums = torch.einsum("mgk,ngk->mng", q.double().view(m, k // group, group),
+                        codes.double().view(n, k // group, group))
+    totals = x.double().view(m, k // group, group).sum(-1)                    # [M, groups]
+    return (sums * (scale * dx.double().unsqueeze(1)) + (zero - 8 * scale) * totals.unsqueeze(1)).sum(-1)
 
 
 def kernel_linear(kernel, x, packed, sz, group, bias):
@@ -111,6 +136,9 @@ def test_our_int4_kernel_gives_torchs_sums_and_each_row_the_same_bits_in_any_bat
     exact = x.double() @ weight.double().t()
     if bias:
         exact = exact.bfloat16().double() + b.double()
+    # int4_gemm_avx2.c's int8 activations move a sum by up to about 0.6% of the largest
+    # (measured: 0.37-0.58%); float32 ones by float32 rounding alone.
+    int8 = int4_dense.own_kernel().block == 32
     for rows in (1, 2, 3, 4, 5, 6, 7, 16, 33, 63, 64, 150):
         ours = int4_dense.own_linear(x[:rows], packed, sz, group, b)
         assert ours.dtype == torch.bfloat16 and ours.shape == (rows, n)
@@ -120,40 +148,42 @@ def test_our_int4_kernel_gives_torchs_sums_and_each_row_the_same_bits_in_any_bat
         if bias:
             reference = reference + b
         scale = exact[:rows].abs().max().item()
-        assert (ours.double() - exact[:rows]).abs().max().item() <= 2.0 ** -8 * scale
-        assert (ours.float() - reference.float()).abs().max().item() <= 2.0 ** -7 * scale
+        assert (ours.double() - exact[:rows]).abs().max().item() <= 2.0 ** (-6 if int8 else -8) * scale
+        assert (ours.float() - reference.float()).abs().max().item() <= 2.0 ** (-6 if int8 else -7) * scale
 
 
 @pytest.mark.skipif(kernels.int4_avx2_kernel() is None, reason="no AVX2 kernel here (AVX2, FMA and a C compiler)")
 @pytest.mark.parametrize(("n", "k", "group", "bias"), [(320, 512, 128, True), (64, 896, 32, False),
                                                          (96, 256, 64, True), (192, 4864 // 2, 32, False)])
-def test_the_avx2_kernel_gives_the_sums_and_the_avx512_kernels_bits(n, k, group, bias):
+def test_the_avx2_kernel_sums_each_groups_int8_codes_and_gives_each_row_the_same_bits_in_any_batch(n, k, group,
+                                                                                                     bias):
     """int4_gemm_avx2.c on torch's AVX2 layout (packed here as torch packs it there):
-    against the float64 sum, each row the same bits alone as in a batch of any size
-    (both halves of a block straight from the codes, the tile, strips), and, where
-    int4_gemm.c runs on torch's AVX-512 layout, the same bits as it for the same weights."""
+    what its arithmetic says, in float64 (`int8_reference`: a scale per row and group,
+    so a group of outliers leaves the others' codes fine), within the bfloat16 rounding
+    of its output; the float64 sum of the weights within int8's rounding; each row the
+    same bits alone as in a batch of any size (one row's whole block, both halves of a
+    block straight from the codes, the tile, strips)."""
     torch.manual_seed(n + k)
     packed, sz, weight, codes = packed_matrix(n, k, group, seed=n, codes_too=True)
     ours = avx2_packed(codes)
     b = torch.randn(n).bfloat16() if bias else None
     x = torch.randn(150, k).bfloat16() * 3
     x[1, :7] = 0
+    x[2, group:2 * group] *= 1000                 # one group of outliers
     kernel = kernels.int4_avx2_kernel()
     alone = [kernel_linear(kernel, x[i:i + 1], ours, sz, group, b) for i in range(len(x))]
+    expected = int8_reference(x, codes, sz, group)     # without the bias: one rounding
     exact = x.double() @ weight.double().t()
     if bias:
         exact = exact.bfloat16().double() + b.double()
-    wide = int4_dense.own_kernel()
-    wide = wide if wide is not None and wide.block == 64 and n % 64 == 0 else None
+    scale = exact.abs().amax(-1, keepdim=True)           # each row's own
     for rows in (1, 2, 3, 4, 5, 6, 7, 12, 16, 33, 63, 64, 150):
         out = kernel_linear(kernel, x[:rows], ours, sz, group, b)
         for i in range(rows):
             assert torch.equal(out[i].view(torch.int16), alone[i][0].view(torch.int16)), (rows, i)
-        scale = exact[:rows].abs().max().item()
-        assert (out.double() - exact[:rows]).abs().max().item() <= 2.0 ** -8 * scale
-        if wide is not None:
-            assert torch.equal(out.view(torch.int16), kernel_linear(wide, x[:rows], packed, sz, group, b).view(
-                torch.int16)), rows
+        assert ((out.double() - exact[:rows]).abs() <= 2.0 ** -6 * scale[:rows]).all(), rows
+        plain = kernel_linear(kernel, x[:rows], ours, sz, group, None).double()
+        assert ((plain - expected[:rows]).abs() <= 2.0 ** -8 * scale[:rows]).all(), rows
 
 
 AVX2_PROCESS = r"""
@@ -167,11 +197,14 @@ codes = torch.randint(0, 16, (64, 128), dtype=torch.int32)
 layout = torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2), avx2_packed(codes))
 loaded = load_model(sys.argv[1], "cpu", Quantization.Q4_K_M, use_cache=False)
 with torch.inference_mode():
+    exact = _logits(load_model(sys.argv[1], "cpu", Quantization.F32, use_cache=False).model)
     ours = _logits(loaded.model)
     int4_dense.own_kernel = lambda: None     # torch's int4pack kernel for every call
     theirs = _logits(loaded.model)
+rms = lambda t: t.pow(2).mean().sqrt().item()
 print(json.dumps({"layout": layout, "path": loaded.quantization_path, "wide": kernels.decode_kernel().wide,
-                  "error": (ours - theirs).abs().max().item() / theirs.abs().max().item()}))
+                  "ours": rms(ours - exact) / rms(exact), "theirs": rms(theirs - exact) / rms(exact),
+                  "apart": rms(ours - theirs) / rms(theirs)}))
 """
 
 
@@ -179,7 +212,9 @@ print(json.dumps({"layout": layout, "path": loaded.quantization_path, "wide": ke
 def test_a_process_where_torch_packs_for_avx2_runs_the_avx2_kernel(make_tiny_model):
     """Under torch's AVX2 dispatch (an AVX2-only laptop's, or ATEN_CPU_CAPABILITY=avx2),
     torch packs as `avx2_packed` does, the load line names the AVX2 kernel, and a q4k
-    model's logits through it agree with torch's own int4 kernel's; our other kernels
+    model's logits through it are about as far from the float32 model's as torch's own
+    int4 kernel's (its int8 activations add to q4k's error: 0.313 against 0.309 of the
+    logits' RMS, measured); our other kernels
     take their AVX2 forms under RUVLLM_MAX_CPU_ISA=avx2."""
     from tests.engine.test_stream_load import VARIANTS
 
@@ -190,7 +225,7 @@ def test_a_process_where_torch_packs_for_avx2_runs_the_avx2_kernel(make_tiny_mod
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["layout"] is True and result["wide"] == 0
     assert result["path"].endswith("; int4 layers in ruvllm's AVX2 kernel")
-    assert result["error"] <= 2.0 ** -6
+    assert result["ours"] <= 1.1 * result["theirs"] and result["apart"] <= 0.2, result
 
 
 @own

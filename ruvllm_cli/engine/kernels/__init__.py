@@ -108,8 +108,9 @@ class Int4UnpackKernel:
 class Int4Kernel:
     """bfloat16 activations times torch's packed int4 weights, any number of rows, each
     row's result the same bits in any batch: `ruvllm_int4_linear` from int4_gemm.c
-    (AVX-512; torch's blocks of `block` = 64 rows there) or `ruvllm_int4_linear_avx2`
-    from int4_gemm_avx2.c (torch's blocks of 32 rows under AVX2); the same bits."""
+    (AVX-512; torch's blocks of `block` = 64 rows there; float32 sums) or
+    `ruvllm_int4_linear_avx2` from int4_gemm_avx2.c (torch's blocks of 32 rows under
+    AVX2; the activations quantized to int8 per weight group, exact integer sums)."""
 
     def __init__(self, library: ctypes.CDLL, symbol: str = "ruvllm_int4_linear", block: int = 64) -> None:
         self.block = block

@@ -57,11 +57,11 @@ static inline __m128i bf16_pack8(__m256 held) {
     return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
 }
 
-/* The int4 kernels' first step (int4_gemm.c, int4_gemm_avx2.c): x [M, K] bfloat16
- * widened to float32 in xf, and each row's sum over each group of `group` values in
- * totals [M][K / group]. A sum runs in sixteen lanes along the group, then adds the lanes
- * in one written-out tree (the one GCC's _mm512_reduce_add_ps takes), so both kernels, by
- * any compiler, hold the same totals. */
+/* int4_gemm.c's first step: x [M, K] bfloat16 widened to float32 in xf, and each row's
+ * sum over each group of `group` values in totals [M][K / group]. A sum runs in sixteen
+ * lanes along the group, then adds the lanes in one written-out tree (the one GCC's
+ * _mm512_reduce_add_ps takes), so any compiler holds the same totals. (int4_gemm_avx2.c
+ * had shared it until it took int8 activations.) */
 static inline void int4_widen_rows(const uint16_t *x, int64_t M, int64_t K, int64_t group, float *xf,
                                    float *totals, int threads) {
     const int64_t groups = K / group;

@@ -11,8 +11,7 @@
  *                                  + (zero[n,g] - 8 * scale[n,g]) * (sum over k in g of x[k])
  *
  * so a weight costs its conversion to float32 (a table lookup) and one FMA a row (the
- * codes as they are, 0 to 15: int4_gemm_avx2.c, which computes the same bits, then
- * converts them with no subtraction). Up to
+ * codes as they are, 0 to 15). Up to
  * six rows take the codes straight from memory, prefetched ahead, into their sums in
  * registers (`direct`); more pass up to six at a time over a float32 tile of one group's
  * codes in L1 (`tiled`), so the codes are converted once for all of them. Both compute
