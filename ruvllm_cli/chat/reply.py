@@ -1,4 +1,5 @@
-"""Streams one reply from the engine loop, with Ctrl-C cancelling it, and measures it.
+"""Streams one reply from the engine loop, with Ctrl-C cancelling it (and keys typed
+meanwhile kept out of it), and measures it.
 
 The numbers come from the engine's own timestamps (RequestOutput.timings), taken on
 the engine thread when each token was sampled, not from when the terminal showed it.
@@ -6,7 +7,9 @@ the engine thread when each token was sampled, not from when the terminal showed
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -76,7 +79,8 @@ def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "Samplin
     reasoning goes to `on_reasoning` and the answer to `on_text`.
 
     Ctrl-C (SIGINT) cancels the request instead of raising: the stream then ends with
-    a `cancelled` output, and the text so far is the reply."""
+    a `cancelled` output, and the text so far is the reply. Keys typed on a terminal
+    meanwhile are not echoed into the reply (`typed_ahead_unechoed`)."""
     stream = loop.submit(list(prompt_ids), params, adapter=adapter)
     parts: list[str] = []
     thoughts: list[str] = []
@@ -91,7 +95,7 @@ def stream_reply(loop: "EngineLoop", prompt_ids: Sequence[int], params: "Samplin
             on_text(text)
 
     final: RequestOutput | None = None
-    with cancel_on_interrupt(stream):
+    with cancel_on_interrupt(stream), typed_ahead_unechoed():
         for output in stream:
             if splitter is None:
                 hand_out("", output.text)
@@ -127,3 +131,41 @@ def cancel_on_interrupt(stream: "RequestStream") -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def typed_ahead_unechoed() -> Iterator[None]:
+    """While a reply streams to a terminal, the terminal does not echo keys typed into
+    it: Ctrl-C's "^C" no longer lands in the middle of the reply, nor do the letters of
+    a next question typed early. Those wait in the terminal's input, as a shell's
+    typed-ahead line does, and the next prompt starts with them. Only the echo flags
+    change (Ctrl-C still signals); they are put back as they were, the input kept."""
+    try:
+        import termios
+    except ImportError:   # Windows: its console does not echo while no one reads
+        yield
+        return
+    try:
+        fd = sys.stdin.fileno()
+        before = termios.tcgetattr(fd) if sys.stdin.isatty() else None
+    except (AttributeError, ValueError, OSError, termios.error):   # replaced, closed, or no terminal
+        before = None
+    if before is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    quiet = list(before)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        # Killed mid-reply: the terminal gets its echo back before the process goes.
+        termios.tcsetattr(fd, termios.TCSANOW, before)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
+        signal.signal(signal.SIGTERM, previous)

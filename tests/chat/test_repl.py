@@ -109,8 +109,14 @@ def test_ctrl_c_stops_a_reply_and_clears_the_prompt(spawn_chat: Callable[..., An
     child.sendline("Count to one thousand.")
     child.expect("thousand\\.")
     time.sleep(0.3)  # let the reply stream for a while
+    child.send("typed early")
+    time.sleep(0.2)
     child.send("\x03")
     child.expect("the partial reply stays in the conversation")  # after a yellow "Interrupted:"
+    # The terminal's echo is off while a reply streams: neither the keys nor "^C" land in
+    # it (the typed keys wait for the next prompt; Ctrl-C's signal flushes them, as a
+    # terminal does).
+    assert "^C" not in child.before and "typed early" not in child.before
     child.expect(STATS)
     stats = ANSI.sub("", child.after)
     assert int(stats.split()[0]) < 3000
