@@ -72,17 +72,18 @@ def _show_or_set(conv: Conversation, name: str, arg: str) -> None:
     if arg:
         value = parse_param(name, arg)
         if name == "max_tokens":
-            _check_fits_context(session.context_limit, value)
+            check_fits_context(session.context_limit, value)
         session.settings = session.settings.replace(**{name: value})
     conv.renderer.info(f"{name} = {getattr(session.settings, name)}")
 
 
-def _check_fits_context(limit: int, max_tokens: object) -> None:
-    """A reply cannot outgrow the context window: /max beyond it would only mislead."""
+def check_fits_context(limit: int, max_tokens: object, name: str = "max_tokens") -> None:
+    """A reply cannot outgrow the context window: /max (or --max-tokens) beyond it would
+    only mislead."""
     if isinstance(max_tokens, int) and max_tokens > limit:
-        raise UsageError(f"max_tokens {max_tokens} is beyond the model's {limit}-token context",
-                         f"a reply ends where the context does: give at most {limit} (/tokens shows how much "
-                         "the conversation takes)")
+        shown = " (/tokens shows how much the conversation takes)" if name == "max_tokens" else ""
+        raise UsageError(f"{name} {max_tokens} is beyond the model's {limit}-token context",
+                         f"a reply ends where the context does: give at most {limit}{shown}")
 
 
 def cmd_temp(conv: Conversation, arg: str) -> None:

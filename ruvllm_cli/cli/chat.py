@@ -191,6 +191,7 @@ def recommended_sampling(opened: "OpenedEngine") -> dict[str, Any] | None:
 
 def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, options: dict[str, Any],
                        interactive: bool) -> "Conversation":
+    from ruvllm_cli.chat.commands import check_fits_context
     from ruvllm_cli.chat.conversation import Conversation
     from ruvllm_cli.chat.render import PipeRenderer, TerminalRenderer
     from ruvllm_cli.chat.session import ChatSession, ChatTemplate
@@ -202,6 +203,7 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     if think is not None and "enable_thinking" not in (getattr(engine.tokenizer, "chat_template", None) or ""):
         app.output().warn(f"--{'' if think else 'no-'}think changes nothing: this model's chat template has no "
                           "enable_thinking switch")
+    check_fits_context(engine.max_model_len, options["max_tokens"], "--max-tokens")   # as /max refuses it
     template = ChatTemplate(engine.tokenizer, None if think is None else {"enable_thinking": think})
     session = ChatSession(template, engine.max_model_len,
                           model=opened.located.served_name, system_prompt=options["system"] or None,

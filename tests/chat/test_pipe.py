@@ -54,6 +54,15 @@ def test_a_seed_torch_cannot_take_is_refused_before_loading(ruvllm: Run, tiny_mo
     assert "Invalid value for '--seed'" in result.stderr
 
 
+def test_max_tokens_beyond_the_context_is_refused_as_max_is(ruvllm: Run, tiny_model_dir: Path) -> None:
+    """--max-tokens past the context was taken silently, where /max refuses it."""
+    result = ruvllm("chat", str(tiny_model_dir), "-q", "none", "--max-tokens", "5000", input="hi\n")
+    assert result.returncode == 2 and result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("Loaded")]
+    assert errors == ["Error: --max-tokens 5000 is beyond the model's 4096-token context",
+                      "Hint: a reply ends where the context does: give at most 4096"]
+
+
 @pytest.mark.parametrize("encoding", ["utf-8", ""])   # stdin decoded strictly, or with surrogateescape
 def test_stdin_that_is_not_utf8_is_a_usage_error(cli_env: dict[str, str], tiny_model_dir: Path,
                                                  encoding: str) -> None:
