@@ -186,6 +186,8 @@ def cmd_load(conv: Conversation, arg: str) -> None:
     model = session.load(path)
     conv.last_reply = None
     conv.renderer.info(f"Loaded {len(session.messages)} messages from {path}")
+    if session.awaits_reply:
+        conv.renderer.info("Its last message has no reply yet: /retry answers it.")
     if model and model != session.model:
         conv.renderer.warn(f"it was saved with {model}; replies now come from {session.model}")
     _load_adapter(conv, adapter_before)

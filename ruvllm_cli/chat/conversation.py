@@ -60,14 +60,16 @@ class Conversation:
         return reply
 
     def retry(self) -> Reply:
-        """Generate the last reply again; the old one comes back if that fails."""
+        """Generate the last reply again (or, after a user message with none, its first);
+        the old one comes back if that fails."""
         previous = self.session.pop_last_reply()
         try:
             reply = self._respond()
         except BaseException:
-            self.session.messages.append(previous)
+            if previous is not None:
+                self.session.messages.append(previous)
             raise
-        if reply.finish_reason is FinishReason.ERROR or reply.thinking_only:
+        if (reply.finish_reason is FinishReason.ERROR or reply.thinking_only) and previous is not None:
             self.session.messages.append(previous)
         return reply
 

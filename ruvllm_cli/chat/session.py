@@ -216,11 +216,18 @@ class ChatSession:
         if self.messages and self.messages[-1].role == "user":
             self.messages.pop()
 
-    def pop_last_reply(self) -> Message:
-        """Remove the last reply so it can be generated again (/retry)."""
-        if not self.messages or self.messages[-1].role != "assistant":
+    def pop_last_reply(self) -> Message | None:
+        """Remove the last reply so it can be generated again (/retry); None where the
+        last message is the user's, with no reply yet (a chat saved or edited so): the
+        reply is then generated for the first time."""
+        if not self.messages:
             raise UsageError("there is no reply to retry yet", "send a message first")
-        return self.messages.pop()
+        return self.messages.pop() if self.messages[-1].role == "assistant" else None
+
+    @property
+    def awaits_reply(self) -> bool:
+        """The last message is the user's, with no reply after it."""
+        return bool(self.messages) and self.messages[-1].role == "user"
 
     def clear(self) -> None:
         """Forget every message; the system prompt and the settings stay."""

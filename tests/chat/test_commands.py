@@ -130,6 +130,27 @@ def test_retry_without_a_reply_is_an_error(conv: Conversation) -> None:
         run_command(conv, "/retry")
 
 
+def test_a_loaded_chat_ending_in_a_question_says_so_and_retry_answers_it(conv: Conversation,
+                                                                          tmp_path: Path) -> None:
+    """A chat saved or edited to end in the user's message: /retry said "no reply to
+    retry yet" and left no way to answer it but a second user turn."""
+    path = tmp_path / "asked.json"
+    path.write_text(json.dumps({"format": "ruvllm-chat", "model": "tiny", "messages": [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "and then?"}]}))
+    run_command(conv, f"/load {path}")
+    assert lines(conv)[-2:] == [f"Loaded 3 messages from {path}", "Its last message has no reply yet: /retry answers it."]
+    run_command(conv, "/retry")
+    assert [m.content for m in conv.session.messages] == ["hello", "hi", "and then?", "reply 1"]
+    assert conv.loop.prompts[0] == conv.session.template(  # type: ignore[attr-defined]
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+         {"role": "user", "content": "and then?"}], True)
+    conv.loop.finish_reason = FinishReason.ERROR  # type: ignore[attr-defined]
+    del conv.session.messages[-1]
+    conv.retry()                                # a failed first answer leaves the question as it was
+    assert [m.content for m in conv.session.messages] == ["hello", "hi", "and then?"]
+
+
 def test_a_failed_reply_takes_the_message_back(conv: Conversation) -> None:
     conv.send("hello")
     conv.loop.finish_reason = FinishReason.ERROR  # type: ignore[attr-defined]
