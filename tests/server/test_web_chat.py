@@ -229,6 +229,9 @@ def test_adapters_are_picked_under_their_base_model(adapter_server, page_for):
     assert [o.text for o in page.all("#model > option")] == ["tiny"]
     assert page.el("#model optgroup").get_attribute("label") == "Adapters of tiny"
     assert [o.text for o in page.all("#model optgroup option")] == ["mlp (LoRA)"]
+    # The default max tokens shown is what a reply gets: the server's 1,024 capped by this
+    # server's 256-token context (it had said 1024).
+    assert page.el("#settings-form [name=maxTokens]").get_attribute("placeholder") == "256"
     Select(page.el("#model")).select_by_value("mlp")
     page.settings(maxTokens="12", temperature="0", extra='{"ignore_eos": true}')
     page.send("Hello")
@@ -429,6 +432,23 @@ def test_n_above_one_shows_the_first_choice(server, page_for):
     page.settings(extra=json.dumps({"n": 2, "structured_outputs": {"choice": ["abc"]}}))
     page.send("Pick")
     assert page.wait_reply().find_element("css selector", ".body").text == "abc"
+
+
+def test_a_tool_call_is_shown_by_its_name_and_arguments(server, page_for):
+    """Tools and a forced tool_choice as extra request fields: the reply is a call with
+    no text, and its bubble had stayed empty."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+    page = page_for(server.url).open()
+    page.settings(extra=json.dumps({"tools": [tool], "tool_choice": "required"}), maxTokens="64")
+    page.send("Weather?")
+    reply = page.wait_reply()
+    call = reply.find_element("css selector", ".calls .call").text
+    name, _, arguments = call.partition("(")
+    assert name == "get_weather" and json.loads(arguments.removesuffix(")"))["city"] in ("Paris", "Oslo")
+    assert "called a tool" in reply.find_element("css selector", ".stats").text
+    page.open()                                    # kept with the conversation
+    assert page.el(".message.assistant .calls .call").text == call
 
 
 def test_a_page_opened_while_the_model_loads_gets_it_when_ready(make_server, page_for):

@@ -106,6 +106,7 @@ function updateView(message) {
   if (message.role === 'assistant') {
     updateThinking(view, message);
     renderMarkdown(body, message.content);
+    updateCalls(view, message);
   } else {
     body.textContent = message.content;
   }
@@ -131,6 +132,25 @@ function updateThinking(view, message) {
   const [summary, text] = details.children;
   summary.textContent = message.state === 'streaming' && !message.content ? 'Thinking…' : 'Thought';
   text.textContent = message.reasoning;
+}
+
+/** Tool calls a reply made (tools and tool_choice given as extra request fields): each
+ * as its name and arguments, in plain text under the reply's text. The page runs no
+ * tools, so they stay out of later requests, as the text of an empty reply does. */
+function updateCalls(view, message) {
+  if (!message.toolCalls?.length) return;
+  let list = view.querySelector(':scope > .calls');
+  if (!list) {
+    list = document.createElement('div');
+    list.className = 'calls';
+    view.querySelector(':scope > .body').after(list);
+  }
+  list.replaceChildren(...message.toolCalls.map((call) => {
+    const line = document.createElement('pre');
+    line.className = 'call';
+    line.textContent = `${call.name}(${call.arguments})`;
+    return line;
+  }));
 }
 
 function scrollToEnd(force = false) {
@@ -220,9 +240,16 @@ async function readReply(body, reply, clock) {
       // (the older name): one of them is taken.
       const thought = choice.delta?.reasoning ?? choice.delta?.reasoning_content ?? '';
       const piece = choice.delta?.content ?? '';
+      const calls = choice.delta?.tool_calls ?? [];
       if (thought) reply.reasoning = (reply.reasoning ?? '') + thought;
       if (piece) reply.content += piece;
-      if (thought || piece) {
+      for (const call of calls) {   // OpenAI's streamed form: the name first, the arguments in pieces
+        reply.toolCalls ??= [];
+        const known = (reply.toolCalls[call.index ?? 0] ??= { name: '', arguments: '' });
+        known.name += call.function?.name ?? '';
+        known.arguments += call.function?.arguments ?? '';
+      }
+      if (thought || piece || calls.length) {
         clock.first ??= performance.now();
         redraw(reply);
         saveSoon();
@@ -291,6 +318,7 @@ function statsLine(clock, usage, finish) {
   if (clock.first !== null) parts.push(`first token ${seconds(clock.first - clock.start)}`);
   if (usage) parts.push(`prompt ${usage.prompt_tokens} tokens`);
   if (finish === 'length') parts.push('cut at max tokens');
+  if (finish === 'tool_calls') parts.push('called a tool (the page runs none)');
   return parts.join(' · ') || `${seconds(clock.end - clock.start)}, no text`;
 }
 
@@ -422,7 +450,10 @@ function fillModels(models) {
   const ids = [...bases, ...models.filter((m) => m.parent)].map((m) => m.id);
   ui.model.value = ids.includes(state.settings.model) ? state.settings.model : ids[0] ?? '';
   const chosen = models.find((m) => m.id === ui.model.value);
-  ui.form.elements.maxTokens.placeholder = chosen?.max_tokens_default?.['/v1/chat/completions'] ?? '';
+  // The server's default: its cap, or what the model's context leaves if that is less.
+  const cap = chosen?.max_tokens_default?.['/v1/chat/completions'];
+  const context = chosen?.max_model_len;
+  ui.form.elements.maxTokens.placeholder = cap == null ? '' : String(context ? Math.min(cap, context) : cap);
 }
 
 function option(value, label) {
