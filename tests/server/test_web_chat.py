@@ -440,7 +440,8 @@ def test_a_tool_call_is_shown_by_its_name_and_arguments(server, page_for):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
     page = page_for(server.url).open()
-    page.settings(extra=json.dumps({"tools": [tool], "tool_choice": "required"}), maxTokens="64")
+    page.settings(extra=json.dumps({"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False}),
+                  maxTokens="64", temperature="0")
     page.send("Weather?")
     reply = page.wait_reply()
     call = reply.find_element("css selector", ".calls .call").text
