@@ -25,7 +25,24 @@ def apply_penalties(row: torch.Tensor, prompt_ids: Sequence[int], output_ids: Se
     """Repetition penalty over prompt and output (as transformers does); presence and
     frequency penalties over the output only (as OpenAI defines them). `prompt_seen`:
     the prompt's distinct ids, made once per request (distinct_ids), where the set of
-    a 30k-token prompt rebuilt each step took 10 ms of it."""
+    a 30k-token prompt rebuilt each step took 10 ms of it. With `penalty_last_n`, all
+    three over the last that many tokens of prompt and output instead, as llama.cpp's
+    sampler (and Ollama's `repeat_last_n`) applies them."""
+    window = params.penalty_last_n
+    if window is not None:
+        recent = list(output_ids[-window:])
+        missing = window - len(recent)
+        if missing > 0:
+            recent = list(prompt_ids[-missing:]) + recent
+        if not recent:
+            return row
+        ids, counts = torch.tensor(recent, dtype=torch.long, device=row.device).unique(return_counts=True)
+        if params.repetition_penalty != 1.0:
+            values = row[ids]
+            row[ids] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+        return row
     if params.repetition_penalty != 1.0:
         seen = distinct_ids(prompt_ids, row.device) if prompt_seen is None else prompt_seen
         if output_ids:   # an id twice gets the same value twice: penalised once
@@ -303,7 +320,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]
 def _sample_request(row: torch.Tensor, request: Request) -> int:
     params = request.params
     if params.needs_history:
-        if params.repetition_penalty != 1.0 and request.prompt_seen is None:
+        if params.repetition_penalty != 1.0 and params.penalty_last_n is None and request.prompt_seen is None:
             request.prompt_seen = distinct_ids(request.prompt_ids, row.device)
         row = apply_penalties(row.clone(), request.prompt_ids, request.output_ids, params, request.prompt_seen)
         for processor in params.logits_processors:

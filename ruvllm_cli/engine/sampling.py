@@ -65,6 +65,10 @@ class SamplingParams(SamplingKnobs):
     skip_special_tokens: bool = True                # False: special tokens reach the text
     kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
     min_tokens: int = 0                             # EOS and stop_token_ids held off until this many (vLLM's)
+    # None: repetition_penalty over prompt and output, presence and frequency over the
+    # output (transformers', vLLM's, OpenAI's). N: all three over the last N tokens of
+    # prompt and output (llama.cpp's and Ollama's repeat_last_n).
+    penalty_last_n: int | None = None
     include_stop_str_in_output: bool = False        # the stop string that ended the reply stays in its text
     logits_processors: list[LogitsProcessor] = field(default_factory=list, hash=False)
 
@@ -87,6 +91,7 @@ class SamplingParams(SamplingKnobs):
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be between -2 and 2"),
+            (self.penalty_last_n is None or self.penalty_last_n >= 1, "penalty_last_n", "must be at least 1"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(-100.0 <= b <= 100.0 for _, b in self.logit_bias), "logit_bias", "values must be in [-100, 100]"),
             # what torch.Generator.manual_seed takes: a larger one had failed every reply

@@ -74,6 +74,7 @@ class SamplingFields(SamplingKnobs):
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    penalty_last_n: int | None = None     # the penalties' window (Ollama's repeat_last_n; SamplingParams')
     unset: frozenset[str] = frozenset()   # the knobs above the request left out
 
     def __post_init__(self) -> None:
@@ -102,7 +103,7 @@ class SamplingFields(SamplingKnobs):
                                   reasoning_block=self.reasoning_block, thinking_budget=self.thinking_budget,
                                   min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
-                                  skip_special_tokens=self.skip_special_tokens)
+                                  skip_special_tokens=self.skip_special_tokens, penalty_last_n=self.penalty_last_n)
         except UsageError as error:
             name = error.message.split(" ", 1)[0]
             raise bad_request(error.message, name if hasattr(self, name) else None) from error

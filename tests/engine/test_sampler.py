@@ -11,6 +11,7 @@ from ruvllm_cli.engine.sampler import (CANDIDATES, SamplingFailure, _candidates,
                                        distinct_ids, filter_min_p, filter_top_k, filter_top_p, greedy_tokens, sample,
                                        sample_row)
 from ruvllm_cli.engine.sampling import SamplingParams
+from ruvllm_cli.errors import UsageError
 
 ROW = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
 
@@ -54,6 +55,39 @@ def test_penalties_with_the_prompt_s_ids_made_once_are_the_same():
     expected[11] -= 0.5 + 0.4
     expected[2] -= 0.5 + 0.2
     assert torch.allclose(once, expected)
+
+
+def test_penalties_over_the_last_n_tokens_look_at_those_alone():
+    """Ollama's repeat_last_n (llama.cpp's penalty window): all three penalties over the
+    last N tokens of prompt and output, a token's count within them."""
+    row = torch.randn(50, generator=torch.Generator().manual_seed(2)) * 3
+    prompt, output = [3, 9, 9, 40, 3], [9, 11, 11, 2]
+
+    def expected(window, rep=1.3, presence=0.5, frequency=0.2):
+        out = row.clone()
+        recent = (prompt + output)[-window:]
+        for i in set(recent):
+            out[i] = out[i] / rep if out[i] > 0 else out[i] * rep
+            out[i] -= presence + frequency * recent.count(i)
+        return out
+
+    for window in (1, 2, 5, 9, 100):
+        params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                                penalty_last_n=window)
+        assert torch.allclose(apply_penalties(row.clone(), prompt, output, params), expected(window)), window
+    # the prompt alone, before the first token
+    params = SamplingParams(repetition_penalty=1.3, penalty_last_n=3)
+    out = apply_penalties(row.clone(), prompt, [], params)
+    assert torch.allclose(out, _repeat_only(row, [9, 40, 3]))
+    with pytest.raises(UsageError, match="penalty_last_n must be at least 1"):
+        SamplingParams(penalty_last_n=0)
+
+
+def _repeat_only(row, ids, rep=1.3):
+    out = row.clone()
+    for i in set(ids):
+        out[i] = out[i] / rep if out[i] > 0 else out[i] * rep
+    return out
 
 
 def reference_probs(scaled, params):

@@ -110,6 +110,33 @@ def test_options_map_onto_sampling(client, server):
     assert whole.message.content.startswith(stopped.message.content) and stop not in stopped.message.content
 
 
+def test_repeat_last_n_is_the_penalties_window():
+    """The penalties look at the last repeat_last_n tokens (64 unless given), as
+    Ollama's llama.cpp runner; 0 turns them off, the model's recommendation too; -1 is
+    the whole context. ruvllm's repetition_penalty had read the whole history."""
+    from ruvllm_cli.server.ollama_api.protocol import REPEAT_LAST_N, WHOLE_CONTEXT, parse_chat
+
+    def fields(**options):
+        return parse_chat({"model": "m", "messages": HELLO, "options": options}).sampling
+
+    assert fields(repeat_penalty=1.1).penalty_last_n == REPEAT_LAST_N == 64
+    assert fields(repeat_last_n=8).params(16, 0).penalty_last_n == 8
+    assert fields(repeat_last_n=-1).penalty_last_n == WHOLE_CONTEXT
+    off = fields(repeat_last_n=0, repeat_penalty=1.5, presence_penalty=1.0)
+    assert (off.repetition_penalty, off.presence_penalty, off.penalty_last_n) == (1.0, 0.0, None)
+    assert "repetition_penalty" not in off.unset          # a model's recommended penalty stays off too
+    with pytest.raises(Exception, match="repeat_last_n"):
+        fields(repeat_last_n=-2)
+
+
+def test_repeat_last_n_zero_replies_as_no_penalty(client, server):
+    greedy = {"temperature": 0, "num_predict": 24}
+    plain = client.chat(model=server.model, messages=HELLO, options=greedy)
+    off = client.chat(model=server.model, messages=HELLO, options={**greedy, "repeat_penalty": 5.0, "repeat_last_n": 0})
+    penalised = client.chat(model=server.model, messages=HELLO, options={**greedy, "repeat_penalty": 5.0})
+    assert off.message.content == plain.message.content != penalised.message.content
+
+
 def test_without_num_predict_the_reply_stops_at_the_server_default(make_server):
     live = make_server(chat_max_tokens=5)
     reply = ollama.Client(host=live.url, timeout=60).chat(model=live.model, messages=HELLO,

@@ -114,10 +114,14 @@ def _template(think: bool | str | None) -> TemplateOptions:
 
 
 # Ollama's own defaults (its api.DefaultOptions) for the options a request and the
-# model's generation_config.json leave unset; its repeat_penalty 1.1 over the last 64
-# tokens has no counterpart here (ruvllm's repetition_penalty reads the whole history),
-# so it stays off.
+# model's generation_config.json leave unset. Its repeat_penalty 1.1 stays off: Ollama's
+# own Go sampler, which runs its newer models, applies no penalty either.
 OLLAMA_SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 40}
+# repeat_last_n's default: the penalties (a request's, or the model's recommended
+# repetition penalty) look at the last 64 tokens of prompt and reply, as Ollama's
+# llama.cpp runner does; 0 turns them off, -1 looks at the whole context.
+REPEAT_LAST_N = 64
+WHOLE_CONTEXT = 2**31 - 1
 
 
 def _sampling(values: dict[str, Any]) -> SamplingFields:
@@ -131,10 +135,19 @@ def _sampling(values: dict[str, Any]) -> SamplingFields:
         stop=tuple(options.get("stop") or ()),
         # Unset, these five take the model's recommendation, else OLLAMA_SAMPLING (the route).
         temperature=options.get("temperature"), top_p=options.get("top_p"), top_k=options.get("top_k"),
-        min_p=options.get("min_p"), repetition_penalty=options.get("repeat_penalty"),
-        presence_penalty=_given(options, "presence_penalty", 0.0),
-        frequency_penalty=_given(options, "frequency_penalty", 0.0),
-        seed=options.get("seed"), structured=structured)
+        min_p=options.get("min_p"), seed=options.get("seed"), structured=structured, **_penalties(options))
+
+
+def _penalties(options: dict[str, Any]) -> dict[str, Any]:
+    """The penalties, over repeat_last_n as the engine's window: 0 turns every penalty
+    off (the model's recommended one too), -1 is the whole context, unset is 64 (Ollama's)."""
+    last_n = options.get("repeat_last_n")
+    if last_n == 0:
+        return {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    return {"repetition_penalty": options.get("repeat_penalty"),
+            "presence_penalty": _given(options, "presence_penalty", 0.0),
+            "frequency_penalty": _given(options, "frequency_penalty", 0.0),
+            "penalty_last_n": WHOLE_CONTEXT if last_n == -1 else REPEAT_LAST_N if last_n is None else last_n}
 
 
 def _given(options: dict[str, Any], name: str, default: Any) -> Any:
@@ -277,8 +290,10 @@ _OPTION_FIELDS = (
           above_low=True),
     _whole("top_k", "Sample from the k likeliest tokens; 0: off (default: the model's, else Ollama's 40).", 0),
     Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", low=0.0, high=1.0),
-    Field("repeat_penalty", "number", "Divides the logits of tokens already seen (1: off).", low=0.0, high=10.0,
-          above_low=True),
+    Field("repeat_penalty", "number", "Divides the logits of tokens seen in the last repeat_last_n (1: off; "
+                                      "default: the model's, else off).", low=0.0, high=10.0, above_low=True),
+    _whole("repeat_last_n", "How many of the last tokens (prompt and reply) the penalties look at; 0: no penalty, "
+                            "-1: the whole context (default 64).", -1),
     Field("presence_penalty", "number", low=-2.0, high=2.0),
     Field("frequency_penalty", "number", low=-2.0, high=2.0),
     _whole("seed", "Replays the same sampling.", *SEED_RANGE),
