@@ -155,8 +155,8 @@ def model_sampling_defaults(path: str | Path, gguf_metadata: dict[str, Any] | No
 
 
 # llama.cpp's GGUF keys for the creator's sampling (convert_hf_to_gguf.py writes those
-# generation_config.json sets), for the fields ruvllm samples with; penalty_last_n,
-# mirostat and xtc have no counterpart here.
+# generation_config.json sets), for the fields ruvllm samples with; mirostat and xtc
+# have no counterpart here, and penalty_last_n is the Ollama API's per request.
 GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                       "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
                       "general.sampling.penalty_repeat": "repetition_penalty"}
