@@ -54,8 +54,11 @@ def int8_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     groups = x.float().view(m, k // group, group)
     amax = groups.abs().amax(-1)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (groups * inverse.unsqueeze(-1)).round().view(m, k), amax / 127
+    # C's float32 divisions, correctly rounded (through float64: exact here); torch's own
+    # float32 `127 / amax` is a last bit off now and then, which moves a code at x * inverse
+    # = n + 0.5 by one.
+    inverse = torch.where(amax > 0, (127 / amax.double()).float(), torch.zeros_like(amax))
+    return (groups * inverse.unsqueeze(-1)).round().view(m, k), (amax.double() / 127).float()
 
 
 def int8_reference(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int) -> torch.Tensor:
@@ -183,7 +186,9 @@ def test_the_avx2_kernel_sums_each_groups_int8_codes_and_gives_each_row_the_same
             assert torch.equal(out[i].view(torch.int16), alone[i][0].view(torch.int16)), (rows, i)
         assert ((out.double() - exact[:rows]).abs() <= 2.0 ** -6 * scale[:rows]).all(), rows
         plain = kernel_linear(kernel, x[:rows], ours, sz, group, None).double()
-        assert ((plain - expected[:rows]).abs() <= 2.0 ** -8 * scale[:rows]).all(), rows
+        # half a bfloat16 step of each output, and float32 sums' rounding
+        bound = 2.0 ** -8 * expected[:rows].abs() + 2.0 ** -14 * scale[:rows]
+        assert ((plain - expected[:rows]).abs() <= bound).all(), rows
 
 
 AVX2_PROCESS = r"""
