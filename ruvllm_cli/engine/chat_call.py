@@ -11,7 +11,7 @@ from ruvllm_cli.engine.chat_template import render_chat
 from ruvllm_cli.engine.reasoning import model_reasoning, split_reasoning
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.engine.tool_parsers import ToolCall, ToolParser, detect_parser, get_parser
-from ruvllm_cli.engine.tools import ToolRequest, auto_call_grammar, forced_call_grammar
+from ruvllm_cli.engine.tools import ToolRequest, call_grammar
 from ruvllm_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -32,25 +32,25 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
          tools: ToolRequest | None = None, tool_parser: str | None = None) -> ChatReply:
     params = params or SamplingParams()
     parser = model_tool_parser(engine, tool_parser) if tools is not None and tools.active else None
-    auto = None
+    grammar = None
     if parser is not None:
         assert tools is not None
-        forced = forced_call_grammar(tools, parser.name, engine.tokenizer)
-        auto = auto_call_grammar(tools, parser.name, engine.tokenizer) \
-            if forced is None and params.structured is None else None
-        if auto is not None and not tools.strict:
+        grammar = call_grammar(tools, parser.name, engine.tokenizer, constrained=params.structured is not None)
+        if grammar is not None and not grammar.forced and not tools.strict:
             try:
-                engine.grammar_compiler.validate(auto)
+                engine.grammar_compiler.validate(grammar.spec)
             except UsageError:
-                auto = None   # a schema the library cannot enforce: the calls go free (prompts.tool_sampling)
-        params = replace(params, kept_special_tokens=parser.markers, structured=forced or auto or params.structured,
-                         stop=() if forced else params.stop)   # a forced reply is calls only (prompts.tool_sampling)
+                grammar = None   # a schema the library cannot enforce: the calls go free (prompts.tool_sampling)
+        params = replace(params, kept_special_tokens=parser.markers,
+                         structured=grammar.spec if grammar is not None else params.structured,
+                         # a forced reply is calls only (prompts.tool_sampling)
+                         stop=() if grammar is not None and grammar.forced else params.stop)
     history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     prompt = render_chat(engine.tokenizer, messages, tools.template_tools(history) if tools else None)
     reasoning, inside = model_reasoning(engine.tokenizer), False
     if reasoning is not None:
         plan = reasoning.plan(engine.tokenizer, prompt, params.structured is not None,
-                              free_text=auto is not None and params.structured is auto)
+                              free_text=grammar is not None and not grammar.forced)
         params, inside = plan.sampling(params, reasoning), plan.inside
     [completion] = engine.generate([prompt], params)
     thought, text = "", completion.text

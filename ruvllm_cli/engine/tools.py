@@ -162,6 +162,26 @@ def auto_call_grammar(request: ToolRequest, parser_name: str, tokenizer: Any) ->
     return GrammarSpec.lark("\n".join(["start: text calls?", f"text: <[^{opening}]>*", *rules]))
 
 
+@dataclass(frozen=True)
+class CallGrammar:
+    """The grammar a reply that may call tools follows (`call_grammar`)."""
+
+    spec: GrammarSpec
+    forced: bool   # calls only (a forced tool_choice), else text then calls (auto)
+
+
+def call_grammar(request: ToolRequest, parser_name: str, tokenizer: Any, constrained: bool) -> CallGrammar | None:
+    """A forced tool_choice's calls; under "auto", text then calls unless the reply has
+    a constraint of its own (`constrained`: a response_format); None where the calls go
+    free. The one choice both the server (prompts.tool_sampling) and the engine's chat
+    call make."""
+    forced = forced_call_grammar(request, parser_name, tokenizer)
+    if forced is not None:
+        return CallGrammar(forced, True)
+    auto = None if constrained else auto_call_grammar(request, parser_name, tokenizer)
+    return None if auto is None else CallGrammar(auto, False)
+
+
 def _call_rules(request: ToolRequest, parser_name: str, tokenizer: Any) -> list[str]:
     """Lark rules of `calls`: one call or more (parallel calls on: up to
     MAX_PARALLEL_CALLS) to the offered tools, in the parser's format."""

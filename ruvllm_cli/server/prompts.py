@@ -13,7 +13,7 @@ from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.reasoning import Reasoning
 from ruvllm_cli.engine.request import RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
-from ruvllm_cli.engine.tools import ToolRequest, auto_call_grammar, forced_call_grammar
+from ruvllm_cli.engine.tools import ToolRequest, call_grammar
 from ruvllm_cli.engine.tool_parsers import ToolParser
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.server.errors import ApiError, bad_request
@@ -75,24 +75,21 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
     would cut mid-call (a "\\n" left the markup as content and no call; a "}" invalid
     arguments under finish_reason "tool_calls"): they apply to text, and a forced reply
     has none, so they are left out, as OpenAI's stop never cuts a call. Under "auto"
-    the reply is free until the model opens a call (`auto_call_grammar`), unless a
+    the reply is free until the model opens a call (`call_grammar`), unless a
     response_format holds it; a tool schema the library cannot enforce is a 400 where
     the tool is strict, else leaves the calls free."""
     sampling = replace(sampling, kept_special_tokens=parser.markers)
     try:
-        forced = forced_call_grammar(tools, parser.name, tokenizer)
-        auto = auto_call_grammar(tools, parser.name, tokenizer) \
-            if forced is None and sampling.structured is None else None
+        grammar = call_grammar(tools, parser.name, tokenizer, constrained=sampling.structured is not None)
     except UsageError as error:
         raise bad_request(error.message, "tool_choice") from error
-    if forced is None and auto is None:
+    if grammar is None:
         return sampling
     parts = tuple((f"the parameters schema of tool '{tool.name}'", GrammarSpec.json_schema(tool.parameters))
                   for tool in tools.offered())
-    if forced is not None:
-        return replace(sampling, structured=Structured(forced, "tools", parts=parts), stop=())
-    assert auto is not None
-    return replace(sampling, structured=Structured(auto, "tools", parts=parts, optional=not tools.strict,
+    if grammar.forced:
+        return replace(sampling, structured=Structured(grammar.spec, "tools", parts=parts), stop=())
+    return replace(sampling, structured=Structured(grammar.spec, "tools", parts=parts, optional=not tools.strict,
                                                    free_text=True))
 
 
