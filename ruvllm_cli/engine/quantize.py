@@ -528,8 +528,9 @@ def kernel_note(model: nn.Module) -> str:
         note += f"; the float16 kernel in its {'AVX-512' if half.wide else 'AVX2'} form"
     if Int4Linear in kinds:
         int4 = own_kernel()
-        note += ("; int4 layers in torch's int4pack kernel" if int4 is None else
-                 f"; int4 layers in ruvllm's {'AVX-512' if int4.block == 64 else 'AVX2'} kernel")
+        which = ("torch's int4pack kernel" if int4 is None else "ruvllm's AVX-512 kernel" if int4.block == 64
+                 else "ruvllm's AVX2 kernel (int8 activations)")
+        note += f"; int4 layers in {which}"
     if Int8Linear in kinds and (kernel := int8_kernel()) is not None:
         note += ("; up to 32 rows in its AVX-512 VNNI GEMV and GEMM" if kernel.wide
                  else "; every row count in its AVX2 GEMV, 32 rows a pass")

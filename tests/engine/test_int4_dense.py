@@ -229,7 +229,7 @@ def test_a_process_where_torch_packs_for_avx2_runs_the_avx2_kernel(make_tiny_mod
                           timeout=300, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["layout"] is True and result["wide"] == 0
-    assert result["path"].endswith("; int4 layers in ruvllm's AVX2 kernel")
+    assert result["path"].endswith("; int4 layers in ruvllm's AVX2 kernel (int8 activations)")
     assert result["ours"] <= 1.1 * result["theirs"] and result["apart"] <= 0.2, result
 
 
@@ -271,8 +271,8 @@ def test_the_load_line_names_the_kernels_this_machine_runs_not_the_cached_ones(m
     shutil.copytree(make_tiny_model(**VARIANTS["untied-bias-bf16"]), path)
     ours = int4_dense.own_runs()
     first = load_model(path, "cpu", Quantization.Q4_K_M)
-    kernel = (f"ruvllm's {'AVX-512' if int4_dense.own_kernel().block == 64 else 'AVX2'} kernel" if ours
-              else "torch's int4pack kernel")
+    kernel = (("ruvllm's AVX-512 kernel" if int4_dense.own_kernel().block == 64
+               else "ruvllm's AVX2 kernel (int8 activations)") if ours else "torch's int4pack kernel")
     assert first.quantization_path.endswith(f"; int4 layers in {kernel}")
     assert "(torch's int4pack layout)" in first.quantization_path
     cached = weight_cache.cache_file(path, Quantization.Q4_K_M)
