@@ -106,20 +106,48 @@ def adapter_dir(path: str | Path) -> Path | None:
 
 
 def quiet_bitsandbytes() -> None:
-    """peft imports bitsandbytes where it is installed, and its CPU backend warns, on a
-    CPU with AVX-512 BF16, that an optional kernel package (`kernels`) is missing: a
-    fast path for its own 4-bit layers, which ruvllm never runs on a CPU. Said to our
-    users at every --lora start, that line asks for a package they do not need."""
+    """peft imports bitsandbytes where it is installed (`import_peft` keeps it from doing
+    so where it can), and its CPU backend warns, on a CPU with AVX-512 BF16, that an
+    optional kernel package (`kernels`) is missing: a fast path for its own 4-bit layers,
+    which ruvllm never runs on a CPU. Said to our users at every --lora start, that line
+    asks for a package they do not need."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def import_peft() -> None:
+    """Import peft, without bitsandbytes where that is not loaded already. peft imports
+    bitsandbytes where it is installed, for its own 4-bit LoRA layers, which ruvllm never
+    builds (it reads adapters' files with peft and wraps the layers itself), and
+    bitsandbytes brings torch's compiler stack with it: 2.3 s and 46 MiB of the 6 s and
+    169 MiB that importing peft added to a --lora start, measured in a process with a
+    model loaded. Should a peft release need bitsandbytes to import, it is imported with
+    it, as before."""
+    import sys
+
+    quiet_bitsandbytes()
+    if "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        import peft  # noqa: F401
+        return
+    sys.modules["bitsandbytes"] = None   # type: ignore[assignment]  # find_spec: not installed
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        for module in [m for m in sys.modules if m == "peft" or m.startswith("peft.")]:
+            del sys.modules[module]
+        del sys.modules["bitsandbytes"]
+        import peft  # noqa: F401
+    finally:
+        if sys.modules.get("bitsandbytes", True) is None:
+            del sys.modules["bitsandbytes"]
 
 
 def read_adapter(name: str, path: str | Path) -> Any:
     """Read a PEFT LoRA (or X-LoRA) adapter directory into host memory (float32),
     refusing what the serving path does not do, with the reason."""
-    quiet_bitsandbytes()
     from ruvllm_cli.engine.tokenizer import imports_settled
 
     imports_settled()
+    import_peft()
     from peft import PeftConfig
     from peft.utils import load_peft_weights
 

@@ -286,3 +286,27 @@ def test_an_adapter_config_that_does_not_fit_its_weights_is_refused(loaded, mode
     engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, max_lora_rank=16))
     with pytest.raises(AdapterError, match=reason):
         engine.add_lora("a", path)
+
+
+READ_IN_A_FRESH_PROCESS = r"""
+import importlib.util, json, sys
+from ruvllm_cli.engine.lora import read_adapter
+adapter = read_adapter("attn", sys.argv[1])
+print(json.dumps({"bitsandbytes": "bitsandbytes" in sys.modules, "modules": len(adapter.modules),
+                  "importable": importlib.util.find_spec("bitsandbytes") is not None}))
+"""
+
+
+def test_reading_an_adapter_leaves_bitsandbytes_out_and_importable(adapters):
+    """peft imports bitsandbytes where it is installed (and with it torch's compiler
+    stack: 2.3 s and 46 MiB of a --lora start); ruvllm's LoRA never builds its layers,
+    so `import_peft` keeps it out, and puts nothing in its place for later imports."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", READ_IN_A_FRESH_PROCESS, str(adapters["attn"])],
+                          capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["modules"] > 0 and result["bitsandbytes"] is False
+    assert result["importable"] is (importlib.util.find_spec("bitsandbytes") is not None)
