@@ -122,20 +122,21 @@ def import_peft() -> None:
     169 MiB that importing peft added to a --lora start, measured in a process with a
     model loaded. Should a peft release need bitsandbytes to import, it is imported with
     it, as before."""
+    import importlib
     import sys
 
     quiet_bitsandbytes()
     if "peft" in sys.modules or "bitsandbytes" in sys.modules:
-        import peft  # noqa: F401
+        importlib.import_module("peft")
         return
     sys.modules["bitsandbytes"] = None   # type: ignore[assignment]  # find_spec: not installed
     try:
-        import peft  # noqa: F401
+        importlib.import_module("peft")
     except ImportError:
         for module in [m for m in sys.modules if m == "peft" or m.startswith("peft.")]:
             del sys.modules[module]
         del sys.modules["bitsandbytes"]
-        import peft  # noqa: F401
+        importlib.import_module("peft")
     finally:
         if sys.modules.get("bitsandbytes", True) is None:
             del sys.modules["bitsandbytes"]
