@@ -106,7 +106,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
     state.require_ready()
     name = request.match_info["model"]
     state.models.find(name)
-    return json_response(next(model for model in model_objects(state) if model["id"] == name))
+    objects = {model["id"]: model for model in model_objects(state)}
+    # `tiny:latest` is `tiny` (ModelPool.find): its object, as listed (it had been a 500).
+    return json_response(objects.get(name) or objects[name.removesuffix(":latest")])
 
 
 def model_objects(state: ServerState) -> list[dict[str, Any]]:

@@ -35,6 +35,8 @@ def test_a_model_is_retrieved_by_any_served_name(client, server):
         model = client.models.retrieve(name)
         assert model.id == name and model == listed[name]
         assert model.status == "loaded" and model.max_model_len == 1024
+    # Ollama's default tag names the model too, as on every route (it had been a 500)
+    assert client.models.retrieve("tiny:latest") == listed["tiny"]
     with pytest.raises(openai.NotFoundError) as raised:
         client.models.retrieve("gpt-4o")
     error = raised.value.body
