@@ -272,7 +272,7 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
     unregister = register([backend.located.path], server.url, app.cache_dir)   # `ruvllm rm` leaves it alone
     try:
         names = served_names(backend.located, options["model"], options["served_model_name"])
-        attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names)
+        attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names, backend.located.path)
         print_banner(app, server.url, backend.describe(), names, options, backend.kv_summary(),
                      backend.replicas_line(), formats=formats_line(web_app),
                      sampling=sampling_line(web_app))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from aiohttp import web
@@ -64,9 +65,10 @@ def create_app(engine_loop: EngineLoop | EngineClient | None, config: ServerConf
 
 
 def attach_engine(app: web.Application, engine_loop: EngineLoop | EngineClient,
-                  served_names: Sequence[str]) -> None:
-    """Fill the engine slot of a running app; the first name is the one /health reports."""
-    get_state(app).attach(engine_loop, served_names)
+                  served_names: Sequence[str], path: Path | None = None) -> None:
+    """Fill the engine slot of a running app; the first name is the one /health reports.
+    `path`: the model's directory or GGUF file (its size and digest on /api/tags)."""
+    get_state(app).attach(engine_loop, served_names, path)
 
 
 def attach_models(app: web.Application, models: Sequence[ModelSpec], settings: PoolSettings,

@@ -56,10 +56,11 @@ class ModelPool:
         self.retired = EngineSnapshot.zero()
 
     # ---- the models ----------------------------------------------------------------------
-    def attach(self, names: Sequence[str], client: EngineClient) -> None:
-        """A model loaded by someone else, who also stops it: never unloaded."""
+    def attach(self, names: Sequence[str], client: EngineClient, path: Path | None = None) -> None:
+        """A model loaded by someone else, who also stops it: never unloaded. `path`: its
+        directory or GGUF file (Ollama's /api/tags gives its size and digest)."""
         served = ServedModel(client, self._parser, self._reasoning_parser, self._model_sampling)
-        self._add(ModelEntry(tuple(names), None, status=ModelStatus.LOADED, served=served))
+        self._add(ModelEntry(tuple(names), None, status=ModelStatus.LOADED, served=served, path=path))
 
     def add(self, spec: ModelSpec) -> None:
         """A model loaded on the first request that names it."""

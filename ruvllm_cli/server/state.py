@@ -117,13 +117,14 @@ class ServerState:
         # Set when the shutdown timeout runs out: every generation still going ends at once.
         self.expired = asyncio.Event()
 
-    def attach(self, engine_loop: EngineLoop | EngineClient, served_names: Sequence[str]) -> None:
+    def attach(self, engine_loop: EngineLoop | EngineClient, served_names: Sequence[str],
+               path: Path | None = None) -> None:
         """Fill the engine slot: from now on /health is 200 and the API answers."""
         engine_loop = as_client(engine_loop)
         names = tuple(dict.fromkeys(n for n in served_names if n))
         if not names:
             raise ValueError("a server needs at least one served model name")
-        self.models.attach(names, engine_loop)
+        self.models.attach(names, engine_loop, path)
         self._open(engine_loop.engine.config.max_num_seqs)
 
     def add_models(self, specs: Sequence[ModelSpec], settings: PoolSettings, max_num_seqs: int) -> None:

@@ -158,6 +158,13 @@ def test_the_banner_example_works_as_printed(tiny_model_dir: Path, cli_env: dict
                               env={"PATH": "/usr/bin:/bin"})
         assert done.stdout.splitlines()[-1] == "200", done
         assert '"chat.completion"' in done.stdout
+        # Ollama's model list gives the size and digest of the one model served too
+        # (they were there only for models loaded on first use)
+        import httpx
+
+        [listed] = httpx.get(f"http://127.0.0.1:{free_port}/api/tags", timeout=30,
+                             headers={"Authorization": f"Bearer {KEY}"}).json()["models"]
+        assert listed["size"] > 0 and re.fullmatch(r"[0-9a-f]{64}", listed["digest"]), listed
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
