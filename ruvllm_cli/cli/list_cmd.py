@@ -18,9 +18,10 @@ from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, estimate_memory, format_
 from ruvllm_cli.registry.locate import loads_gguf
 from ruvllm_cli.registry.registry import ModelEntry, ModelRef, load_registry
 
-MEMORY_CAPTION = ("Memory: weights at the recommended quantization as `ruvllm chat` would hold them on a CPU "
-                  "(from the GGUF file `ruvllm download` fetches where the registry names one, unless the "
-                  f"safetensors are downloaded) + KV cache for {DEFAULT_CONTEXT:,} tokens + runtime overhead.")
+MEMORY_CAPTION = ("Memory: weights as `ruvllm chat` would hold them on a CPU without -q (the GGUF file "
+                  "`ruvllm download` fetches at the recommended quantization where the registry names one, "
+                  "unless the safetensors are downloaded; safetensors as f16) + KV cache for "
+                  f"{DEFAULT_CONTEXT:,} tokens + runtime overhead.")
 
 
 def format_params(params_b: float | None) -> str:
@@ -30,12 +31,22 @@ def format_params(params_b: float | None) -> str:
 
 
 def entry_memory(entry: ModelEntry, cache: ModelCache) -> dict[str, Any] | None:
-    """Memory estimate at the entry's recommended quantization, from what `chat` would
-    load (registry.locate); None without a parameter count."""
+    """Memory estimate of what `chat` would load without -q (registry.locate,
+    engine_setup.default_quantization): the GGUF file at the entry's recommended
+    quantization where it would load one, a GGUF path at its own type, safetensors as
+    f16; None without a parameter count. (Safetensors had been estimated at the
+    recommended quantization, q8 where chat holds f16.)"""
+    from ruvllm_cli.cli.engine_setup import DEFAULT_QUANTIZATION, gguf_quantization
+
     if entry.params is None:
         return None
-    quantization = entry.recommended_quantization
-    gguf = entry.path is None and loads_gguf(ModelRef("registry", entry.repo_id, entry=entry), quantization, cache)
+    if entry.path is not None:
+        gguf = entry.path.suffix == ".gguf"
+        quantization = (gguf_quantization(entry.path) if gguf and entry.path.is_file() else None) \
+            or DEFAULT_QUANTIZATION
+    else:
+        gguf = loads_gguf(ModelRef("registry", entry.repo_id, entry=entry), entry.recommended_quantization, cache)
+        quantization = entry.recommended_quantization if gguf else DEFAULT_QUANTIZATION
     return estimate_memory(entry.params, quantization, entry.kv_shape, gguf=gguf)
 
 

@@ -58,7 +58,7 @@ def test_list_shows_the_registry(ruvllm: Run, cli_env: dict[str, str]) -> None:
         assert f" {alias} " in result.stdout
     qwen_row = next(line for line in result.stdout.splitlines() if " qwen-0.5b " in line)
     assert "Qwen2.5 0.5B Instruct" in qwen_row and "494M" in qwen_row and "(q8)" in qwen_row
-    assert "7.62B" in result.stdout and "weights at the recommended quantization" in result.stdout
+    assert "7.62B" in result.stdout and "weights as `ruvllm chat` would hold them" in result.stdout
 
 
 def test_ls_is_list(ruvllm: Run) -> None:
@@ -118,15 +118,16 @@ def test_an_alias_with_its_safetensors_downloaded_is_estimated_from_them(ruvllm:
                                                                           tiny_model_dir: Path) -> None:
     """What would load decides the layout: the safetensors once they are in the cache
     (registry.locate prefers them), the registry's GGUF file before."""
-    def weights_from() -> tuple[str, str]:   # list (at q8, recommended), info at q4k
+    def weights_from() -> tuple[str, str, str]:   # list (as chat loads without -q), info at q4k
         listed = json.loads(ruvllm("list", "--json").stdout)["models"]
         small = next(m for m in listed if m["alias"] == "qwen-1.5b")
-        return small["memory_estimate"]["weights_from"], json.loads(
+        return small["memory_estimate"]["weights_from"], small["memory_estimate"]["quantization"], json.loads(
             ruvllm("info", "qwen-1.5b", "--json").stdout)["memory"]["q4k"]["weights_from"]
 
-    assert weights_from() == ("gguf", "gguf")
+    assert weights_from() == ("gguf", "q8", "gguf")
     fake_download(isolated_env.cache_dir, tiny_model_dir, repo_id="Qwen/Qwen2.5-1.5B-Instruct")
-    assert weights_from() == ("safetensors", "safetensors")
+    # chat loads the safetensors as f16 without -q: list had said q8, the recommended one
+    assert weights_from() == ("safetensors", "f16", "safetensors")
 
 
 def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any,
