@@ -184,7 +184,7 @@ def recommended_sampling(opened: "OpenedEngine") -> dict[str, Any] | None:
     """A registry alias's sampling (models.toml, read off the model's card), else what
     the model's generation_config.json recommends (None: neither sets any)."""
     ref = opened.located.ref
-    if ref.kind == "registry" and ref.entry is not None:
+    if ref.kind == "registry" and ref.entry is not None and ref.entry.sampling_given:
         return ref.entry.sampling.to_dict()
     return opened.engine.sampling_defaults or None
 

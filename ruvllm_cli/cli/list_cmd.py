@@ -128,7 +128,7 @@ def render_registry(out: Output, records: list[dict[str, Any]]) -> None:
 
 
 def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
-    sampling = ", ".join(f"{k}={v}" for k, v in record["sampling"].items())
+    sampling = ", ".join(f"{k}={v}" for k, v in (record["sampling"] or {}).items()) or "the model's (generation_config.json)"
     gguf = "\n".join(f"{q}: {name}" for q, name in record["gguf_files"].items()) or "-"
     context = record["context_length"]
     return [
@@ -138,7 +138,7 @@ def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
         ("Parameters", f"{record['params']:,}" if record["params"] else "-"),
         ("Context length", f"{context:,}" if context else "-"),
         ("Use case", record["use_case"] or "-"),
-        ("Recommended quantization", record["recommended_quantization"]),
+        ("Recommended quantization", record["recommended_quantization"] or "-"),
         ("Memory estimate", _memory_cell(record)), ("Sampling", sampling),
         ("GGUF repo", record["gguf_repo"] or "-"), ("GGUF files", gguf),
         ("Notes", record["notes"] or "-"), ("Source", "user alias" if record["user"] else "built-in"),

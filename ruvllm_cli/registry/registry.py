@@ -68,6 +68,10 @@ class ModelEntry:
     exact_params: int | None = None
     user: bool = False
     path: Path | None = None  # a user alias of a local model (directory or .gguf file) instead of a repo
+    # The entry recommends `sampling` (every built-in one, read off its card; a user alias
+    # where its record sets it): chat then samples with it, else with the model's
+    # generation_config.json. A user alias had counted Sampling()'s placeholders as one.
+    sampling_given: bool = True
 
     @property
     def target(self) -> str:
@@ -93,8 +97,10 @@ class ModelEntry:
             "alias": self.alias, "repo_id": self.repo_id, "name": self.name,
             "architecture": self.architecture, "params_b": self.params_b,
             "params": self.params, "context_length": self.context_length, "use_case": self.use_case,
-            "recommended_quantization": self.recommended_quantization.value, "notes": self.notes,
-            "sampling": self.sampling.to_dict(), "gguf_repo": self.gguf_repo,
+            # None where it means nothing: a local path is not downloaded, and loads as its files are
+            "recommended_quantization": self.recommended_quantization.value if self.path is None else None,
+            "notes": self.notes, "sampling": self.sampling.to_dict() if self.sampling_given else None,
+            "gguf_repo": self.gguf_repo,
             "gguf_files": {q.value: name for q, name in self.gguf_files.items()},
             "user": self.user, "path": str(self.path) if self.path is not None else None,
         }
@@ -141,6 +147,7 @@ def _entry_from_data(data: dict[str, Any], *, user: bool, where: str) -> ModelEn
             num_kv_heads=data.get("num_kv_heads"), head_dim=data.get("head_dim"),
             hidden_size=data.get("hidden_size"), vocab_size=data.get("vocab_size"),
             tie_word_embeddings=data.get("tie_word_embeddings"), exact_params=data.get("params"), user=user,
+            sampling_given=not user or "sampling" in data,
         )
     except (KeyError, TypeError, AttributeError, UsageError) as error:
         raise CacheError(f"invalid model entry in {where}: {error}",
@@ -239,6 +246,10 @@ def add_user_alias(alias: str, target: str, *, name: str | None = None,
     if unknown:
         raise UsageError(f"unknown alias field(s): {', '.join(unknown)}",
                          f"known fields: {', '.join(sorted(USER_FIELDS))}")
+    if local is not None and fields.get("recommended_quantization") is not None:
+        raise UsageError("a recommended quantization names the GGUF file `ruvllm download` fetches for a repo; "
+                         "a local model loads as its files are",
+                         "give -q to chat, serve or benchmark when you run it")
     named = {"path": str(local.local_path)} if local is not None else {"repo_id": target}
     record: dict[str, Any] = {**named, **{k: v for k, v in fields.items() if v is not None}}
     if name:

@@ -449,6 +449,37 @@ def test_alias_of_a_local_directory_chats_by_its_name(ruvllm: Run, cli_env: dict
     assert mine["memory_estimate"] is not None and mine["architecture"] == "LlamaForCausalLM"
     listed = json.loads(ruvllm("alias", "list", "--json").stdout)["aliases"]
     assert [(a["alias"], a["path"], a["repo_id"]) for a in listed] == [("mytiny", str(work / "models" / "tiny"), "")]
+    # nothing the tool does not use: no recommended quantization (a local model loads as
+    # its files are) nor registry sampling (chat samples as its generation_config.json
+    # says); info had shown q4k and temperature=0.7, top_p=1.0, ... beside the model's
+    info = ruvllm("info", "mytiny", env=wide_env(cli_env))
+    assert "Recommended quantization" not in info.stdout and "│ Sampling  " not in info.stdout
+    assert (mine["recommended_quantization"], mine["sampling"]) == (None, None)
+    refused = ruvllm("alias", "set", "mytiny", str(work / "models" / "tiny"), "-q", "q8")
+    assert refused.returncode == 2 and error_lines(refused.stderr) == [
+        "Error: a recommended quantization names the GGUF file `ruvllm download` fetches for a repo; a local model "
+        "loads as its files are"]
+
+
+def test_a_user_alias_without_sampling_samples_as_its_model_recommends(isolated_env: Any) -> None:
+    """A user alias had counted the registry's placeholder sampling (temperature 0.7,
+    top_p 1, no top_k) as a recommendation, over the model's generation_config.json."""
+    from types import SimpleNamespace
+
+    from ruvllm_cli.cli.chat import recommended_sampling
+    from ruvllm_cli.registry.registry import add_user_alias, resolve_model
+
+    add_user_alias("mine", "someone/their-model")
+    ref = resolve_model("mine")
+    assert ref.kind == "registry" and not ref.entry.sampling_given and ref.entry.to_dict()["sampling"] is None
+    model = {"temperature": 0.6, "top_p": 0.8}
+    opened = SimpleNamespace(located=SimpleNamespace(ref=ref), engine=SimpleNamespace(sampling_defaults=model))
+    assert recommended_sampling(opened) == model
+    add_user_alias("mine", "someone/their-model", sampling={"temperature": 0.2})
+    opened.located.ref = resolve_model("mine")
+    assert recommended_sampling(opened)["temperature"] == 0.2
+    builtin = resolve_model("qwen-0.5b")
+    assert builtin.entry.sampling_given and builtin.entry.to_dict()["sampling"]["top_k"] == 20
 
 
 def test_alias_shadowing_a_builtin(ruvllm: Run) -> None:
