@@ -51,7 +51,10 @@ def _setter(field: str) -> Callable[[click.Context, click.Parameter, Any], None]
 
 
 def global_options(f: Callable) -> Callable:
-    """Adds -v/--verbose, --no-color and --cache-dir to a group or a command."""
+    """Adds -v/--verbose, --no-color, --cache-dir and -V/--version to a group or a
+    command (global options go before or after the command: `ruvllm list -V` too)."""
+    from ruvllm_cli import __version__
+
     options = [
         click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True,
                      callback=_setter("verbose"), help="Show progress details and tracebacks of errors."),
@@ -60,6 +63,7 @@ def global_options(f: Callable) -> Callable:
         click.option("--cache-dir", type=click.Path(file_okay=False), expose_value=False, is_eager=True,
                      callback=_setter("cache_dir_option"), envvar="RUVLLM_CACHE_DIR",
                      help="Model cache directory (env RUVLLM_CACHE_DIR; default: the platform cache dir)."),
+        click.version_option(__version__, "-V", "--version", prog_name="ruvllm"),
     ]
     for option in reversed(options):
         f = option(f)

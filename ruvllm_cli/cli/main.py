@@ -13,7 +13,6 @@ import sys
 
 import click
 
-from ruvllm_cli import __version__
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.errors import RuvllmError
 
@@ -74,7 +73,6 @@ CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 
 
 
 @click.group(cls=LazyGroup, context_settings=CONTEXT_SETTINGS)
-@click.version_option(__version__, "-V", "--version", prog_name="ruvllm")
 @global_options
 @click.pass_context
 def cli(ctx: click.Context) -> None:

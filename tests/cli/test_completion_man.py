@@ -199,8 +199,8 @@ def test_complete_all_command_names(env: dict[str, str]) -> None:
 
 
 def test_complete_options(env: dict[str, str]) -> None:
-    global_options = ["plain,--verbose", "plain,--no-color", "plain,--cache-dir", "plain,--help"]
-    assert complete(env, "ruvllm --") == ["plain,--version", *global_options]
+    global_options = ["plain,--verbose", "plain,--no-color", "plain,--cache-dir", "plain,--version", "plain,--help"]
+    assert complete(env, "ruvllm --") == global_options
     assert complete(env, "ruvllm chat --max-t") == ["plain,--max-tokens"]
     assert complete(env, "ruvllm chat --max-l") == ["plain,--max-loras", "plain,--max-lora-rank"]
     assert complete(env, "ruvllm chat --ad") == ["plain,--adapter"]

@@ -55,9 +55,10 @@ def test_short_help_option_equals_long(env: dict[str, str]) -> None:
     assert short.stdout.startswith("Usage: ruvllm [OPTIONS] COMMAND [ARGS]...\n")
 
 
-@pytest.mark.parametrize("flag", ["-V", "--version"])
-def test_version(env: dict[str, str], flag: str) -> None:
-    result = run([flag], env)
+@pytest.mark.parametrize("args", [["-V"], ["--version"], ["list", "-V"], ["chat", "--version"]])
+def test_version(env: dict[str, str], args: list[str]) -> None:
+    """Before or after the command, as the other global options (`list -V` was a usage error)."""
+    result = run(args, env)
     assert (result.returncode, result.stdout, result.stderr) == (0, f"ruvllm, version {__version__}\n", "")
 
 
