@@ -173,7 +173,8 @@ async def serve_models(app: "AppContext", options: dict[str, Any], web_app: Any,
     unregister = register([spec.path for spec in specs if spec.path is not None], server.url, app.cache_dir)
     try:
         pool.report = lambda line: out.info(f"[dim]{escape(line)}[/dim]")
-        described = f"{len(specs)} model{'s' if len(specs) > 1 else ''}, each loaded on first use"
+        described = (f"{len(specs)} models, each loaded on first use" if len(specs) > 1
+                     else "1 model, loaded on first use")
         print_banner(app, server.url, described, [spec.names[0] for spec in specs], options,
                      models=banner_lines(specs, settings))
         await stop.wait()

@@ -125,15 +125,15 @@ class DownloadProgress(DownloadObserver):
     # -- events ----------------------------------------------------------------------------
     def already_downloaded(self, model: DownloadedModel) -> None:
         self.console.print(f"{escape(_label(model))} is already downloaded: {escape(str(model.path))} "
-                           f"({format_size(model.total_bytes)}, {len(model.files)} files)")
+                           f"({format_size(model.total_bytes)}, {_files(len(model.files))})")
         self.console.print("[dim]Nothing fetched; use --force to fetch it again.[/dim]")
 
     def removed_orphans(self, paths: Sequence[Path], size: int = 0) -> None:
         if paths:
             from ruvllm_cli.registry.download import NO_RESUME
 
-            self.console.print(f"Removed {len(paths)} partial file(s) ({format_size(size)}) a stopped download "
-                               f"left behind: {NO_RESUME}, so those files start over.")
+            self.console.print(f"Removed {_files(len(paths), 'partial file')} ({format_size(size)}) a stopped "
+                               f"download left behind: {NO_RESUME}, so those files start over.")
             for path in paths if self.verbose else ():
                 self.console.print(f"[dim]  removed {escape(str(path))}[/dim]")
 
@@ -144,7 +144,7 @@ class DownloadProgress(DownloadObserver):
         if self.verbose or self.live or pending:
             size = format_size(sum(r.size for r in pending))
             self.console.print(f"Downloading {escape(repo_id)} (commit {commit[:7]}): "
-                               f"{len(pending)} of {len(files)} files to fetch, {size}")
+                               f"{len(pending)} of {_files(len(files))} to fetch, {size}")
         if self.verbose:
             for record in files:
                 if record not in pending:
@@ -183,10 +183,10 @@ class DownloadProgress(DownloadObserver):
         elapsed = max(time.monotonic() - self._start, 1e-6)
         have = len(self._files) - len(self._pending) + len(self._linked)
         speed = f" in {elapsed:.1f}s ({format_size(int(self._transferred / elapsed))}/s)" if self._fetched else ""
-        self.console.print(f"Fetched {len(self._fetched)} file(s) ({format_size(self._transferred)}){speed}; "
+        self.console.print(f"Fetched {_files(len(self._fetched))} ({format_size(self._transferred)}){speed}; "
                            f"{have} already in the cache.")
         self.console.print(f"[green]Downloaded {escape(_label(model))}[/green] to {escape(str(model.path))} "
-                           f"({format_size(model.total_bytes)}, {len(model.files)} files)")
+                           f"({format_size(model.total_bytes)}, {_files(len(model.files))})")
 
     # -- display ---------------------------------------------------------------------------
     def __enter__(self) -> DownloadProgress:
@@ -222,6 +222,11 @@ class DownloadProgress(DownloadObserver):
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _files(count: int, noun: str = "file") -> str:
+    """`1 file`, `6 files` ("file(s)" had said both)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _make_progress(console: Console) -> Progress:

@@ -88,7 +88,7 @@ def test_download_by_alias_fetches_exactly_the_needed_files(ruvllm: Run, fake_hu
     size = format_size(total_size(tiny_model_dir))
     starting, fetched, done = result.stderr.splitlines()
     assert starting == f"Downloading {ALIAS_REPO} (commit {commit[:7]}): 6 of 6 files to fetch, {size}"
-    assert fetched.startswith(f"Fetched 6 file(s) ({size}) in ") and fetched.endswith("; 0 already in the cache.")
+    assert fetched.startswith(f"Fetched 6 files ({size}) in ") and fetched.endswith("; 0 already in the cache.")
     # The label says what the files are (the tiny model is a float32 checkpoint), not a -q.
     assert done == (f"Downloaded {ALIAS_REPO}@main (commit {commit[:7]}, safetensors f32) to {snapshot} "
                     f"({size}, 6 files)")
@@ -228,7 +228,7 @@ def test_force_fetches_every_file_again(ruvllm: Run, fake_hub: FakeHub, repo, ti
     assert sorted(resolve_gets(fake_hub)) == TINY_FILES
     for name in TINY_FILES:
         assert f"  fetched {name} (" in result.stderr
-    assert "Fetched 6 file(s)" in result.stderr
+    assert "Fetched 6 files" in result.stderr
     assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
 
 
@@ -246,7 +246,7 @@ def test_revisions_are_kept_apart(ruvllm: Run, fake_hub: FakeHub, repo, tiny_mod
     assert result.returncode == 0, result.stderr
     assert f"Downloaded {repo_id}@v2 (commit {v2[:7]}, safetensors f32)" in result.stderr
     # A new snapshot; the blobs both revisions share are linked, not fetched again.
-    assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
+    assert "Fetched 1 file " in result.stderr and "; 5 already in the cache." in result.stderr
     assert resolve_gets(fake_hub) == ["config.json"]
     fake_hub.reset()
     assert "is already downloaded" in ruvllm("download", f"{repo_id}@v2").stderr
@@ -316,7 +316,7 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
     assert ModelCache(isolated_env.cache_dir).find(repo_id).stored_as == "GGUF Q8_0"
     # another quantization of the same commit is another file, so not "already downloaded"
     result = ruvllm("download", repo_id, "-q", "q4k")
-    assert result.returncode == 0 and "Fetched 1 file(s)" in result.stderr
+    assert result.returncode == 0 and "Fetched 1 file " in result.stderr
     # ... and the commit's one manifest now lists both files, so neither is forgotten
     both = ModelCache(isolated_env.cache_dir).find(repo_id)
     assert [f.name for f in both.files] == ["tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
@@ -614,10 +614,10 @@ def test_killed_download_is_not_downloaded_and_next_run_completes(
     assert result.returncode == 0, result.stderr
     # Issue 23, item 6: the client cannot continue the partial file, and the line says so.
     assert result.stderr.splitlines()[0] == (
-        f"Removed 1 partial file(s) ({format_size(partial)}) a stopped download left behind: huggingface_hub "
+        f"Removed 1 partial file ({format_size(partial)}) a stopped download left behind: huggingface_hub "
         "cannot continue a partial file from another run, so those files start over.")
     assert [r for r in fake_hub.requests if r.range] == []  # the weights came again from byte 0
-    assert "Fetched 3 file(s)" in result.stderr and "; 3 already in the cache." in result.stderr
+    assert "Fetched 3 files" in result.stderr and "; 3 already in the cache." in result.stderr
     assert not orphan.exists() and list(blobs.glob("*.incomplete")) == []
     snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
     assert_same_files(snapshot, tiny_model_dir, TINY_FILES)
@@ -670,11 +670,11 @@ def test_kill_9_in_every_file_in_turn_never_lists_the_model_and_the_next_run_com
 
     result = ruvllm("download", repo_id)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0].startswith("Removed 1 partial file(s) (")
+    assert result.stderr.splitlines()[0].startswith("Removed 1 partial file (")
     assert result.stderr.splitlines()[0].endswith(") a stopped download left behind: huggingface_hub cannot "
                                                   "continue a partial file from another run, so those files "
                                                   "start over.")
-    assert "Fetched 1 file(s)" in result.stderr and "; 5 already in the cache." in result.stderr
+    assert "Fetched 1 file " in result.stderr and "; 5 already in the cache." in result.stderr
     assert list(blobs.glob("*.incomplete")) == []
     assert_same_files(snapshot_of(isolated_env.cache_dir, repo_id, commit), tiny_model_dir, TINY_FILES)
     listed = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
@@ -752,7 +752,7 @@ def test_a_log_gets_progress_lines_while_a_download_runs(monkeypatch) -> None:
         for _ in range(8):
             shown.bar_advanced(500_000)
     lines = log.getvalue().splitlines()
-    assert lines[0] == "Downloading org/x (commit aaaaaaa): 1 of 1 files to fetch, 4.0 MB"
+    assert lines[0] == "Downloading org/x (commit aaaaaaa): 1 of 1 file to fetch, 4.0 MB"
     import re
 
     found = [re.fullmatch(r"  ([\d.]+) MB of 4\.0 MB \((\d+)%\), [\d.]+ kB/s", line) for line in lines[1:]]

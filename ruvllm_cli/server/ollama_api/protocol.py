@@ -73,10 +73,11 @@ def parse_chat(body: Any) -> OllamaJob:
 
 def parse_generate(body: Any) -> OllamaJob:
     values = read_fields(Fields(body), REQUEST_FIELDS[GENERATE_PATH])
-    for name in ("suffix", "template"):
+    reasons = {"suffix": "ruvllm has no fill-in-the-middle prompts (text after the insertion point)",
+               "template": "ruvllm renders prompts with the model's own chat template"}
+    for name, reason in reasons.items():
         if values[name]:
-            raise bad_request(f"'{name}' is not supported: ruvllm fills in the middle with no model, and renders "
-                              "prompts with the model's own chat template.", name, "unsupported_parameter")
+            raise bad_request(f"'{name}' is not supported: {reason}.", name, "unsupported_parameter")
     if values["context"]:
         raise bad_request("'context' (deprecated by Ollama) is not supported: send the conversation to /api/chat.",
                           "context", "unsupported_parameter")
