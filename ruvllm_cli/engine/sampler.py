@@ -31,29 +31,34 @@ def apply_penalties(row: torch.Tensor, prompt_ids: Sequence[int], output_ids: Se
     window = params.penalty_last_n
     if window is not None:
         recent = list(output_ids[-window:])
-        missing = window - len(recent)
-        if missing > 0:
-            recent = list(prompt_ids[-missing:]) + recent
-        if not recent:
-            return row
-        ids, counts = torch.tensor(recent, dtype=torch.long, device=row.device).unique(return_counts=True)
-        if params.repetition_penalty != 1.0:
-            values = row[ids]
-            row[ids] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-        if params.presence_penalty or params.frequency_penalty:
-            row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+        if len(recent) < window:
+            recent = list(prompt_ids[len(recent) - window:]) + recent
+        if recent:
+            _repeat(row, torch.tensor(recent, dtype=torch.long, device=row.device), params.repetition_penalty)
+            _count(row, recent, params)
         return row
     if params.repetition_penalty != 1.0:
         seen = distinct_ids(prompt_ids, row.device) if prompt_seen is None else prompt_seen
-        if output_ids:   # an id twice gets the same value twice: penalised once
+        if output_ids:
             seen = torch.cat([seen, torch.tensor(output_ids, dtype=torch.long, device=row.device)])
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                values * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids, counts = torch.tensor(output_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+        _repeat(row, seen, params.repetition_penalty)
+    if output_ids:
+        _count(row, output_ids, params)
     return row
+
+
+def _repeat(row: torch.Tensor, ids: torch.Tensor, penalty: float) -> None:
+    """The repetition penalty on `ids` (an id twice gets the same value twice: penalised once)."""
+    if penalty != 1.0:
+        values = row[ids]
+        row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+
+
+def _count(row: torch.Tensor, ids: Sequence[int], params: SamplingParams) -> None:
+    """Presence and frequency penalties on `ids`, by how often each occurs there."""
+    if params.presence_penalty or params.frequency_penalty:
+        seen, counts = torch.tensor(ids, dtype=torch.long, device=row.device).unique(return_counts=True)
+        row[seen] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
 
 
 def distinct_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
