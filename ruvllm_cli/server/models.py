@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.loop import EngineLoop
 from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.registry.adapters import LATEST
 from ruvllm_cli.server.engine_client import EngineClient
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.metrics import EngineSnapshot
@@ -79,18 +80,25 @@ class ModelPool:
     def all_names(self) -> list[str]:
         return [name for entry in self.entries for name in [*entry.names, *entry.adapter_names()]]
 
+    def served_name(self, name: str) -> str:
+        """The served name (a model's or an adapter's) a request's `model` means: itself,
+        or where it is not served, the name without Ollama's default tag (`tiny:latest`,
+        as /api/tags lists it), on every API (Ollama's own /v1 takes it: clients that
+        list models through /api/tags send it to /v1/chat/completions)."""
+        names = self.all_names()
+        if name not in names and name.endswith(LATEST) and name.removesuffix(LATEST) in names:
+            return name.removesuffix(LATEST)
+        return name
+
     def find(self, name: str) -> tuple[ModelEntry, str | None]:
-        """The model a request's `model` names and the LoRA adapter it names (None:
-        the base model); a 404 listing what is served for any other name. A name with
-        Ollama's default tag (`tiny:latest`, as /api/tags lists it) is the name without
-        it, on every API (Ollama's own /v1 takes it: clients that list models through
-        /api/tags send it to /v1/chat/completions)."""
-        for candidate in dict.fromkeys((name, name.removesuffix(":latest"))):
-            for entry in self.entries:
-                if candidate in entry.names:
-                    return entry, None
-                if candidate in entry.adapter_names():
-                    return entry, candidate
+        """The model a request's `model` names (`served_name`) and the LoRA adapter it
+        names (None: the base model); a 404 listing what is served for any other name."""
+        served = self.served_name(name)
+        for entry in self.entries:
+            if served in entry.names:
+                return entry, None
+            if served in entry.adapter_names():
+                return entry, served
         raise ApiError(404, f"The model '{name}' does not exist. This server serves: "
                             f"{', '.join(self.all_names())}.", param="model", code="model_not_found")
 

@@ -104,11 +104,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
     that names another."""
     state = get_state(request.app)
     state.require_ready()
-    name = request.match_info["model"]
+    name = state.models.served_name(request.match_info["model"])   # `tiny:latest` is `tiny`'s (a 500 before)
     state.models.find(name)
-    objects = {model["id"]: model for model in model_objects(state)}
-    # `tiny:latest` is `tiny` (ModelPool.find): its object, as listed (it had been a 500).
-    return json_response(objects.get(name) or objects[name.removesuffix(":latest")])
+    return json_response(next(model for model in model_objects(state) if model["id"] == name))
 
 
 def model_objects(state: ServerState) -> list[dict[str, Any]]:

@@ -75,7 +75,7 @@ async def _reply(request: web.Request, state: ServerState, job: OllamaJob, kind:
     from ruvllm_cli.server.routes import chat_prepare, generate as generate_reply
 
     started = request.get(ARRIVED) or time.perf_counter()
-    name = served_name(state, job.model)
+    name = state.models.served_name(job.model)
     if job.unload:
         return json_response(_unload(state, name, job, kind))
     asked = time.perf_counter()
@@ -171,14 +171,6 @@ def _unload(state: ServerState, name: str, job: OllamaJob, kind: str) -> dict[st
     return {**head, "done": True, "done_reason": "unload"}
 
 
-def served_name(state: ServerState, name: str) -> str:
-    """The served name a request means: Ollama's clients add the default tag, `:latest`."""
-    names = set(state.models.all_names())
-    if name not in names and name.endswith(":latest") and name.removesuffix(":latest") in names:
-        return name.removesuffix(":latest")
-    return name
-
-
 # ---- the models --------------------------------------------------------------------
 async def tags(request: web.Request) -> web.Response:
     """Every model served (LoRA adapters as models of their own), loaded or not."""
@@ -216,7 +208,7 @@ async def show(request: web.Request) -> web.Response:
     that shows every model must not churn the pool); loaded only where no file says."""
     state = get_state(request.app)
     state.require_ready()
-    name = served_name(state, parse_show(await read_json(request, state.config.max_body_size)))
+    name = state.models.served_name(parse_show(await read_json(request, state.config.max_body_size)))
     entry, adapter = state.models.find(name)
     parent = entry.name if adapter else ""
     facts = entry_facts(state, entry)
