@@ -216,12 +216,12 @@ def locate_adapters(app: AppContext, specs: Sequence[str]) -> list[tuple[str, Pa
     """`--lora NAME=PATH` values -> (name, adapter directory); hub ids are fetched
     (a line on stderr says so). Nothing is read yet: call it before loading the
     model, so a wrong path fails at once."""
-    from ruvllm_cli.registry.adapters import locate_adapter, parse_lora_specs
+    from ruvllm_cli.registry.adapters import locate_adapter, names_hub_adapter, parse_lora_specs
 
     found = []
     for name, spec in parse_lora_specs(specs):
         # A path that is not there is the error locate_adapter gives, not a fetch.
-        if not Path(spec).expanduser().exists() and not spec.startswith(("/", ".", "~")):
+        if names_hub_adapter(spec):
             app.output().info(f"[dim]Fetching LoRA adapter {name} ({spec}) ...[/dim]")
         found.append((name, locate_adapter(spec, app.cache_dir)))
     return found

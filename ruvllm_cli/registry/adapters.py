@@ -25,7 +25,7 @@ def locate_adapter(spec: str, cache_dir: Path, observer: DownloadObserver | None
             raise UsageError(f"{spec} is not a PEFT adapter directory (no {ADAPTER_CONFIG})",
                              "pass the directory peft's save_pretrained() wrote")
         return path
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if not names_hub_adapter(spec):
         raise UsageError(f"no adapter directory {spec}", "pass a PEFT adapter directory or a hub id (owner/name)")
     ref = resolve_model(spec)
     if ref.kind != "hub" or ref.repo_id is None:
@@ -37,6 +37,12 @@ def locate_adapter(spec: str, cache_dir: Path, observer: DownloadObserver | None
     if not (found.path / ADAPTER_CONFIG).is_file():
         raise UsageError(f"{spec} is not a LoRA adapter repo (no {ADAPTER_CONFIG})")
     return found.path
+
+
+def names_hub_adapter(spec: str) -> bool:
+    """Whether `spec` names an adapter on the hub (owner/name, nothing by that path here,
+    and not written as a path), which `locate_adapter` finds in the cache or fetches."""
+    return not Path(spec).expanduser().exists() and not spec.startswith((".", "/", "~")) and spec.count("/") == 1
 
 
 # Ollama's default tag: a served name with it is the name without it (server/models.py),
