@@ -25,8 +25,14 @@ GGUF_ON_CUDA_NOTE = ("Loading float16 (-q f16): on CUDA q8/q4k go through bitsan
 def default_quantization(located: LocatedModel) -> Quantization:
     """A GGUF file keeps its own quantization, by its file type (a Q4_K_M file must
     not become a 16-bit model in memory); anything else loads 16-bit."""
-    if located.path.suffix == ".gguf":
-        return gguf_quantization(located.path) or DEFAULT_QUANTIZATION
+    return files_quantization(located.path)
+
+
+def files_quantization(path: Path) -> Quantization:
+    """What a model's files load as without -q: a GGUF file its type, else 16-bit
+    (default_quantization's rule, for `list`'s estimate too)."""
+    if path.suffix == ".gguf":
+        return gguf_quantization(path) or DEFAULT_QUANTIZATION
     return DEFAULT_QUANTIZATION
 
 

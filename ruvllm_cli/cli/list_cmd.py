@@ -36,14 +36,13 @@ def entry_memory(entry: ModelEntry, cache: ModelCache) -> dict[str, Any] | None:
     quantization where it would load one, a GGUF path at its own type, safetensors as
     f16; None without a parameter count. (Safetensors had been estimated at the
     recommended quantization, q8 where chat holds f16.)"""
-    from ruvllm_cli.cli.engine_setup import DEFAULT_QUANTIZATION, gguf_quantization
+    from ruvllm_cli.cli.engine_setup import DEFAULT_QUANTIZATION, files_quantization
 
     if entry.params is None:
         return None
     if entry.path is not None:
         gguf = entry.path.suffix == ".gguf"
-        quantization = (gguf_quantization(entry.path) if gguf and entry.path.is_file() else None) \
-            or DEFAULT_QUANTIZATION
+        quantization = files_quantization(entry.path) if entry.path.exists() else DEFAULT_QUANTIZATION
     else:
         gguf = loads_gguf(ModelRef("registry", entry.repo_id, entry=entry), entry.recommended_quantization, cache)
         quantization = entry.recommended_quantization if gguf else DEFAULT_QUANTIZATION
@@ -128,7 +127,8 @@ def render_registry(out: Output, records: list[dict[str, Any]]) -> None:
 
 
 def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
-    sampling = ", ".join(f"{k}={v}" for k, v in (record["sampling"] or {}).items()) or "the model's (generation_config.json)"
+    sampling = ", ".join(f"{k}={v}" for k, v in (record["sampling"] or {}).items()) \
+        or "the model's (generation_config.json)"
     gguf = "\n".join(f"{q}: {name}" for q, name in record["gguf_files"].items()) or "-"
     context = record["context_length"]
     return [
