@@ -95,6 +95,27 @@ static inline void int4_widen_rows(const uint16_t *x, int64_t M, int64_t K, int6
         case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; default: call(8); break; \
     }
 
+/* The largest of eight float32 lanes. */
+static inline float hmax(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* 32 float32 values (four vectors, in order) as int8 codes round(v * inv), half to
+ * even, at q: the activation codes of int8_gemm.c (a q8 row) and int4_gemm_avx2.c (a
+ * q4k weight group); |v * inv| <= 127, so the saturating packs change nothing. */
+static inline void int8_codes32(const __m256 *v, __m256 inv, int8_t *q) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), rounding));
+    /* Saturating packs interleave 128-bit lanes; one permutation restores the order. */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(packed, order));
+}
+
 /* The sum of eight float32 lanes. */
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

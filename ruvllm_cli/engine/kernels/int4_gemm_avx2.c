@@ -236,18 +236,9 @@ static void tiled(Rows x, i64 first, i64 rows, i64 K, const uint8_t *bytes, cons
     for (i64 m = 0; m < rows; ++m) store(acc + m * BLOCK, b, bias, out + (first + m) * N);
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
 /* One group of a row (n values, a multiple of 32): its codes, scale and sum. */
 static void quantize_group(const uint16_t *x, i64 n, int8_t *q, float *dx, float *total) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m256 m = _mm256_setzero_ps(), low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
     for (i64 k = 0; k < n; k += 16) {
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(x + k));
@@ -257,20 +248,16 @@ static void quantize_group(const uint16_t *x, i64 n, int8_t *q, float *dx, float
         low = _mm256_add_ps(low, a);
         high = _mm256_add_ps(high, c);
     }
-    const float amax = hmax8(m);
+    const float amax = hmax(m);
     *dx = amax / 127.0f;
     *total = hsum(_mm256_add_ps(high, low));
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     for (i64 k = 0; k < n; k += 32) {
-        __m256i i[4];
-        for (int j = 0; j < 4; ++j) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(x + k + 8 * j));
-            const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-            i[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v, inv), rounding));
-        }
-        /* Saturating packs interleave 128-bit lanes; one permutation restores the order. */
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permutevar8x32_epi32(packed, order));
+        __m256 v[4];
+        for (int j = 0; j < 4; ++j)
+            v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + k + 8 * j))), 16));
+        int8_codes32(v, inv, q + k);
     }
 }
 

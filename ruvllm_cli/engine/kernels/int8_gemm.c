@@ -23,13 +23,6 @@
  * where a plain read loop read 17.2; with it 18.3, in one run (design.md, 20). */
 #define AHEAD 4096
 
-static inline float hmax(__m256 v) {
-    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
-
 static inline int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -42,7 +35,6 @@ static inline __m256i load32(const int8_t *p) { return _mm256_loadu_si256((const
 /* One row of K floats (K % 8 == 0) into K int8 codes: x ~ code * (*scale). */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *scale) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m256 m = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + k)));
@@ -51,13 +43,9 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *scale) {
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv), rounding));
-        __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), inv), rounding));
-        __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 16), inv), rounding));
-        __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k + 24), inv), rounding));
-        /* Saturating packs interleave 128-bit lanes; one permutation restores the order. */
-        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permutevar8x32_epi32(packed, order));
+        const __m256 v[4] = {_mm256_loadu_ps(x + k), _mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(x + k + 16),
+                             _mm256_loadu_ps(x + k + 24)};
+        int8_codes32(v, inv, q + k);
     }
     for (; k < K; ++k) {
         float v = x[k] * (amax > 0.0f ? 127.0f / amax : 0.0f);
