@@ -7,7 +7,8 @@ when --llamacpp DIR is given (a directory where ../shared/tools/llamacpp.sh buil
 its tools and converted the model: llbuild/bin/llama-bench, f16/Q8_0/Q4_K_M.gguf).
 
 With --llamacpp, GGUF rows follow: each file of --gguf loaded as it loads without -q
-(Q8_0 as q8, Q4_K_M as q4k, f16 as none), tensor by tensor (engine/gguf_load.py) and
+(Q8_0 as q8, Q4_K_M as q4k, f16 as none; any other NAME.gguf in DIR, such as one
+llama-quantize made, by its weights' types), tensor by tensor (engine/gguf_load.py) and
 through transformers' GGUF path (which dequantizes the whole file), beside llama-bench
 on the same file; --gguf-only skips the safetensors rows.
 
@@ -36,6 +37,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ruvllm_cli.bench.harness import script_model, script_parser  # noqa: E402
+from ruvllm_cli.engine.gguf_check import check_gguf  # noqa: E402
+from ruvllm_cli.engine.gguf_plan import file_quantization  # noqa: E402
 
 GGUF_NAME = {"f16": "f16.gguf", "q8": "Q8_0.gguf", "q4k": "Q4_K_M.gguf"}
 GGUF_LOADS_AS = {"Q8_0": "q8", "Q4_K_M": "q4k", "f16": "none"}  # each file's own default (no -q)
@@ -120,9 +123,11 @@ def gguf_rows(tools: Path, names: list[str], threads: int) -> list[dict[str, Any
     transformers, and by llama-bench."""
     rows = []
     for name in names:
-        path, quantization = tools / f"{name}.gguf", GGUF_LOADS_AS[name]
+        path = tools / f"{name}.gguf"
         if not path.is_file():
-            raise SystemExit(f"{path}: no such GGUF file (llamacpp.sh converts f16, Q8_0 and Q4_K_M)")
+            raise SystemExit(f"{path}: no such GGUF file (llamacpp.sh converts f16, Q8_0 and Q4_K_M; "
+                             "llbuild/bin/llama-quantize makes others from f16.gguf)")
+        quantization = GGUF_LOADS_AS.get(name) or file_quantization(check_gguf(path)).value
         rows.append({"gguf": path.name, "quantization": quantization,
                      "streamed": _child(path, quantization, "streamed", threads),
                      "cached": ruvllm_load(path, quantization, "cached", threads),

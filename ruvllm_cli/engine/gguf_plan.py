@@ -26,7 +26,8 @@ from ruvllm_cli.quantization import Quantization, int4_fits
 
 STREAMED_ARCHS = ("llama", "qwen2")  # mapped by engine/gguf_load.py; others load through transformers
 # Types the gguf package dequantizes that these loads were checked with (others: transformers' path).
-READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+READABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
 INT4_GROUP = 32   # Q4_K's sub-block width, and Q4_0/Q5_0/Q8_0's block: our int4 group for GGUF weights
 EMBEDDING, HEAD = "token_embd.weight", "output.weight"
 EXACT_INT4 = ("Q4_K",)  # ggml types whose blocks are our int4 groups of INT4_GROUP

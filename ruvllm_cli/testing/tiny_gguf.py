@@ -3,9 +3,11 @@
 Test fixture for GGUF input: 2-D weights in Q8_0 (a real quantized type) or the
 types a `types` function picks per tensor (F16, BF16, Q8_0, Q5_0, Q4_K, Q6_K, ...),
 norms and biases in F32, the byte-level BPE tokenizer as a "gpt2" GGUF tokenizer with
-its merges, and the chat template. As llama.cpp's converter does, a `llama` file has
-Q and K permuted (transformers undoes it when it loads the file); a `qwen2` file
-has them as they are, and q/k/v biases but no output-projection bias.
+its merges, and the chat template. Types the gguf package cannot quantize are written
+by `gguf_blocks` (Q4_K, Q6_K, IQ4_NL, IQ4_XS; the lattice i-quants as random codes).
+As llama.cpp's converter does, a `llama` file has Q and K permuted (transformers
+undoes it when it loads the file); a `qwen2` file has them as they are, and q/k/v
+biases but no output-projection bias.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def _add_tensor(writer: "gguf.GGUFWriter", name: str, array: np.ndarray, kind_na
     their own shape and derives the logical one."""
     import gguf
 
-    from ruvllm_cli.testing.gguf_blocks import quantize_q4_k, quantize_q6_k
+    from ruvllm_cli.testing.gguf_blocks import (grid_blocks, quantize_iq4_nl, quantize_iq4_xs, quantize_q4_k,
+                                                quantize_q6_k)
 
     kind = gguf.GGMLQuantizationType[kind_name]
     if kind is gguf.GGMLQuantizationType.F32:
@@ -117,7 +120,10 @@ def _add_tensor(writer: "gguf.GGUFWriter", name: str, array: np.ndarray, kind_na
     elif kind is gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, array.astype(np.float16))
     else:
-        ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(kind_name)
+        ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl,
+                "IQ4_XS": quantize_iq4_xs}.get(kind_name)
+        if ours is None and kind_name.startswith(("IQ1", "IQ2", "IQ3")):
+            ours = lambda weights: grid_blocks(weights, kind_name)   # noqa: E731
         data = ours(array) if ours else gguf.quants.quantize(array, kind)
         writer.add_tensor(name, data, raw_dtype=kind)
 

@@ -28,6 +28,9 @@ gguf = pytest.importorskip("gguf")
 WIDE = dict(hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
 MIX = {"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_0",
        "attn_output": "Q8_0", "ffn_gate": "F16", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+# llama.cpp's i-quants (IQ4_XS files hold IQ4_NL where a row is not whole 256-blocks).
+IQ_MIX = {"token_embd": "IQ4_XS", "output": "IQ4_NL", "attn_q": "IQ3_S", "attn_k": "IQ3_XXS", "attn_v": "IQ2_S",
+          "attn_output": "IQ2_XS", "ffn_gate": "IQ2_XXS", "ffn_up": "IQ1_M", "ffn_down": "IQ1_S"}
 ROUNDING = 2.0 ** -8  # bf16 keeps 8 significant bits: a scale or zero is off by at most half of this
 
 
@@ -41,6 +44,7 @@ def files(make_tiny_model, tmp_path_factory) -> dict[str, Path]:
     plain, biased = make_tiny_model(**WIDE), make_tiny_model(**WIDE, attention_bias=True)
     return {"llama": write_gguf(plain, root / "llama.gguf", types=mixed_type),
             "qwen2": write_gguf(biased, root / "qwen2.gguf", types=mixed_type, arch="qwen2"),
+            "iq": write_gguf(biased, root / "iq.gguf", types=lambda name: IQ_MIX[name.split(".")[-2]], arch="qwen2"),
             "biased": biased, "root": root}
 
 
@@ -114,7 +118,7 @@ def greedy(loaded, prompt: list[int]) -> list[int]:
     return engine.generate([prompt], params)[0].token_ids
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "iq"])
 def test_float32_is_transformers_gguf_path_exactly(files, monkeypatch, capfd, arch):
     monkeypatch.setenv("RUVLLM_PACK_WEIGHTS", "0")  # plain nn.Linear weights: comparable state dicts
     ours = load_model(files[arch], "cpu", Q.F32)
@@ -144,6 +148,30 @@ def test_q4k_repacks_q4_k_and_requantizes_the_rest(files, dequantized):
         bound = rounding if kind == "Q4_K" else scale / 2 + rounding
         assert ((got - want).abs() <= bound).all(), (name, kind)
     assert "5 Q4_K repacked into int4" in loaded.quantization_path
+
+
+@pytest.mark.parametrize("quant", [Q.Q4_K_M, Q.Q8_0])
+def test_i_quants_stream_into_int4_or_int8(files, quant, dequantized):
+    """llama.cpp's i-quants (IQ4_XS, IQ4_NL, IQ3_*, IQ2_*, IQ1_*) are read a block of rows
+    at a time and requantized like the other types: they had gone through transformers,
+    which dequantizes the whole file first. Without -q they load as q4k."""
+    from ruvllm_cli.engine.gguf_check import check_gguf
+    from ruvllm_cli.engine.gguf_plan import file_quantization
+
+    assert file_quantization(check_gguf(files["iq"])) is Q.Q4_K_M
+    loaded = load_model(files["iq"], "cpu", quant)
+    assert loaded.streamed and loaded.quantization is quant
+    assert {kind for kind, _ in dequantized} - {"F32"} == set(IQ_MIX.values())   # F32: norms, biases
+    values = file_values(files["iq"], {})
+    layers = quantized_layers(loaded)
+    assert len(layers) == 16
+    for name, module in layers:
+        kind, want = values[gguf_name(f"{name}.weight")]
+        got, scale, zero = dense(module)
+        bound = scale / 2 + (16 * scale.abs() + zero.abs()) * ROUNDING
+        assert ((got - want).abs() <= bound).all(), (name, kind)
+    assert "requantized into int" in loaded.quantization_path and "IQ1_S" in loaded.quantization_path
+    assert len(greedy(loaded, [5, 6, 7, 8, 9])) == 8
 
 
 def test_q8_requantizes_every_type_per_row(files):
@@ -299,10 +327,10 @@ def test_the_weights_own_types_pick_the_default_over_the_file_type():
 
 
 def test_a_type_not_read_here_is_said_before_the_load():
-    """`info` had promised a tensor-by-tensor load of IQ4_NL files, which go through transformers."""
+    """`info` had promised a tensor-by-tensor load of IQ4_NL files, which went through transformers."""
     from ruvllm_cli.engine.gguf_plan import unstreamable
 
-    assert unstreamable(_layout(None, "Q4_K", "IQ4_NL")) == "blk.1.attn_q.weight is IQ4_NL, a type not read here"
+    assert unstreamable(_layout(None, "Q4_K", "MXFP4")) == "blk.1.attn_q.weight is MXFP4, a type not read here"
     assert unstreamable(_layout(None, "Q4_K", "Q6_K")) is None
 
 
