@@ -156,11 +156,23 @@ class OpenedEngine:
                 f"{engine.max_model_len:,} tokens")
 
     def describe(self) -> str:
-        """One line: model, device, dtype/quantization, context."""
+        """One line: model, device, quantization and precision, context."""
         loaded = self.loaded
-        dtype = str(loaded.dtype).replace("torch.", "")
-        return (f"{self.located.served_name} · {loaded.device.type} · {dtype} "
-                f"({loaded.quantization.label}) · context {self.engine.max_model_len} tokens")
+        return (f"{self.located.served_name} · {loaded.device.type} · {precision(loaded.quantization, loaded.dtype)}"
+                f" · context {self.engine.max_model_len} tokens")
+
+
+def precision(quantization: Quantization, dtype: Any) -> str:
+    """What the weights are and what the layers compute in, by the `-q` name: "float32",
+    "f16: bfloat16", "q8: 8-bit weights, float32 compute". It said "float32 (F16)" for
+    16-bit weights computed in float32, which read as a contradiction."""
+    compute = str(dtype).replace("torch.", "")
+    if quantization is Quantization.F32:
+        return compute
+    if quantization is Quantization.F16:
+        return f"f16: {compute}" if compute != "float32" else "f16: 16-bit weights, float32 compute"
+    bits = {Quantization.Q8_0: 8, Quantization.Q4_K_M: 4}[quantization]
+    return f"{quantization.value}: {bits}-bit weights, {compute} compute"
 
 
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,

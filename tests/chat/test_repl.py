@@ -38,7 +38,7 @@ def saved(child: Any, path: Path) -> dict[str, Any]:
 
 def test_a_conversation_with_commands(spawn_chat: Callable[..., Any], tmp_path: Path, tiny_model_dir: Path) -> None:
     child = spawn_chat("--max-tokens", "16", "--seed", "1")
-    child.expect(r"ruvllm chat\S* · \S+ · cpu · float32 \(F32\) · context 4096 tokens")
+    child.expect(r"ruvllm chat\S* · \S+ · cpu · float32 · context 4096 tokens")
     child.expect(PROMPT)
 
     run(child, "hello there", STATS)

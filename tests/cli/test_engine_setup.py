@@ -47,7 +47,7 @@ def test_no_bf16_kernels_default_is_float16_weights_in_our_kernel(
     capsys.readouterr()   # on a fresh machine the check above built the kernel, and said so
     dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False, half_kernel=True)
     assert dtype == torch.float32
-    assert len(lines) == 1 and "float32 (F16)" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
+    assert len(lines) == 1 and "· f16: 16-bit weights, float32 compute ·" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
 
 
 def test_emulated_bf16_default_is_float16_weights_in_our_kernel(
@@ -62,7 +62,7 @@ def test_emulated_bf16_default_is_float16_weights_in_our_kernel(
     dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=True, half_kernel=True,
                                 bf16_kernel=False)
     assert dtype == torch.float32
-    assert len(lines) == 1 and "float32 (F16)" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
+    assert len(lines) == 1 and "· f16: 16-bit weights, float32 compute ·" in lines[0] and "float16 weights with float32 arithmetic" in lines[0]
 
 
 def test_no_bf16_kernels_default_is_float32_with_one_line(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
@@ -72,7 +72,7 @@ def test_no_bf16_kernels_default_is_float32_with_one_line(bf16_model_dir: Path, 
     dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=False)
     assert dtype == torch.float32
     assert lines[0] == NO_BF16_NOTE
-    assert len(lines) == 2 and lines[1].startswith("Loaded ") and "float32 (F32)" in lines[1]
+    assert len(lines) == 2 and lines[1].startswith("Loaded ") and "· cpu · float32 · context" in lines[1]
 
 
 def test_float32_files_load_as_float32_without_a_note(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
@@ -80,14 +80,14 @@ def test_float32_files_load_as_float32_without_a_note(tiny_model_dir: Path, monk
     """The tiny model's checkpoint is float32: keeping it so needs no explanation."""
     dtype, lines = opened_dtype(tiny_model_dir, monkeypatch, capsys, bf16_kernels=False)
     assert dtype == torch.float32
-    assert len(lines) == 1 and lines[0].startswith("Loaded ") and "float32 (F32)" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("Loaded ") and "· cpu · float32 · context" in lines[0]
 
 
 def test_bf16_kernels_keep_the_16_bit_default(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     dtype, lines = opened_dtype(bf16_model_dir, monkeypatch, capsys, bf16_kernels=True)
     assert dtype == torch.bfloat16
-    assert len(lines) == 1 and "bfloat16 (F16)" in lines[0]
+    assert len(lines) == 1 and "· cpu · f16: bfloat16 ·" in lines[0]
 
 
 def test_explicit_f16_is_honoured_without_bf16_kernels(bf16_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
@@ -132,11 +132,11 @@ def test_a_gguf_file_loads_as_its_file_type_and_another_q_says_what_happens(
 
     path = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf")          # Q8_0, and its name says nothing
     _, lines = opened_dtype(path, monkeypatch, capsys, bf16_kernels=False)
-    assert len(lines) == 1 and "(Q8_0)" in lines[0] and "GGUF Q8_0 tiny.gguf, tensor by tensor" in lines[0]
+    assert len(lines) == 1 and "· q8: 8-bit weights" in lines[0] and "GGUF Q8_0 tiny.gguf, tensor by tensor" in lines[0]
     _, lines = opened_dtype(path, monkeypatch, capsys, bf16_kernels=False, quantization=Quantization.Q4_K_M)
     assert lines[0] == ("-q q4k: the file's blocks are requantized into int4 where their layout differs "
                         "(without -q it loads as q8; the load line counts each way)")
-    assert len(lines) == 2 and "(Q4_K_M)" in lines[1] and "15 Q8_0 requantized into int4" in lines[1]
+    assert len(lines) == 2 and "· q4k: 4-bit weights" in lines[1] and "15 Q8_0 requantized into int4" in lines[1]
 
 
 def test_a_quantized_gguf_on_cuda_defaults_to_16_bit_and_refuses_q8(tiny_model_dir: Path, tmp_path: Path,

@@ -86,7 +86,7 @@ def test_quantization_is_read_from_the_file_name(name, expected):
 def test_chat_pipes_through_a_gguf_file(gguf_file, ruvllm):
     result = ruvllm("chat", str(gguf_file), "--max-tokens", "4", "--device", "cpu", input="hello\n")
     assert result.returncode == 0, result.stderr
-    assert "(Q8_0)" in result.stderr and "GGUF Q8_0 tiny-Q8_0.gguf, tensor by tensor" in result.stderr
+    assert "· q8: 8-bit weights" in result.stderr and "GGUF Q8_0 tiny-Q8_0.gguf, tensor by tensor" in result.stderr
     assert "Traceback" not in result.stderr
 
 
