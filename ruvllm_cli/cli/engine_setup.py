@@ -234,14 +234,14 @@ def locate_adapters(app: AppContext, specs: Sequence[str]) -> list[tuple[str, Pa
     """`--lora NAME=PATH` values -> (name, adapter directory); hub ids are fetched
     (a line on stderr says so). Nothing is read yet: call it before loading the
     model, so a wrong path fails at once."""
-    from ruvllm_cli.registry.adapters import locate_adapter, names_hub_adapter, parse_lora_specs
+    from ruvllm_cli.registry.adapters import locate_adapter, parse_lora_specs
 
     found = []
     for name, spec in parse_lora_specs(specs):
-        # A path that is not there is the error locate_adapter gives, not a fetch.
-        if names_hub_adapter(spec):
+        def fetching(name: str = name, spec: str = spec) -> None:
             app.output().info(f"[dim]Fetching LoRA adapter {name} ({spec}) ...[/dim]")
-        found.append((name, locate_adapter(spec, app.cache_dir)))
+
+        found.append((name, locate_adapter(spec, app.cache_dir, on_fetch=fetching)))
     return found
 
 

@@ -7,7 +7,7 @@ into the same cache as models (so `ruvllm list` shows it and `ruvllm rm` removes
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import Quantization
@@ -17,8 +17,10 @@ from ruvllm_cli.registry.progress import DownloadObserver
 from ruvllm_cli.registry.registry import resolve_model
 
 
-def locate_adapter(spec: str, cache_dir: Path, observer: DownloadObserver | None = None) -> Path:
-    """The adapter directory `spec` names; a hub id not downloaded yet is fetched."""
+def locate_adapter(spec: str, cache_dir: Path, observer: DownloadObserver | None = None,
+                   on_fetch: Callable[[], None] | None = None) -> Path:
+    """The adapter directory `spec` names; a hub id not downloaded yet is fetched
+    (`on_fetch` called first: a cached one is no fetch, and said none)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / ADAPTER_CONFIG).is_file():
@@ -33,6 +35,8 @@ def locate_adapter(spec: str, cache_dir: Path, observer: DownloadObserver | None
     cache = ModelCache(cache_dir)
     found = cache.find(ref.repo_id, ref.revision)
     if found is None:
+        if on_fetch is not None:
+            on_fetch()
         found = download_model(ref, Quantization.F16, cache, progress=observer)
     if not (found.path / ADAPTER_CONFIG).is_file():
         raise UsageError(f"{spec} is not a LoRA adapter repo (no {ADAPTER_CONFIG})")

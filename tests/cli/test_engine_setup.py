@@ -203,3 +203,22 @@ def test_a_reload_leaves_out_an_adapter_that_went_bad(tiny_model_dir, make_tiny_
         with pytest.raises(RuvllmError):
             open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32,
                         device="cpu", adapters=[adapters[0], bad])
+
+
+def test_a_hub_adapter_is_said_to_be_fetched_only_when_it_is(tiny_model_dir, fake_hub, isolated_env, tmp_path,
+                                                             capsys):
+    """`--lora NAME=OWNER/REPO`: "Fetching LoRA adapter" when it downloads, nothing once
+    it is in the cache (the line showed on every start)."""
+    import uuid
+
+    from ruvllm_cli.cli.engine_setup import locate_adapters
+    from ruvllm_cli.testing.tiny_lora import ATTENTION, build_lora_adapter
+
+    repo_id = f"org/tiny-lora-{uuid.uuid4().hex[:8]}"
+    fake_hub.add_model_dir(repo_id, build_lora_adapter(tiny_model_dir, tmp_path / "lora", rank=4, targets=ATTENTION))
+    app = AppContext(no_color=True)
+    first = locate_adapters(app, [f"hub={repo_id}"])
+    assert f"Fetching LoRA adapter hub ({repo_id}) ..." in capsys.readouterr().err
+    assert fake_hub.file_requests("adapter_model.safetensors")
+    assert locate_adapters(app, [f"hub={repo_id}"]) == first
+    assert "Fetching" not in capsys.readouterr().err
