@@ -43,8 +43,9 @@ from ruvllm_cli.quantization import Quantization
 log = logging.getLogger(__name__)
 
 # 3: an untied q8 table's scales in the activations' dtype (float32 beside our int8 kernel);
-# 4: a tied q4k head in groups of 32, its embedding reading the head's packed table.
-LAYOUT = 4
+# 4: a tied q4k head in groups of 32, its embedding reading the head's packed table;
+# 5: q4k's linear layers in groups of 64, every int4 group's scale and low fitted (quantize.int4_groups).
+LAYOUT = 5
 CACHE_DIR = WEIGHT_CACHE_DIR
 ENV = "RUVLLM_WEIGHT_CACHE"  # "0": neither read nor write the cache
 CACHED = (Quantization.Q8_0, Quantization.Q4_K_M)

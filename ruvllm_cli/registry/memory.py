@@ -2,11 +2,12 @@
 
     weights    = linear-layer params x linear bytes + embedding-table params x table bytes,
                  in ruvllm's own layouts (LAYOUT_BYTES; the loader's memory check uses them):
-                 q8 1 byte, q4k 4-bit codes with a 16-bit scale and zero per group of 128
-                 (tables: 32), f16 2 bytes, none 4 bytes (a tied LM head then takes a packed
-                 copy of the table). Without the shape's hidden and vocabulary sizes every
-                 parameter counts as a linear layer's. From a GGUF file (what `download`
-                 fetches for an alias that names one) q4k takes groups of 32 everywhere.
+                 q8 1 byte, q4k 4-bit codes with a 16-bit scale and zero per group of 64
+                 (tables and a GGUF file's weights: 32), f16 2 bytes, none 4 bytes (a tied
+                 LM head then takes a packed copy of the table). Without the shape's hidden
+                 and vocabulary sizes every parameter counts as a linear layer's. From a
+                 GGUF file (what `download` fetches for an alias that names one) q4k takes
+                 groups of 32 everywhere.
     kv_cache   = 2 (K and V) x layers x kv_heads x head_dim x kv_dtype_bytes x context
                  (the cache is kept in 16-bit, or in 32-bit when the model runs unquantized F32)
     overhead   = 2% of weights + 320 MiB: `import torch` (218 MiB), a 150k-token tokenizer,
@@ -30,10 +31,10 @@ DEFAULT_CONTEXT = 4096
 # Bytes a weight takes once loaded on a CPU, in ruvllm's layouts (engine/quantize.py):
 # (linear layers, embedding table). q8: int8 codes (our kernel adds a float32 scale per
 # output row, which the loader counts); q4k: 4-bit codes + a bf16 scale and zero per
-# group of 128 (linear layers) or 32 (tables); f16: float16 weights (float32 activations);
+# group of 64 (linear layers) or 32 (tables); f16: float16 weights (float32 activations);
 # none: float32. A tied LM head shares the table, except under none (a packed copy).
 LAYOUT_BYTES: dict[Quantization, tuple[float, float]] = {
-    Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 128, 0.5 + 4 / 32),
+    Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 64, 0.5 + 4 / 32),
     Quantization.F16: (2.0, 2.0), Quantization.F32: (4.0, 4.0)}
 # A GGUF file's weights load in its own block width: q4k in groups of 32 everywhere
 # (engine/gguf_plan.py; "GGUF straight in" in docs/design.md).

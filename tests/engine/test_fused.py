@@ -187,17 +187,22 @@ def test_fused_decode_in_bfloat16_is_within_a_bound_of_the_stock_forward(make_ti
     # q4k keeps bfloat16 activations on every CPU. Rounding differs (float32 scores
     # here, bfloat16 there), so greedy paths may part on a near tie: compare the first
     # decode step, where both read the same cache. The AVX2 int4 kernel quantizes its
-    # activations to int8, where a rounding apart moves a code: 4.6-5.1% of the largest
-    # logit there, measured, against 1.1-1.3% with float32 sums (AVX-512).
+    # activations to int8, where a rounding apart moves a code: 4.1-10.0% of the largest
+    # logit there, measured (4.6-5.1% before the fitted groups of design section 4b: the
+    # same model's two paths, each 1.25x of that logit from float32's), against 1.1-1.3%
+    # with float32 sums (AVX-512).
     loaded = load_model(make_tiny_model(**shape), "cpu", Quantization.Q4_K_M)
     assert loaded.dtype == torch.bfloat16
     _, fused_steps, taken = run(loaded, fused=True, quantization=Quantization.Q4_K_M)
     _, stock_steps, _ = run(loaded, fused=False, quantization=Quantization.Q4_K_M)
     first, reference = fused_steps[0], stock_steps[0]
     assert taken > 0 and first.shape == reference.shape
-    bound = 0.08 if int4_dense.own_kernel() is not None and int4_dense.own_kernel().block == 32 else 0.03
-    assert (first - reference).abs().max().item() <= bound * reference.abs().max().item()
-    assert (first.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.8
+    bound = 0.12 if int4_dense.own_kernel() is not None and int4_dense.own_kernel().block == 32 else 0.03
+    tolerance = bound * reference.abs().max().item()
+    assert (first - reference).abs().max().item() <= tolerance
+    # Where the greedy choices part, the fused one is a near tie in the stock logits.
+    chosen = reference.gather(-1, first.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (reference.max(-1).values - chosen).max().item() <= tolerance
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -145,7 +145,9 @@ def test_q4k_repacks_q4_k_and_requantizes_the_rest(files, dequantized):
         kind, want = values[gguf_name(f"{name}.weight")]
         got, scale, zero = dense(module)
         rounding = (16 * scale.abs() + zero.abs()) * ROUNDING     # the bf16 scale and zero
-        bound = rounding if kind == "Q4_K" else scale / 2 + rounding
+        # Requantized: within a step of the fitted grid (quantize.int4_groups gives up the
+        # extremes' half step for the bulk of each group)
+        bound = rounding if kind == "Q4_K" else scale + rounding
         assert ((got - want).abs() <= bound).all(), (name, kind)
     assert "5 Q4_K repacked into int4" in loaded.quantization_path
 
@@ -168,7 +170,7 @@ def test_i_quants_stream_into_int4_or_int8(files, quant, dequantized):
     for name, module in layers:
         kind, want = values[gguf_name(f"{name}.weight")]
         got, scale, zero = dense(module)
-        bound = scale / 2 + (16 * scale.abs() + zero.abs()) * ROUNDING
+        bound = (scale if quant is Q.Q4_K_M else scale / 2) + (16 * scale.abs() + zero.abs()) * ROUNDING
         assert ((got - want).abs() <= bound).all(), (name, kind)
     assert "requantized into int" in loaded.quantization_path and "IQ1_S" in loaded.quantization_path
     assert len(greedy(loaded, [5, 6, 7, 8, 9])) == 8

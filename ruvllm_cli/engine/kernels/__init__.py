@@ -94,8 +94,9 @@ class Bf16Kernel:
 
 class Int4UnpackKernel:
     """int4_unpack.c: torch's packed int4 rows to float32 (`unpack`), the rows of an
-    int4 embedding table looked up (`embedding`), and rows of a tied head's packed
-    weights looked up as an embedding's (`packed_rows`)."""
+    int4 embedding table looked up (`embedding`), rows of a tied head's packed weights
+    looked up as an embedding's (`packed_rows`), and float32 rows quantized into int4
+    groups with fitted scales and lows (`fit`, quantize.int4_groups)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.unpack = _bind(library.ruvllm_int4_unpack, [_pointer, _size, _size, _size, _pointer, _pointer, _pointer,
@@ -103,6 +104,8 @@ class Int4UnpackKernel:
         self.embedding = _bind(library.ruvllm_int4_embedding, [_pointer] * 4 + [_size] * 3 + [_pointer])
         self.packed_rows = _bind(library.ruvllm_int4_packed_rows, [_pointer] + [_size] * 3 + [_pointer] * 3
                                  + [_size, _pointer, _size, _pointer])
+        self.fit = _bind(library.ruvllm_int4_fit, [_pointer] + [_size] * 3 + [ctypes.c_int] + [_pointer] * 3
+                         + [ctypes.c_int])
 
 
 class Int4Kernel:

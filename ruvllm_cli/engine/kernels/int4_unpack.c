@@ -7,6 +7,7 @@
  * value becomes (q - 8) * scale + zero with the group's bfloat16 scale and zero, the
  * kernel's own formula. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
@@ -83,6 +84,81 @@ void ruvllm_int4_packed_rows(const uint8_t *packed, int64_t N, int64_t K, int64_
                 const float code = (float)((bytes[k * half] >> shift) & 0xF);
                 dst[k] = bf16_round((code - 8.0f) * scale + zero);
             }
+        }
+    }
+}
+
+/* Asymmetric int4 codes for rows of float32 weights [rows, K], a scale and low per group
+ * of `group` (quantize.int4_groups, whose torch ops are the reference): codes from the
+ * group's min and max, then `rounds` least-squares fits of scale and low to the codes,
+ * each followed by the codes nearest to the fit, a group keeping whatever lowers its
+ * squared error. Sums and fits in double. codes: [rows, K] int32; scales, lows:
+ * [rows, K / group]. */
+static double fit_error(double a, double b, double n, double sq, double sqq, double sqx, double sx, double sxx) {
+    return a * a * sqq + 2.0 * a * b * sq - 2.0 * a * sqx + n * b * b - 2.0 * b * sx + sxx;
+}
+
+static void code_sums(const float *x, const int32_t *q, int64_t n, double *sq, double *sqq, double *sqx) {
+    double s = 0.0, ss = 0.0, sx = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        s += q[i];
+        ss += (double)q[i] * q[i];
+        sx += (double)q[i] * x[i];
+    }
+    *sq = s, *sqq = ss, *sqx = sx;
+}
+
+static void nearest_codes(const float *x, int64_t n, float scale, float low, int32_t *q) {
+    for (int64_t i = 0; i < n; ++i) {
+        float code = nearbyintf((x[i] - low) / scale);
+        q[i] = (int32_t)(code < 0.0f ? 0.0f : code > 15.0f ? 15.0f : code);
+    }
+}
+
+void ruvllm_int4_fit(const float *w, int64_t rows, int64_t K, int64_t group, int rounds, int32_t *codes,
+                     float *scales, float *lows, int threads) {
+    const int64_t groups = K / group;
+    #pragma omp parallel num_threads(threads)
+    {
+        int32_t again[256];   /* group <= 256 */
+        #pragma omp for schedule(static)
+        for (int64_t index = 0; index < rows * groups; ++index) {
+            const float *x = w + index * group;
+            int32_t *q = codes + index * group;
+            float lo = x[0], hi = x[0];
+            for (int64_t i = 1; i < group; ++i) {
+                lo = x[i] < lo ? x[i] : lo;
+                hi = x[i] > hi ? x[i] : hi;
+            }
+            float range = hi - lo;
+            float scale = (range > 1e-8f ? range : 1e-8f) / 15.0f;
+            nearest_codes(x, group, scale, lo, q);
+            double a = scale, b = lo, sx = 0.0, sxx = 0.0, sq, sqq, sqx;
+            const double n = (double)group;
+            for (int64_t i = 0; i < group; ++i) {
+                sx += x[i];
+                sxx += (double)x[i] * x[i];
+            }
+            code_sums(x, q, group, &sq, &sqq, &sqx);
+            double best = fit_error(a, b, n, sq, sqq, sqx, sx, sxx);
+            for (int r = 0; r < rounds; ++r) {
+                const double det = n * sqq - sq * sq;
+                if (det <= 0.0) break;
+                const double fit_a = (n * sqx - sq * sx) / det, fit_b = (sx - fit_a * sq) / n;
+                if (fit_a > 0.0) {
+                    const double fitted = fit_error(fit_a, fit_b, n, sq, sqq, sqx, sx, sxx);
+                    if (fitted < best) a = fit_a, b = fit_b, best = fitted;
+                }
+                nearest_codes(x, group, (float)a, (float)b, again);
+                double nq, nqq, nqx;
+                code_sums(x, again, group, &nq, &nqq, &nqx);
+                const double moved = fit_error(a, b, n, nq, nqq, nqx, sx, sxx);
+                if (!(moved < best)) break;
+                memcpy(q, again, group * sizeof(int32_t));
+                sq = nq, sqq = nqq, sqx = nqx, best = moved;
+            }
+            scales[index] = (float)a;
+            lows[index] = (float)b;
         }
     }
 }
