@@ -345,7 +345,7 @@ def int4_groups(weight: torch.Tensor, group_size: int,
     groups of 64, from 0.078 to 0.073 in groups of 32 (Q4_K's, from llama-quantize:
     0.071). In groups of 128 it could give up an outlier by more than a step."""
     n, k = weight.shape
-    kernel = int4_unpack_kernel() if rounds and group_size <= 256 else None
+    kernel = int4_unpack_kernel() if rounds and group_size <= 256 and k % group_size == 0 else None
     if kernel is not None:   # the same steps in C (int4_unpack.c), in one pass over each group
         x = weight.to(torch.float32).contiguous()
         codes = torch.empty(n, k, dtype=torch.int32)
