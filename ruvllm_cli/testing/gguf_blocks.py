@@ -22,6 +22,13 @@ def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     return np.divide(numerator, denominator, out=np.zeros_like(numerator), where=denominator != 0)
 
 
+def _nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [..., 2h] as h bytes: value b in the low nibble of byte b, value h + b in
+    its high one (Q4_K's and the IQ4 types' packing)."""
+    half = codes.shape[-1] // 2
+    return codes[..., :half] | (codes[..., half:] << 4)
+
+
 def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
     """[N, K] floats (K a multiple of 256) -> Q4_K bytes [N, K / 256 * 144]: per
     super-block an f16 scale d and min dmin, 8 sub-blocks of 32 with a 6-bit scale sc
@@ -42,8 +49,7 @@ def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
     scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
     scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
-    pairs = q.reshape(n, 4, 2, 32)  # each 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the high
-    codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+    codes = _nibbles(q.reshape(n, 4, 64)).reshape(n, 128)  # each 32 bytes: sub-block 2c low, 2c+1 high
     out = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, codes], axis=1)
     return out.reshape(rows, -1)
 
@@ -74,11 +80,6 @@ def _iq4_codes(blocks: np.ndarray, step: np.ndarray) -> np.ndarray:
     """The nearest of IQ4_NL's 16 values (times `step`) to each weight: codes 0..15."""
     values = IQ4_VALUES * step[..., None]
     return np.abs(blocks[..., None] - values[..., None, :]).argmin(-1).astype(np.uint8)
-
-
-def _nibbles(codes: np.ndarray) -> np.ndarray:
-    """Codes [..., 32] as 16 bytes: value b in the low nibble of byte b, value 16 + b in its high one."""
-    return codes[..., :16] | (codes[..., 16:] << 4)
 
 
 def quantize_iq4_nl(weights: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,7 +124,7 @@ def _add_tensor(writer: "gguf.GGUFWriter", name: str, array: np.ndarray, kind_na
         ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl,
                 "IQ4_XS": quantize_iq4_xs}.get(kind_name)
         if ours is None and kind_name.startswith(("IQ1", "IQ2", "IQ3")):
-            ours = lambda weights: grid_blocks(weights, kind_name)   # noqa: E731
+            ours = partial(grid_blocks, kind=kind_name)
         data = ours(array) if ours else gguf.quants.quantize(array, kind)
         writer.add_tensor(name, data, raw_dtype=kind)
 

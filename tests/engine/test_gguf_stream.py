@@ -94,6 +94,27 @@ def quantized_layers(loaded) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in loaded.model.named_modules() if isinstance(m, kinds)]
 
 
+def assert_within_requantization(loaded, path: Path, heads: dict[str, int]) -> None:
+    """Every quantized layer against gguf's own dequantization of its tensor in the file."""
+    values = file_values(path, heads)
+    for name, module in quantized_layers(loaded):
+        kind, want = values[gguf_name(f"{name}.weight")]
+        got, scale, zero = dense(module)
+        assert ((got - want).abs() <= requantization_bound(module, kind, scale, zero)).all(), (name, kind)
+
+
+def requantization_bound(module: torch.nn.Module, kind: str, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    if isinstance(module, (Int4Linear, Int4Embedding)):
+        rounding = (16 * scale.abs() + zero.abs()) * ROUNDING     # the bf16 scale and zero
+        # Q4_K's codes kept; requantized: within a step of the fitted grid
+        # (quantize.int4_groups gives up the extremes' half step for the bulk of each group)
+        return rounding if kind == "Q4_K" else scale + rounding
+    # int8: half a step of the row's scale; an embedding's own scale is stored in bf16
+    # after rounding (one shared with a tied head keeps the head's float32).
+    rounded = isinstance(module, Int8Embedding) and module.scales.dtype == torch.bfloat16
+    return scale / 2 + (scale * 128 * ROUNDING if rounded else 1e-7)
+
+
 def heads_of(loaded) -> dict[str, int]:
     config = loaded.model.config
     return {".attn_q.": config.num_attention_heads, ".attn_k.": config.num_key_value_heads}
@@ -138,17 +159,9 @@ def test_float32_is_transformers_gguf_path_exactly(files, monkeypatch, capfd, ar
 def test_q4k_repacks_q4_k_and_requantizes_the_rest(files, dequantized):
     loaded = load_model(files["llama"], "cpu", Q.Q4_K_M)
     assert "Q4_K" not in {kind for kind, _ in dequantized}       # its codes went straight in
-    values = file_values(files["llama"], heads_of(loaded))
     layers = quantized_layers(loaded)
     assert {type(m) for _, m in layers} == {Int4Linear, Int4Embedding} and len(layers) == 16
-    for name, module in layers:
-        kind, want = values[gguf_name(f"{name}.weight")]
-        got, scale, zero = dense(module)
-        rounding = (16 * scale.abs() + zero.abs()) * ROUNDING     # the bf16 scale and zero
-        # Requantized: within a step of the fitted grid (quantize.int4_groups gives up the
-        # extremes' half step for the bulk of each group)
-        bound = rounding if kind == "Q4_K" else scale + rounding
-        assert ((got - want).abs() <= bound).all(), (name, kind)
+    assert_within_requantization(loaded, files["llama"], heads_of(loaded))
     assert "5 Q4_K repacked into int4" in loaded.quantization_path
 
 
@@ -164,32 +177,18 @@ def test_i_quants_stream_into_int4_or_int8(files, quant, dequantized):
     loaded = load_model(files["iq"], "cpu", quant)
     assert loaded.streamed and loaded.quantization is quant
     assert {kind for kind, _ in dequantized} - {"F32"} == set(IQ_MIX.values())   # F32: norms, biases
-    values = file_values(files["iq"], {})
-    layers = quantized_layers(loaded)
-    assert len(layers) == 16
-    for name, module in layers:
-        kind, want = values[gguf_name(f"{name}.weight")]
-        got, scale, zero = dense(module)
-        bound = (scale if quant is Q.Q4_K_M else scale / 2) + (16 * scale.abs() + zero.abs()) * ROUNDING
-        assert ((got - want).abs() <= bound).all(), (name, kind)
+    assert len(quantized_layers(loaded)) == 16
+    assert_within_requantization(loaded, files["iq"], {})
     assert "requantized into int" in loaded.quantization_path and "IQ1_S" in loaded.quantization_path
     assert len(greedy(loaded, [5, 6, 7, 8, 9])) == 8
 
 
 def test_q8_requantizes_every_type_per_row(files):
     loaded = load_model(files["qwen2"], "cpu", Q.Q8_0)
-    values = file_values(files["qwen2"], {})
     layers = quantized_layers(loaded)
     int8 = Int8Linear if int8_weights_here() else DynamicInt8Linear
     assert {type(m) for _, m in layers} == {int8, Int8Embedding}
-    for name, module in layers:
-        _, want = values[gguf_name(f"{name}.weight")]
-        got, scale, _ = dense(module)
-        # Half a step of the row's int8 scale; an embedding's own scale is stored in bf16
-        # after rounding (one shared with a tied head keeps the head's float32).
-        rounded = isinstance(module, Int8Embedding) and module.scales.dtype == torch.bfloat16
-        bound = scale / 2 + (scale * 128 * ROUNDING if rounded else 1e-7)
-        assert ((got - want).abs() <= bound).all(), name
+    assert_within_requantization(loaded, files["qwen2"], {})
 
 
 def test_the_f16_load_line_names_the_16_bit_type_this_cpu_loads(files):
