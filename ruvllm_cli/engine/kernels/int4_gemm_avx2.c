@@ -29,8 +29,13 @@
  * the high one; the activation vector holds (x[k], x[k+2]) eight times in its low lane and
  * (x[k+1], x[k+3]) in its high one, and a flush adds the two lanes. Up to six rows take
  * the codes straight from memory (one row all four vectors in a pass, more a half of the
- * block at a time); more rows pass up to three at a time over a tile of one group's
- * unpacked pairs in L1. */
+ * block at a time); more rows pass two at a time over a tile of one group's unpacked
+ * pairs in L1, all 32 weight rows a pass.
+ *
+ * The int16 sums are pinned in registers (an empty asm naming each after its add): GCC
+ * otherwise unrolled the eight steps of a flush, took every product first and spilled
+ * them to the stack to add in a tree, which cost prefill a fifth of its time (design.md,
+ * section 23). */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -42,8 +47,8 @@
 #define BLOCK 32       /* weight rows a block (torch's AVX2 layout) */
 #define MAX_GROUP 128  /* the tile holds one group: 4 KiB of byte pairs at most */
 #define STRIP 64       /* activation rows a pass over a block's tile takes at most */
-#define PASS 3         /* activation rows a pass over half the tile takes (6 int16 and 6 int32 sums in
-                          registers; six rows spilled them, 1.2-1.25x slower at 16 to 64 rows) */
+#define PASS 2         /* activation rows a pass over the tile takes (8 int16 sums, 4 code vectors and
+                          the partner in registers; three rows over half the tile ran 1.1x slower) */
 #define DIRECT 6       /* rows up to which the codes go straight from memory to the products */
 #define FLUSH 32       /* k's between widenings of the int16 sums (eight steps of four) */
 #define AHEAD 4096     /* software prefetch distance along a block's codes, as int4_gemm.c's */
@@ -154,8 +159,10 @@ static inline __attribute__((always_inline)) void direct(Rows x, const int R, i6
                     pairs(bytes + k * 16, vectors * part, vectors, p);
                     for (int r = 0; r < R; ++r) {
                         const __m256i xv = partner(x.xq + r * K + k);
-                        for (int j = 0; j < vectors; ++j)
+                        for (int j = 0; j < vectors; ++j) {
                             s16[r][j] = _mm256_add_epi16(s16[r][j], _mm256_maddubs_epi16(p[j], xv));
+                            __asm__("" : "+x"(s16[r][j]));   /* in a register, added in this order */
+                        }
                     }
                 }
                 for (int r = 0; r < R; ++r)
@@ -171,32 +178,35 @@ static inline __attribute__((always_inline)) void direct(Rows x, const int R, i6
     for (int r = 0; r < R; ++r) store(acc + r * BLOCK, b, bias, out + r * N);
 }
 
-/* R rows (1..PASS) over half `part` of the tile of one group's pairs ([count / 4][4]
- * vectors): their sums (in registers), then the group's part added into acc [R][32]. */
+/* R rows (1..PASS) over the tile of one group's pairs ([count / 4][4] vectors): their
+ * sums (in registers), then the group added into acc [R][32]. */
 static inline __attribute__((always_inline)) void pass(const int8_t *const *xq, const float *dx,
                                                        const float *totals, const int R, const __m256i *tile,
-                                                       i64 count, int part, const __m256 *scale, const __m256 *zero,
+                                                       i64 count, const __m256 *scale, const __m256 *zero,
                                                        float *acc) {
-    __m256i sums[PASS][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_si256();
+    __m256i sums[PASS][4];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) sums[r][j] = _mm256_setzero_si256();
     for (i64 f = 0; f < count; f += FLUSH) {
-        __m256i s[PASS][2];
-        for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        __m256i s[PASS][4];
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < 4; ++j) s[r][j] = _mm256_setzero_si256();
+        #pragma GCC unroll 8   /* the flush's eight steps whole */
         for (i64 i = f; i < f + FLUSH; i += 4) {
-            const __m256i w0 = _mm256_load_si256(tile + i + 2 * part), w1 = _mm256_load_si256(tile + i + 2 * part + 1);
+            __m256i w[4];
+            for (int j = 0; j < 4; ++j) w[j] = _mm256_load_si256(tile + i + j);
             for (int r = 0; r < R; ++r) {
                 const __m256i v = partner(xq[r] + i);
-                s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, v));
-                s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, v));
+                for (int j = 0; j < 4; ++j) {
+                    s[r][j] = _mm256_add_epi16(s[r][j], _mm256_maddubs_epi16(w[j], v));
+                    __asm__("" : "+x"(s[r][j]));   /* in a register, added in this order */
+                }
             }
         }
-        for (int r = 0; r < R; ++r) {
-            sums[r][0] = widen(s[r][0], sums[r][0]);
-            sums[r][1] = widen(s[r][1], sums[r][1]);
-        }
+        for (int r = 0; r < R; ++r)
+            for (int j = 0; j < 4; ++j) sums[r][j] = widen(s[r][j], sums[r][j]);
     }
-    for (int r = 0; r < R; ++r)
-        add_group(acc + r * BLOCK + 16 * part, sums[r], scale + 2 * part, zero + 2 * part, dx[r], totals[r], 2);
+    for (int r = 0; r < R; ++r) add_group(acc + r * BLOCK, sums[r], scale, zero, dx[r], totals[r], 4);
 }
 
 /* Rows [first, first + rows) (rows <= STRIP) against block b through the tile. */
@@ -214,24 +224,19 @@ static void tiled(Rows x, i64 first, i64 rows, i64 K, const uint8_t *bytes, cons
         group_params(sz + g * N * 2, 0, 4, scale, zero);
         /* The fewest passes, as even as they go (int4_gemm.c's rule). */
         const i64 passes = (rows + PASS - 1) / PASS, step = (rows + passes - 1) / passes;
-        for (int part = 0; part < 2; ++part)
-            for (i64 m = 0; m < rows; m += step) {
-                const int R = rows - m < step ? (int)(rows - m) : (int)step;
-                const int8_t *xs[PASS];
-                float ds[PASS], ts[PASS];
-                for (int r = 0; r < PASS; ++r) {
-                    const i64 row = first + m + (r < R ? r : 0);
-                    xs[r] = x.xq + row * K + g * group;
-                    ds[r] = x.dx[row * groups + g];
-                    ts[r] = x.totals[row * groups + g];
-                }
-                float *at = acc + m * BLOCK;
-                switch (R) {
-                    case 3: pass(xs, ds, ts, 3, tile, group, part, scale, zero, at); break;
-                    case 2: pass(xs, ds, ts, 2, tile, group, part, scale, zero, at); break;
-                    default: pass(xs, ds, ts, 1, tile, group, part, scale, zero, at); break;
-                }
+        for (i64 m = 0; m < rows; m += step) {
+            const int R = rows - m < step ? (int)(rows - m) : (int)step;
+            const int8_t *xs[PASS];
+            float ds[PASS], ts[PASS];
+            for (int r = 0; r < PASS; ++r) {
+                const i64 row = first + m + (r < R ? r : 0);
+                xs[r] = x.xq + row * K + g * group;
+                ds[r] = x.dx[row * groups + g];
+                ts[r] = x.totals[row * groups + g];
             }
+            if (R == PASS) pass(xs, ds, ts, PASS, tile, group, scale, zero, acc + m * BLOCK);
+            else pass(xs, ds, ts, 1, tile, group, scale, zero, acc + m * BLOCK);
+        }
     }
     for (i64 m = 0; m < rows; ++m) store(acc + m * BLOCK, b, bias, out + (first + m) * N);
 }
