@@ -106,3 +106,26 @@ def test_fused_script_runs_on_a_small_model_and_prints_json(engine_model_dir, mo
     assert all(row[key] > 0 for key in keys)
     if mode == "loops":
         assert row["c_steps"] == row["steps"] > 0
+
+
+@pytest.mark.parametrize("kind", ["f16", "int4"])
+def test_kernel_ab_script_builds_both_revisions_and_compares_their_bits(kind):
+    import json
+
+    from ruvllm_cli.engine import int4_dense, kernels
+
+    if not (SCRIPTS.parent / ".git").exists():
+        pytest.skip("not a git checkout: the script reads the other revision's source from git")
+    if (kernels.half_kernel() if kind == "f16" else int4_dense.own_kernel()) is None:
+        pytest.skip(f"no {kind} kernel of ours runs here")
+    command = [sys.executable, str(SCRIPTS / "bench_kernel_ab.py"), "--kernel", kind, "--shapes", "64x128",
+               "--rows", "1,3", "--rounds", "2", "--format", "json"]
+    result = subprocess.run([*command, "--against", "HEAD"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["kernel"].startswith("half_gemm" if kind == "f16" else "int4_gemm") and not report["warm"]
+    assert [(row["shape"], row["rows"]) for row in report["rows"]] == [("64x128", 1), ("64x128", 3)]
+    assert all(row["same_bits"] and row["old_ms"] > 0 and row["new_ms"] > 0 for row in report["rows"])
+    missing = subprocess.run([*command, "--against", "no-such-revision"], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "bench_kernel_ab: no ruvllm_cli/engine/kernels/" in missing.stderr
