@@ -85,6 +85,7 @@ static inline void dot_pair(const int8_t *xa, const int8_t *xq, int M, int64_t K
             __m256i xabs = load32(xa + m * K + k), x = load32(xq + m * K + k);
             a0[m] = _mm256_add_epi32(a0[m], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(v0, x)), ones));
             a1[m] = _mm256_add_epi32(a1[m], _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(v1, x)), ones));
+            __asm__("" : "+x"(a0[m]), "+x"(a1[m]));   /* the sums in registers: GCC had spilled */
         }
     }
     for (int m = 0; m < M; ++m) {
