@@ -70,17 +70,16 @@ def kernel_for(kind: str) -> Kernel | None:
 
 def sources(revision: str | None, name: str) -> tuple[bytes, bytes]:
     """The kernel's source and common.h at `revision` (None: the working tree)."""
-    files = (f"{KERNEL_DIR}/{name}.c", f"{KERNEL_DIR}/{kernels.HEADER}")
-    if revision is None:
-        return tuple((REPO / path).read_bytes() for path in files)   # type: ignore[return-value]
-    shown = []
-    for path in files:
+    def read(path: str) -> bytes:
+        if revision is None:
+            return (REPO / path).read_bytes()
         done = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, capture_output=True)
         if done.returncode != 0:
             raise SystemExit(f"bench_kernel_ab: no {path} at {revision}: "
                              f"{done.stderr.decode(errors='replace').strip()}")
-        shown.append(done.stdout)
-    return shown[0], shown[1]
+        return done.stdout
+
+    return read(f"{KERNEL_DIR}/{name}.c"), read(f"{KERNEL_DIR}/{kernels.HEADER}")
 
 
 def built(kernel: Kernel, source: bytes, header: bytes, where: Path, side: str) -> Any:
