@@ -26,6 +26,10 @@ _NAMES = {
     "none": Quantization.F32, "f32": Quantization.F32, "fp32": Quantization.F32,
 }
 CHOICES = "q4k|q8|f16|none"
+# q4k's int4 groups, weights per bfloat16 scale and zero (docs/design.md, section 4b): the
+# loader quantizes with them and the memory estimates count them (registry/memory.py).
+INT4_GROUP = 64        # linear layers (32 where the hidden size is not a multiple)
+TIED_INT4_GROUP = 32   # embedding tables; a tied head's table is the embedding's too (Int4Embedding's group)
 QUANTIZATION_NAMES = tuple(_NAMES)  # every accepted spelling, lowercase
 
 

@@ -22,9 +22,8 @@ from torch import nn
 from ruvllm_cli.engine.dense_gemm import GEMM_ROWS
 from ruvllm_cli.engine.int4_dense import own_linear
 from ruvllm_cli.engine.kernels import int4_unpack_kernel
-from ruvllm_cli.quantization import Quantization, int4_fits
+from ruvllm_cli.quantization import INT4_GROUP, TIED_INT4_GROUP, Quantization, int4_fits
 
-INT4_GROUP = 64       # weights per scale/zero group (docs/design.md, section 4b)
 INT4_INNER_K_TILES = 2
 
 
@@ -249,7 +248,6 @@ class Int4Linear(nn.Module):
 
 CHUNK_ROWS = 4096  # rows a streamed matrix is read at a time at most
 CHUNK_VALUES = 1 << 21  # values quantized at a time: 8 MiB in float32
-TIED_INT4_GROUP = 32  # a tied q4k head's group: its table is the embedding's too (Int4Embedding's group)
 PACK_ROWS = 64  # torch's CPU int4 packer lays out blocks of 64 rows: chunks start on them
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ruvllm_cli.quantization import Quantization, parse_quantization
+from ruvllm_cli.quantization import INT4_GROUP, TIED_INT4_GROUP, Quantization, parse_quantization
 
 OVERHEAD_FRACTION = 0.02
 OVERHEAD_BASE_BYTES = 320 * 1024**2
@@ -31,10 +31,10 @@ DEFAULT_CONTEXT = 4096
 # Bytes a weight takes once loaded on a CPU, in ruvllm's layouts (engine/quantize.py):
 # (linear layers, embedding table). q8: int8 codes (our kernel adds a float32 scale per
 # output row, which the loader counts); q4k: 4-bit codes + a bf16 scale and zero per
-# group of 64 (linear layers) or 32 (tables); f16: float16 weights (float32 activations);
+# group of INT4_GROUP (linear layers, 64) or TIED_INT4_GROUP (tables, 32); f16: float16 weights (float32 activations);
 # none: float32. A tied LM head shares the table, except under none (a packed copy).
 LAYOUT_BYTES: dict[Quantization, tuple[float, float]] = {
-    Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / 64, 0.5 + 4 / 32),
+    Quantization.Q8_0: (1.0, 1.0), Quantization.Q4_K_M: (0.5 + 4 / INT4_GROUP, 0.5 + 4 / TIED_INT4_GROUP),
     Quantization.F16: (2.0, 2.0), Quantization.F32: (4.0, 4.0)}
 # A GGUF file's weights load in its own block width: q4k in groups of 32 everywhere
 # (engine/gguf_plan.py; "GGUF straight in" in docs/design.md).
