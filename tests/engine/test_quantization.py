@@ -282,7 +282,7 @@ def test_fitted_int4_groups_never_do_worse_than_min_max_and_c_agrees_with_torch(
     group's squared error at most the min/max grid's (outliers included), within a step
     of the fitted grid, a tenth lower overall; the C kernel takes the same steps as the
     torch ops, which run where it does not build. (In groups of 128 the fit can give up
-    an outlier by more than a step: q4k's are 32.)"""
+    an outlier by more than a step: q4k's are 64, its tables' 32.)"""
     from ruvllm_cli.engine import kernels, quantize
 
     torch.manual_seed(group)
