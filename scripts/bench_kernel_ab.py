@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,29 +41,13 @@ KERNEL_DIR = "ruvllm_cli/engine/kernels"
 EVICT_BYTES = 256 << 20   # written before each call: past any CPU's last-level cache
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """A kernel file, the flags the loader builds it with, and its ctypes wrapper."""
-    name: str
-    flags: tuple[str, ...]
-    wrapper: Callable[[ctypes.CDLL], Any]
-
-
-def kernel_for(kind: str) -> Kernel | None:
-    """The file behind `kind` on this CPU, or None where the loader would build none."""
-    if kind == "f16":
-        return Kernel("half_gemm", kernels.FLAGS, kernels.HalfKernel) if kernels.half_kernel() else None
-    if kind == "q8":
-        return Kernel("int8_gemm", kernels.FLAGS, kernels.Int8Kernel) if kernels.int8_kernel() else None
+def kernel_for(kind: str) -> kernels.Build | None:
+    """How the loader built the kernel behind `kind` on this CPU (int4: the one for the
+    layout torch packs in), or None where it builds none."""
     from ruvllm_cli.engine.int4_dense import own_kernel
 
-    own = own_kernel()
-    if own is None:
-        return None
-    if own.block == 32:   # torch's AVX2 layout: int4_gemm_avx2.c
-        return Kernel("int4_gemm_avx2", kernels.FLAGS,
-                      functools.partial(kernels.Int4Kernel, symbol="ruvllm_int4_linear_avx2", block=32))
-    return Kernel("int4_gemm", kernels.AVX512_FLAGS, kernels.Int4Kernel)
+    loaded = {"f16": kernels.half_kernel, "q8": kernels.int8_kernel, "int4": own_kernel}[kind]()
+    return None if loaded is None else loaded.build
 
 
 def sources(revision: str | None, name: str) -> tuple[bytes, bytes]:
@@ -82,7 +64,7 @@ def sources(revision: str | None, name: str) -> tuple[bytes, bytes]:
     return read(f"{KERNEL_DIR}/{name}.c"), read(f"{KERNEL_DIR}/{kernels.HEADER}")
 
 
-def built(kernel: Kernel, source: bytes, header: bytes, where: Path, side: str) -> Any:
+def built(kernel: kernels.Build, source: bytes, header: bytes, where: Path, side: str) -> Any:
     compiler = kernels.c_compiler()
     path = where / f"{kernel.name}-{side}.so"
     if compiler is None or not kernels._build(compiler, source, header, path, f"{side} {kernel.name}",

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -243,11 +244,24 @@ def decode_kernel() -> DecodeKernel | None:
 LOADERS = (half_kernel, int8_kernel, bf16_kernel, int4_unpack_kernel, int4_kernel, int4_avx2_kernel, decode_kernel)
 
 
+@dataclass(frozen=True)
+class Build:
+    """How a loaded kernel was built: its file, the flags and the wrapper (a loaded
+    kernel's `build`; scripts/bench_kernel_ab.py builds another revision's source so)."""
+    name: str
+    flags: tuple[str, ...]
+    wrapper: Callable[[ctypes.CDLL], Any]
+
+
 def _loaded(wrapper: Callable[[ctypes.CDLL], K], name: str, what: str, fallback: str,
             flags: tuple[str, ...] = FLAGS, cpu_flags: tuple[str, ...] = CPU_FLAGS) -> K | None:
     """`name`.c's library wrapped for its callers, or None where it cannot run."""
     library = _library(name, what, fallback, flags, cpu_flags)
-    return None if library is None else wrapper(library)
+    if library is None:
+        return None
+    kernel = wrapper(library)
+    kernel.build = Build(name, flags, wrapper)  # type: ignore[attr-defined]
+    return kernel
 
 
 def turn_off() -> None:
