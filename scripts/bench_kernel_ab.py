@@ -86,21 +86,11 @@ def layer_call(kind: str, library: Any, weight: torch.Tensor, group: int) -> Cal
 
         codes, scales = int8_rows(weight)
         return Int8Linear(codes.contiguous(), scales, None, library)
-    from ruvllm_cli.engine.int4_dense import scratch_floats
+    from ruvllm_cli.engine.int4_dense import own_linear
     from ruvllm_cli.engine.quantize import Int4Linear
 
     layer = Int4Linear.from_weight(weight, None, group)
-
-    def call(x: torch.Tensor) -> torch.Tensor:   # int4_dense.own_linear, with this library
-        rows, k = x.shape
-        out = torch.empty(rows, layer.out_features, dtype=torch.bfloat16)
-        room = torch.empty(scratch_floats(rows, k, group))
-        library.linear(x.data_ptr(), rows, k, layer.qweight.data_ptr(), layer.out_features,
-                       layer.scales_and_zeros.data_ptr(), group, None, out.data_ptr(), room.data_ptr(),
-                       torch.get_num_threads())
-        return out
-
-    return call
+    return lambda x: own_linear(x, layer.qweight, layer.scales_and_zeros, group, None, library)
 
 
 def main() -> None:

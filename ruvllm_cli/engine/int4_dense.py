@@ -120,11 +120,12 @@ def scratch_floats(rows: int, k: int, group: int) -> int:
 
 
 def own_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group: int,
-               bias: torch.Tensor | None) -> torch.Tensor | None:
+               bias: torch.Tensor | None, kernel: Int4Kernel | None = None) -> torch.Tensor | None:
     """x [M, K] bfloat16 (contiguous) times the int4 weight (+ the bfloat16 bias, added
-    as torch adds it), bfloat16 [M, N], through int4_gemm.c or int4_gemm_avx2.c; None
-    where neither can take it (none here, another packed layout, other shapes)."""
-    kernel = own_kernel()
+    as torch adds it), bfloat16 [M, N], through int4_gemm.c or int4_gemm_avx2.c (or
+    `kernel`, another build of the one here); None where neither can take it (none
+    here, another packed layout, other shapes)."""
+    kernel = kernel or own_kernel()
     if kernel is None or not own_takes(packed, group):
         return None
     rows, k = x.shape
