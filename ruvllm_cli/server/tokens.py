@@ -83,7 +83,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), COUNT_TOKENS_FIELDS)
     system = values["system"]
     messages = [*([{"role": "system", "content": system}] if system else []), *values["messages"]]
-    tools = tool_request({"tools": values["tools"], "tool_choice": ToolChoice(), "parallel_tool_calls": True})
+    tools = messages_protocol.tool_request_of(values)   # tool_choice none leaves the tools out, as there
     async with state.model_for(values["model"]) as model:
         tokenizer = model.engine.tokenizer
         ids = await _off_the_loop(state, lambda: render_chat(tokenizer, messages, template_tools(tools, messages)))
@@ -118,6 +118,7 @@ DETOKENIZE_FIELDS = (
           schema={"type": "array", "maxItems": MAX_DETOKENIZE, "items": {"type": "integer"}}),
 )
 _ANTHROPIC = {spec.name: spec for spec in messages_protocol.MESSAGES_FIELDS}
-COUNT_TOKENS_FIELDS = (MODEL, _ANTHROPIC["messages"], _ANTHROPIC["system"], _ANTHROPIC["tools"])
+COUNT_TOKENS_FIELDS = (MODEL, _ANTHROPIC["messages"], _ANTHROPIC["system"], _ANTHROPIC["tools"],
+                       _ANTHROPIC["tool_choice"])
 REQUEST_FIELDS: dict[str, tuple[Field, ...]] = {TOKENIZE_PATH: TOKENIZE_FIELDS, DETOKENIZE_PATH: DETOKENIZE_FIELDS,
                                                COUNT_TOKENS_PATH: COUNT_TOKENS_FIELDS}

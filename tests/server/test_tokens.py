@@ -57,13 +57,20 @@ def test_count_tokens_is_a_messages_request_s_input(server):
     tools = [{"name": t["function"]["name"], "description": "x", "input_schema": t["function"]["parameters"]}
              for t in TOOLS]
     ask = {"model": server.model, "system": "Be brief.", "messages": [{"role": "user", "content": "Hello!"}]}
-    for extra in ({}, {"tools": tools}):
+    # tool_choice none leaves the tools out of the prompt: the count must too (it had counted them)
+    for extra in ({}, {"tools": tools}, {"tools": tools, "tool_choice": {"type": "none"}},
+                  {"tools": tools, "tool_choice": {"type": "tool", "name": tools[0]["name"]}}):
         counted = client.messages.count_tokens(**ask, **extra).input_tokens
         usage = client.messages.create(**ask, **extra, max_tokens=1).usage
         assert counted == usage.input_tokens + usage.cache_read_input_tokens
-    with pytest.raises(anthropic.BadRequestError) as refused:
-        client.messages.count_tokens(model=server.model, messages=[])
-    assert refused.value.body["type"] == "error"
+    bare = client.messages.count_tokens(**ask).input_tokens
+    assert client.messages.count_tokens(**ask, tools=tools, tool_choice={"type": "none"}).input_tokens == bare
+    assert client.messages.count_tokens(**ask, tools=tools).input_tokens > bare
+    for bad in ({"messages": []}, {"messages": ask["messages"], "tool_choice": {"type": "any"}},
+                {"messages": ask["messages"], "tools": tools, "tool_choice": {"type": "tool", "name": "nope"}}):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            client.messages.count_tokens(model=server.model, **bad)
+        assert refused.value.body["type"] == "error"
 
 
 @pytest.mark.parametrize("path, body, param", [

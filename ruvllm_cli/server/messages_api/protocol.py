@@ -46,7 +46,7 @@ def parse_messages_request(body: Any) -> MessagesRequest:
         top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
         ignore_eos=values["ignore_eos"], logit_bias=values["logit_bias"] or (), structured=values["output_config"],
         thinking_budget=_thinking_budget(values["thinking"]))
-    tools = _tool_request(values)
+    tools = tool_request_of(values)
     if tools is not None and tools.choice.forced and sampling.structured is not None:
         raise bad_request("'tool_choice' and 'output_config.format' both constrain the reply; give one.",
                           "tool_choice", "invalid_value")
@@ -65,8 +65,9 @@ def _thinking_budget(thinking: dict[str, Any] | None) -> int | None:
     return thinking.get("budget_tokens")
 
 
-def _tool_request(values: dict[str, Any]) -> ToolRequest | None:
-    """The engine's ToolRequest, its errors in Anthropic's words (`any`, not `required`)."""
+def tool_request_of(values: dict[str, Any]) -> ToolRequest | None:
+    """The engine's ToolRequest from read `tools` and `tool_choice`, its errors in
+    Anthropic's words (`any`, not `required`); count_tokens reads the same."""
     tools, (choice, parallel) = values["tools"], values["tool_choice"]
     if choice.forced and not tools:
         kind = next(k for k, mode in CHOICE_MODES.items() if mode == choice.mode)
