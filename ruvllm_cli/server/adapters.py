@@ -23,7 +23,7 @@ from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, read
 from ruvllm_cli.errors import (CacheError, DownloadError, ModelNotFoundError, RepoUnavailableError, RuvllmError,
                                UsageError)
 from ruvllm_cli.registry.adapters import LATEST, LATEST_RULE
-from ruvllm_cli.server.body import read_json
+from ruvllm_cli.server.body import no_nul, read_json
 from ruvllm_cli.server.engine_client import LocalEngine
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.fields import Fields
@@ -36,7 +36,7 @@ from ruvllm_cli.server.state import ServerState, get_state
 async def load_lora_adapter(request: web.Request) -> web.Response:
     state = _runtime_lora(request)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), LOAD_LORA_FIELDS)
-    name, path = values["lora_name"].strip(), values["lora_path"]
+    name, path = no_nul("lora_name", values["lora_name"]).strip(), no_nul("lora_path", values["lora_path"])
     if not name:   # the rule --lora's names follow
         raise ApiError(400, "'lora_name' must not be blank.", param="lora_name", code="invalid_value")
     if name.endswith(LATEST):

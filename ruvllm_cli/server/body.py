@@ -1,6 +1,6 @@
 """A request body from bytes to JSON the handlers can trust: within the size cap,
-parseable, not nested absurdly deep, and with no string the tokenizer or a UTF-8
-encoder would choke on (NUL, lone surrogates). Each refusal is a 4xx naming its param."""
+parseable, not nested absurdly deep, and with no string a UTF-8 encoder would choke on
+(a lone surrogate). Each refusal is a 4xx naming its param."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from ruvllm_cli.server.errors import ApiError, bad_request
 # Far deeper than any OpenAI request (a JSON schema of 20 nested objects is ~60 levels)
 # and far below Python's recursion limit, which later consumers (templates) share.
 MAX_DEPTH = 128
-# NUL cuts C strings short in tokenizers and logs; a lone surrogate (a "\ud800" escape
-# with no partner) cannot be encoded as UTF-8 at all, so no tokenizer or reply can carry it.
-_BAD_CHAR = re.compile("[\x00\ud800-\udfff]")
+# A lone surrogate (a "\ud800" escape with no partner) cannot be encoded as UTF-8 at all,
+# so no tokenizer or reply can carry it. NUL is text like any other: byte-level vocabularies
+# have a token for it, so a model's reply can hold one and the next turn sends it back
+# (it had been refused, which broke such a chat); a string that names a file refuses it
+# where it is read (`no_nul`), as the OS would.
+_BAD_CHAR = re.compile("[\ud800-\udfff]")
 
 
 async def read_json(request: web.Request, max_size: int) -> Any:
@@ -65,7 +68,7 @@ def parse_json(raw: bytes) -> Any:
 
 
 def check_json(body: Any) -> None:
-    """Every string (keys included) free of NUL and lone surrogates, at most MAX_DEPTH
+    """Every string (keys included) free of lone surrogates, at most MAX_DEPTH
     levels; the param named is the path of the offending value, e.g. `messages[0].content`."""
     if isinstance(body, str):
         _check_string(None, body)
@@ -118,7 +121,16 @@ def _check_string(path: str | None, text: str, what: str = "") -> None:
     found = _BAD_CHAR.search(text)
     if found is None:
         return
-    kind = "a NUL character" if found.group() == "\x00" else "a lone UTF-16 surrogate"
     where = f"'{path}'" if path else "the body"
-    raise bad_request(f"Invalid value in {what}{where}: text must not contain {kind} (at offset {found.start()}).",
-                      path, "invalid_value")
+    raise bad_request(f"Invalid value in {what}{where}: text must not contain a lone UTF-16 surrogate "
+                      f"(at offset {found.start()}).", path, "invalid_value")
+
+
+def no_nul(param: str, text: str) -> str:
+    """`text` where it names a file (a path, an adapter's hub id): a 400 for a NUL,
+    which no file name holds (and which Python's os calls raise ValueError on)."""
+    offset = text.find("\x00")
+    if offset >= 0:
+        raise bad_request(f"Invalid value in '{param}': a path must not contain a NUL character "
+                          f"(at offset {offset}).", param, "invalid_value")
+    return text

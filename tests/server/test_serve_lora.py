@@ -156,6 +156,11 @@ def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
     not_lora = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
     assert not_lora.status_code == 400
     assert httpx.post(url + "/load_lora_adapter", json={"lora_name": "x"}).status_code == 400
+    # NUL is text elsewhere in a body, but no file name holds one (os calls raise ValueError)
+    for field, value in (("lora_path", str(adapters["mlp"]) + "\x00"), ("lora_name", "a\x00b")):
+        nul = httpx.post(url + "/load_lora_adapter", json={"lora_name": "nul", "lora_path": str(adapters["mlp"]),
+                                                           field: value})
+        assert nul.status_code == 400 and nul.json()["error"]["param"] == field, nul.text
     done = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "fresh"})
     assert done.status_code == 200 and "removed" in done.text
     with pytest.raises(openai.NotFoundError):
