@@ -168,6 +168,7 @@ def test_a_forced_function_call_is_a_valid_function_call_item(client, server):
     [call] = single.output
     assert call.name == "add" and single.tool_choice.name == "add" and single.parallel_tool_calls is False
     assert [t.name for t in single.tools] == ["get_weather", "add"] and single.tools[1].strict is True
+    assert single.tools[0].strict is True   # left out: strict, as applied (it echoed null)
 
 
 def test_a_forced_call_streams_its_arguments(client, server):

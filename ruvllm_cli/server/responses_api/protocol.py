@@ -30,15 +30,15 @@ LOGPROBS = "message.output_text.logprobs"
 
 @dataclass(frozen=True)
 class FunctionTool:
-    """A function tool in the Responses API's flat shape; `strict` as given is echoed
-    (the tool's own `strict` is true unless it said false)."""
+    """A function tool in the Responses API's flat shape, echoed as it was applied:
+    `strict` true unless the request said false, as OpenAI's (it had echoed a left-out
+    `strict` as null, though the tool was held to its schema)."""
 
     tool: Tool
-    strict: bool | None = None
 
     def echo(self) -> dict[str, Any]:
         return {"type": "function", "name": self.tool.name, "description": self.tool.description,
-                "parameters": self.tool.parameters, "strict": self.strict}
+                "parameters": self.tool.parameters, "strict": self.tool.strict}
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _tool(item: Any, where: str) -> FunctionTool:
                     strict=strict is not False)
     except UsageError as error:
         raise invalid_value(f"{where}.name", error.message, name) from error
-    return FunctionTool(tool, strict)
+    return FunctionTool(tool)
 
 
 def _tool_choice(value: Any) -> ToolChoice:
@@ -216,7 +216,8 @@ _TOOL = {"type": "object", "required": ["type", "name"], "properties": {
     "type": {"const": "function"}, "name": {"type": "string", "pattern": TOOL_NAME.pattern},
     "description": {"type": ["string", "null"]},
     "parameters": {"type": ["object", "null"], "description": "A JSON schema of the arguments."},
-    "strict": {"type": ["boolean", "null"], "description": "Echoed; a forced call follows the schema by grammar."}}}
+    "strict": {"type": ["boolean", "null"], "description": "Whether the call's arguments follow the schema by "
+                                                           "grammar: true unless false (echoed as applied)."}}}
 _TOOL_CHOICE = {"anyOf": [{"enum": list(TOOL_CHOICES)}, {"type": "object", "required": ["type", "name"],
                                                          "properties": {"type": {"const": "function"},
                                                                         "name": _STRING}}]}
