@@ -333,16 +333,18 @@ def parse_chat_request(body: Any, limits: RequestLimits = RequestLimits()) -> Ch
         raise bad_request(f"'tool_choice' {tools.choice.mode!r} and '{sampling.structured.param}' both "
                           "constrain the reply; give one.", "tool_choice", "invalid_value")
     return ChatRequest(values["model"], values["messages"], sampling, _streaming(values), tools, _options(values),
-                       _template(values), values["include_reasoning"])
+                       template_options(values), values["include_reasoning"])
 
 
-def _template(values: dict[str, Any]) -> TemplateOptions:
+def template_options(values: dict[str, Any]) -> TemplateOptions:
+    """The template fields, checked together (the chat route's and /tokenize's)."""
     template = TemplateOptions(values["chat_template_kwargs"], values["add_generation_prompt"],
                                values["continue_final_message"])
     if template.continue_final_message and template.add_generation_prompt:
         raise bad_request("'continue_final_message' needs 'add_generation_prompt' set to false.",
                           "continue_final_message", "invalid_value")
-    if template.continue_final_message and values["messages"][-1]["role"] != "assistant":
+    messages = values["messages"]
+    if template.continue_final_message and messages and messages[-1]["role"] != "assistant":
         raise bad_request("'continue_final_message' needs the last message to be the assistant's.",
                           "continue_final_message", "invalid_value")
     return template

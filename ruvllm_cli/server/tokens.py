@@ -19,7 +19,7 @@ from ruvllm_cli.server.fields import Fields, invalid_type, invalid_value
 from ruvllm_cli.server.messages import MESSAGES
 from ruvllm_cli.server.messages_api import protocol as messages_protocol
 from ruvllm_cli.server.prompts import render_chat, template_tools, tokenize_prompts
-from ruvllm_cli.server.protocol import MODEL, TEMPLATE_FIELDS, TemplateOptions
+from ruvllm_cli.server.protocol import MODEL, TEMPLATE_FIELDS, template_options
 from ruvllm_cli.server.spec import Field, read_fields
 from ruvllm_cli.server.state import ServerState, get_state
 from ruvllm_cli.server.tool_fields import TOOL_FIELDS, tool_request
@@ -44,11 +44,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if (values["prompt"] is None) == (values["messages"] is None):
         raise bad_request("Give 'prompt' or 'messages' (one of them).", "prompt", "invalid_value")
     tools = tool_request({"tools": values["tools"], "tool_choice": ToolChoice(), "parallel_tool_calls": True})
-    template = TemplateOptions(values["chat_template_kwargs"], values["add_generation_prompt"],
-                               values["continue_final_message"])
-    if template.continue_final_message and template.add_generation_prompt:
-        raise bad_request("'continue_final_message' needs 'add_generation_prompt' set to false.",
-                          "continue_final_message", "invalid_value")
+    template = template_options(values)
     async with state.model_for(values["model"]) as model:
         engine = model.engine
 

@@ -77,6 +77,9 @@ def test_count_tokens_is_a_messages_request_s_input(server):
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": HELLO}, "prompt"),
     ("/tokenize", {"messages": HELLO, "continue_final_message": True}, "continue_final_message"),
+    # the chat route's rule: only the assistant's last message is continued (it was counted as if)
+    ("/tokenize", {"messages": HELLO, "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message"),
     ("/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, "tokens[0]"),
     ("/detokenize", {}, "tokens"),
