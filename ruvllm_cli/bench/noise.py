@@ -126,8 +126,14 @@ def noise_warnings(noise: dict[str, Any]) -> list[str]:
         load, other = noise.get("load_average_max"), noise.get("other_cpu_cores")
         seen = [f"load average up to {load:.2f} on {noise['cpu_cores']} cores" if load is not None else "",
                 f"other processes kept {other:.2f} cores busy" if other is not None else ""]
+        hint = ""
+        threads = noise.get("torch_threads")
+        if isinstance(threads, int) and threads > 1:
+            # measured: 0.5B q4k on 2 cores beside one busy process, 21-23 tok/s with 2 threads, 49-52 with 1
+            hint = (f"; every step waits for the slowest of its {threads} threads, so beside other work "
+                    f"--threads {threads - 1} (or fewer) often runs faster")
         lines.append("other processes used the CPU during the run (" + "; ".join(filter(None, seen))
-                     + "): the figures are likely low and noisy")
+                     + "): the figures are likely low and noisy" + hint)
     return lines
 
 

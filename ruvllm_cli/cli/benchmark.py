@@ -13,7 +13,8 @@ from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
-                                    prefix_cache_option, prefix_caching, weight_cache_option, compile_option)
+                                    prefix_cache_option, prefix_caching, weight_cache_option, compile_option,
+                                    threads_option)
 from ruvllm_cli.errors import RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization
 
@@ -47,6 +48,7 @@ MAX_CONCURRENCY = 1024
 @prefix_cache_option()
 @weight_cache_option()
 @compile_option()
+@threads_option()
 @click.option("--compare", "compare_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A previous `--format json` result: show each metric beside it; exit 1 on a regression.")
 @click.option("--threshold", type=FiniteFloatRange(min=0.0), default=10.0, show_default=True,
@@ -110,7 +112,7 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
                   gen_length: int, concurrency: int, quantization: Quantization | None, device: str,
                   seed: int, no_prefix_cache: bool = False, no_weight_cache: bool = False, no_compile: bool = False,
                   json_schema: SchemaFile | None = None, lora: Sequence[str] = (), max_loras: int | None = None,
-                  max_lora_rank: int | None = None, **rest: Any) -> dict[str, Any]:
+                  max_lora_rank: int | None = None, threads: int | None = None, **rest: Any) -> dict[str, Any]:
     """Load MODEL, run the iterations with progress on stderr, build the report."""
     _check_lora(lora, json_schema, concurrency)
     import torch
@@ -131,7 +133,7 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
                          max_num_seqs=concurrency, max_model_len=prompt_length + gen_length,
                          enable_prefix_caching=prefix_caching(no_prefix_cache), weight_cache=not no_weight_cache,
                          adapters=adapters, max_loras=_slots_for(len(adapters), max_loras),
-                         max_lora_rank=max_lora_rank, kernels=not no_compile)
+                         max_lora_rank=max_lora_rank, kernels=not no_compile, threads=threads)
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
     compile_s = _compile_grammar(engine, structured) if structured is not None else None

@@ -11,7 +11,8 @@ import click
 from ruvllm_cli.cli.completion import complete_model
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
-                                    prefix_cache_option, prefix_caching, weight_cache_option, compile_option)
+                                    prefix_cache_option, prefix_caching, weight_cache_option, compile_option,
+                                    threads_option)
 from ruvllm_cli.cli.schema_option import SchemaFile, json_schema_option, validate_structured
 from ruvllm_cli.engine.sampling import SEED_RANGE
 from ruvllm_cli.engine.request import FinishReason
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 @prefix_cache_option()
 @weight_cache_option()
 @compile_option()
+@threads_option()
 @lora_options("--adapter or /adapter picks the one replies come from.")
 @click.option("--adapter", metavar="NAME", default=None,
               help="The --lora adapter replies come from at the start (/adapter switches; base: the base "
@@ -99,7 +101,7 @@ def command(**options: Any) -> None:
                          enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
                          weight_cache=not options["no_weight_cache"], adapters=adapters,
                          max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
-                         kernels=not options["no_compile"])
+                         kernels=not options["no_compile"], threads=options["threads"])
     if options["structured"] is not None:
         validate_structured(opened.engine, options["structured"])
     if interactive:   # while the prompt waits for the first message

@@ -175,9 +175,24 @@ def precision(quantization: Quantization, dtype: Any) -> str:
     return f"{quantization.value}: {bits}-bit weights, {compute} compute"
 
 
+def set_threads(app: AppContext, threads: int) -> None:
+    """torch's (and so the C kernels') CPU threads; more than the usable cores only with
+    a warning, since every step then waits on threads the cores cannot run at once."""
+    import torch
+
+    from ruvllm_cli.bench.noise import usable_cores
+
+    cores = usable_cores()
+    if threads > cores:
+        app.output().warn(f"--threads {threads} is more than the {cores} CPU cores this process may use: "
+                          "each step waits for threads that cannot run at once (slower, not faster)")
+    torch.set_num_threads(threads)
+
+
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
                 device: str = "auto", weight_cache: bool = True, adapters: Sequence[tuple[str, Path]] = (),
-                kernels: bool = True, skip_bad_adapters: bool = False, **engine_options: Any) -> OpenedEngine:
+                kernels: bool = True, skip_bad_adapters: bool = False, threads: int | None = None,
+                **engine_options: Any) -> OpenedEngine:
     """Locate MODEL, load it with a spinner on stderr, and build the engine, serving
     the LoRA `adapters` ((name, directory) from `locate_adapters`); with
     `skip_bad_adapters` one that cannot be read or does not fit the model is left out
@@ -185,7 +200,10 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
     back even when an adapter's directory went away).
 
     `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, max_loras, ...);
-    `kernels=False` (--no-compile) keeps ruvllm's C kernels out, for this process."""
+    `kernels=False` (--no-compile) keeps ruvllm's C kernels out, for this process;
+    `threads` (--threads) sets torch's and the kernels' CPU threads, for this process."""
+    if threads is not None:
+        set_threads(app, threads)
     if not kernels:
         from ruvllm_cli.engine.kernels import turn_off
 

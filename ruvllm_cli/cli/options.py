@@ -95,6 +95,15 @@ def compile_option() -> Any:
                              "RUVLLM_COMPILE=0 does. Slower; for comparison or a machine whose compiler fails.")
 
 
+def threads_option() -> Any:
+    """--threads N, exposed as `threads` (None: torch's own choice, one a core or
+    OMP_NUM_THREADS)."""
+    return click.option("--threads", type=click.IntRange(min=1), default=None, metavar="N",
+                        help="CPU threads for the model's arithmetic, as llama.cpp's -t. Every step waits "
+                             "for its slowest thread, so with other programs busy, fewer threads than cores "
+                             "run faster.  [default: one a core, or OMP_NUM_THREADS]")
+
+
 def lora_options(use: str, slots_default: str = "4") -> Any:
     """--lora NAME=PATH (repeatable), --max-loras, --max-lora-rank: exposed as `lora`,
     `max_loras`, `max_lora_rank`. `use` says what the command does with the adapters."""

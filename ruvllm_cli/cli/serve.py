@@ -21,7 +21,8 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.engine_setup import locate_adapters
 from ruvllm_cli.cli.serve_models import check_models, pool_options, pooled
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
-                                    prefix_cache_option, weight_cache_option, compile_option)
+                                    prefix_cache_option, weight_cache_option, compile_option,
+                                    threads_option)
 from ruvllm_cli.cli.serve_backend import Pending, load_cluster, load_local
 from ruvllm_cli.engine.reasoning import PARSER_NAMES as REASONING_PARSERS
 from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
@@ -87,6 +88,7 @@ BYTE_SIZE = ByteSize()
 @prefix_cache_option()
 @weight_cache_option()
 @compile_option()
+@threads_option()
 @load_quantization_option()
 @click.option("--tool-call-parser", type=click.Choice(["auto", "hermes", "llama3_json", "mistral"]),
               default="auto", show_default=True,

@@ -31,7 +31,7 @@ def engine_options(options: dict[str, Any]) -> dict[str, Any]:
         weight_cache=not options["no_weight_cache"], max_loras=options["max_loras"],
         max_lora_rank=options["max_lora_rank"], scheduling_policy=options["scheduling_policy"],
         preemption_mode=options["preemption_mode"], swap_space=options["swap_space"],
-        kernels=not options["no_compile"])
+        kernels=not options["no_compile"], threads=options["threads"])
 
 
 class LocalBackend:

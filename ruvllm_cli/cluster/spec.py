@@ -66,6 +66,9 @@ def cluster_options(options: dict[str, Any]) -> ClusterOptions | None:
             raise UsageError(f"{given[0]} needs --replicas (or --min-replicas/--max-replicas)",
                              "add --replicas N to serve on Ray, or leave it out for one process")
         return None
+    if options.get("threads"):
+        raise UsageError("--threads is for one process; with --replicas give --threads-per-replica",
+                         f"--threads-per-replica {options['threads']}")
     if options.get("allow_runtime_lora"):
         raise UsageError("--allow-runtime-lora does not work with --replicas",
                          "give the adapters with --lora; every replica loads them at start")

@@ -222,3 +222,27 @@ def test_a_hub_adapter_is_said_to_be_fetched_only_when_it_is(tiny_model_dir, fak
     assert fake_hub.file_requests("adapter_model.safetensors")
     assert locate_adapters(app, [f"hub={repo_id}"]) == first
     assert "Fetching" not in capsys.readouterr().err
+
+
+def test_threads_sets_torch_s_and_warns_beyond_the_cores(tiny_model_dir, capsys) -> None:
+    """--threads (chat, serve, benchmark): torch's threads, which the C kernels take too;
+    more than the usable cores is allowed with a warning (each step waits on them)."""
+    from click.testing import CliRunner
+
+    from ruvllm_cli.bench.noise import usable_cores
+    from ruvllm_cli.cli.main import cli
+
+    before = torch.get_num_threads()
+    try:
+        open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32, device="cpu",
+                    max_num_seqs=1, max_model_len=64, threads=1)
+        assert torch.get_num_threads() == 1 and "--threads" not in capsys.readouterr().err
+        many = usable_cores() + 1
+        open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32, device="cpu",
+                    max_num_seqs=1, max_model_len=64, threads=many)
+        assert torch.get_num_threads() == many
+        assert f"--threads {many} is more than the {many - 1} CPU cores" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(before)
+    for command in ("chat", "serve", "benchmark"):
+        assert "--threads N" in CliRunner().invoke(cli, [command, "--help"]).output

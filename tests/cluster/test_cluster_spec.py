@@ -34,6 +34,7 @@ def test_fixed_and_autoscaled_replicas():
     ({"ray_address": "head:6379", "threads_per_replica": None}, "--ray-address needs --replicas"),
     ({"gpus_per_replica": 1.0, "threads_per_replica": None}, "--gpus-per-replica needs --replicas"),
     ({"threads_per_replica": 2}, "--threads-per-replica needs --replicas"),
+    ({"replicas": 2, "threads": 2}, "--threads is for one process; with --replicas give --threads-per-replica"),
 ])
 def test_refused(given, message):
     with pytest.raises(UsageError, match=message):
