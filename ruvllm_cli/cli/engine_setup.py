@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rich.markup import escape
+
 from ruvllm_cli.cli.context import AppContext
 from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
 from ruvllm_cli.quantization import Quantization, quantization_of_gguf
@@ -245,7 +247,23 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
              f"{loaded.quantization_path}{fused}[/dim]")
     for lora in loras:
         out.info(f"[dim]LoRA adapter {lora.describe()}[/dim]")
+    kept = weight_cache_line(loaded.weight_cache_written, app.cache_dir)
+    if kept:
+        out.info(f"[dim]{escape(kept)}[/dim]")
     return opened
+
+
+def weight_cache_line(written: Path | None, cache_dir: Path) -> str | None:
+    """The line that says a load wrote its quantized weights beside a model of the
+    user's own (a directory or GGUF file outside the cache), where nothing else of
+    ruvllm's lives; None for a model in the cache (`rm` removes its weights with it)."""
+    from rich.filesize import decimal as format_size
+
+    if written is None or written.resolve().is_relative_to(Path(cache_dir).resolve()):
+        return None
+    size = format_size(written.stat().st_size) if written.is_file() else "n/a"
+    return (f"Kept these quantized weights for faster loads in {written.parent} ({size}; "
+            "--no-weight-cache keeps none; delete that directory to free the space)")
 
 
 def locate_adapters(app: AppContext, specs: Sequence[str]) -> list[tuple[str, Path]]:

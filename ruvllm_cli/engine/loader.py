@@ -43,6 +43,7 @@ class LoadedModel:
     quantization_path: str  # which load-time path was taken, for the notice line
     streamed: bool = False  # built one module at a time from safetensors (stream_load)
     from_weight_cache: bool = False  # q8/q4k tensors read from the weight cache (weight_cache)
+    weight_cache_written: Path | None = None  # the weight cache file this load wrote
     # the creator's recommended sampling (generation_config.json, a GGUF's general.sampling.*;
     # sampling.model_sampling_defaults):
     # what requests that leave a field out get
@@ -360,8 +361,9 @@ def load_model(path: str | Path, device: str = "auto",
     if path.suffix == ".gguf" and streamed is None:
         quant_path = (f"GGUF {path.name} through transformers ({not_streamed}), which dequantizes the whole "
                       f"file, then {quant_path}")
-    if cache is not None and cached is None:
-        weight_cache.save(model, cache, quant_path, _cache_metadata(header))
+    written = None
+    if cache is not None and cached is None and weight_cache.save(model, cache, quant_path, _cache_metadata(header)):
+        written = cache
     release_freed_memory()
     load_seconds = time.perf_counter() - started
     from ruvllm_cli.engine.quantize import kernel_note
@@ -379,7 +381,7 @@ def load_model(path: str | Path, device: str = "auto",
                        weight_bytes=weight_bytes(model), eos_token_ids=_eos_ids(model, tokenizer),
                        max_context=int(getattr(model.config, "max_position_embeddings", 4096) or 4096),
                        quantization_path=quant_path, streamed=streamed is not None,
-                       from_weight_cache=cached is not None,
+                       from_weight_cache=cached is not None, weight_cache_written=written,
                        sampling_defaults=model_sampling_defaults(
                            path, header.metadata if header is not None else None))
 

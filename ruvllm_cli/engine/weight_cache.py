@@ -180,9 +180,10 @@ def _rebuild(kind: str, tensors: dict[str, torch.Tensor], settings: dict[str, An
     return module
 
 
-def save(model: nn.Module, path: Path, description: str, extra: dict[str, str] | None = None) -> None:
-    """Write the loaded model's weights to `path` (atomically); a failure to write
-    (read-only model directory, full disk) only costs the next load its speed.
+def save(model: nn.Module, path: Path, description: str, extra: dict[str, str] | None = None) -> bool:
+    """Write the loaded model's weights to `path` (atomically), and say whether it was
+    written; a failure to write (read-only model directory, full disk) only costs the
+    next load its speed.
     `extra`: metadata the load hands back to the skeleton (a GGUF file's config fields)."""
     from safetensors.torch import save_file
 
@@ -215,10 +216,12 @@ def save(model: nn.Module, path: Path, description: str, extra: dict[str, str] |
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
         os.replace(temporary, path)
+        return True
     except OSError as error:
         log.info("the quantized weights were not cached in %s: %s", path.parent, error)
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
+        return False
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ruvllm_cli.cli.context import AppContext
-from ruvllm_cli.cli.engine_setup import NO_BF16_NOTE, open_engine
+from ruvllm_cli.cli.engine_setup import NO_BF16_NOTE, open_engine, weight_cache_line
 from ruvllm_cli.quantization import Quantization
 
 
@@ -98,9 +98,10 @@ def test_explicit_f16_is_honoured_without_bf16_kernels(bf16_model_dir: Path, mon
     assert len(lines) == 1 and NO_BF16_NOTE not in lines[0]
 
 
-def test_no_weight_cache_neither_reads_nor_writes_it(make_tiny_model, tmp_path, monkeypatch) -> None:
+def test_no_weight_cache_neither_reads_nor_writes_it(make_tiny_model, tmp_path, monkeypatch, capsys) -> None:
     """--no-weight-cache (chat, serve, benchmark) reaches the loader: no cache is written;
-    without it a q8 load writes one and the next load reads it."""
+    without it a q8 load writes one, says where (the model is the user's own, outside
+    the cache: it had been written there silently), and the next load reads it."""
     import shutil
 
     from click.testing import CliRunner
@@ -109,17 +110,25 @@ def test_no_weight_cache_neither_reads_nor_writes_it(make_tiny_model, tmp_path, 
     from ruvllm_cli.engine import weight_cache
 
     monkeypatch.setenv(weight_cache.ENV, "1")
+    monkeypatch.setenv("COLUMNS", "400")
     model = tmp_path / "model"
     shutil.copytree(make_tiny_model(), model)
     off = open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
                       weight_cache=False, max_num_seqs=1, max_model_len=64)
     assert not off.loaded.from_weight_cache and not (model / weight_cache.CACHE_DIR).exists()
-    open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
-                max_num_seqs=1, max_model_len=64)
+    assert "Kept" not in capsys.readouterr().err
+    first = open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
+                        max_num_seqs=1, max_model_len=64)
     assert (model / weight_cache.CACHE_DIR).is_dir()
+    written = first.loaded.weight_cache_written
+    assert written is not None and written.parent == model / weight_cache.CACHE_DIR and written.is_file()
+    assert f"Kept these quantized weights for faster loads in {written.parent} (" in capsys.readouterr().err
     on = open_engine(AppContext(no_color=True), str(model), quantization=Quantization.Q8_0, device="cpu",
                      max_num_seqs=1, max_model_len=64)
-    assert on.loaded.from_weight_cache
+    assert on.loaded.from_weight_cache and on.loaded.weight_cache_written is None
+    assert "Kept" not in capsys.readouterr().err
+    # a model in the cache (downloaded) keeps its weights there quietly: `rm` removes them with it
+    assert weight_cache_line(written, tmp_path) is None and weight_cache_line(written, tmp_path / "other")
     for command in ("chat", "serve", "benchmark"):
         assert "--no-weight-cache" in CliRunner().invoke(cli, [command, "--help"]).output
 
