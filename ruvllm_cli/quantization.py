@@ -17,6 +17,18 @@ class Quantization(str, Enum):
     def label(self) -> str:
         return {"q4k": "Q4_K_M", "q8": "Q8_0", "f16": "F16", "none": "F32"}[self.value]
 
+    def precision(self, compute: str) -> str:
+        """What the weights are and what the layers compute in (`compute`: "float32",
+        "bfloat16"), by the `-q` name: "float32", "f16: bfloat16", "q8: 8-bit weights,
+        float32 compute". It said "float32 (F16)" for 16-bit weights computed in float32,
+        which read as a contradiction."""
+        if self is Quantization.F32:
+            return compute
+        if self is Quantization.F16:
+            return f"f16: {compute}" if compute != "float32" else "f16: 16-bit weights, float32 compute"
+        bits = 8 if self is Quantization.Q8_0 else 4
+        return f"{self.value}: {bits}-bit weights, {compute} compute"
+
 
 _NAMES = {
     "q4k": Quantization.Q4_K_M, "q4_k": Quantization.Q4_K_M, "q4_k_m": Quantization.Q4_K_M,

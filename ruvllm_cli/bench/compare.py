@@ -27,7 +27,7 @@ GATED_LOWER = ("ttft_ms_p50",)
 # Settings that make two runs incomparable when they differ.
 COMPARABLE = (("model", "name"), ("config", "prompt_length"), ("config", "gen_length"),
               ("config", "concurrency"), ("config", "kernels"), ("system", "device"), ("system", "quantization"),
-              ("system", "dtype"))
+              ("system", "dtype"), ("system", "torch_threads"))
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,7 @@ def _change_cell(change: MetricChange) -> str:
 
 
 def print_comparison(comparison: Comparison, console: Console, previous_name: str) -> None:
+    """The table (the report's own output); its warnings are the caller's, on stderr."""
     table = Table(title=f"Compared with {escape(previous_name)} (gate: ±{comparison.threshold_pct:g}% on "
                         "decode_tokens_per_s and ttft_ms_p50)", title_justify="left", header_style="bold")
     for column, justify in (("metric", "left"), ("previous", "right"), ("now", "right"), ("change", "right"),
@@ -179,8 +180,6 @@ def print_comparison(comparison: Comparison, console: Console, previous_name: st
         noise = _noise_cell(change)
         table.add_row(change.name, number(change.old, 2), number(change.new, 2), _change_cell(change), noise)
     console.print(table)
-    for warning in comparison_warnings(comparison):
-        console.print("[yellow]Warning:[/yellow] " + escape(warning))
 
 
 def _noise_cell(change: MetricChange) -> str:

@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ruvllm_cli.bench.report import flatten
+from ruvllm_cli.quantization import Quantization
 
 NA = "n/a"
 MIB = 1024**2
@@ -65,12 +66,11 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], nu
 
 
 def latency_table(metrics: Mapping[str, Any]) -> Table:
-    def row(label: str, name: str, stdev: bool = False) -> list[str]:
-        cells = [number(metrics.get(f"{name}_ms_{stat}"), 2) for stat in ("mean", "p50", "p95", "p99")]
-        return [label, *cells, number(metrics.get(f"{name}_ms_stdev"), 2) if stdev else ""]
+    def row(label: str, name: str) -> list[str]:
+        return [label, *(number(metrics.get(f"{name}_ms_{stat}"), 2) for stat in ("mean", "p50", "p95", "p99", "stdev"))]
 
-    prefill = ["Prefill", number(metrics.get("prefill_ms_mean"), 2), "", "", "", ""]
-    rows = [row("TTFT", "ttft"), prefill, row("Inter-token", "itl"), row("End-to-end", "e2e", stdev=True)]
+    # (schema 2's reports had only a mean for prefill and a stdev for end-to-end: n/a)
+    rows = [row("TTFT", "ttft"), row("Prefill", "prefill"), row("Inter-token", "itl"), row("End-to-end", "e2e")]
     return _table("Latency (ms, per request)", ["", "mean", "p50", "p95", "p99", "stdev"], rows)
 
 
@@ -143,7 +143,7 @@ def system_table(report: Mapping[str, Any]) -> Table:
     rows = [
         ["Model", f"{model.get('name')} ({model.get('architecture') or NA})"],
         ["Device", f"{system.get('device')}: {system.get('device_name') or NA}"],
-        ["dtype / quantization", f"{system.get('dtype')} / {system.get('quantization')}"],
+        ["Weights / compute", precision(report)],
         ["CPU", system.get("cpu_model") or NA],
         ["Cores", cores],
         ["torch threads", number(system.get("torch_threads"))],
@@ -172,10 +172,20 @@ def verdict(metrics: Mapping[str, Any], given_gb_s: float | None = None) -> str:
     return line + f", {utilization:.3g}% of the {given_gb_s:g} GB/s given with --memory-bandwidth."
 
 
+def precision(report: Mapping[str, Any]) -> str:
+    """The weights and the compute, as the load line says them ("f16: 16-bit weights,
+    float32 compute"); it had printed "float32 (F16)"."""
+    config, system = report["config"], report["system"]
+    try:
+        return Quantization(config.get("quantization")).precision(str(system.get("dtype")))
+    except ValueError:   # not a quantization of ours: as the report has it
+        return f"{system.get('dtype')} / {system.get('quantization')}"
+
+
 def headline(report: Mapping[str, Any]) -> str:
     config, system = report["config"], report["system"]
-    return (f"ruvllm benchmark · {report['model']['name']} · {system['device']} · {system['dtype']} "
-            f"({system['quantization']}) · prompt {config['prompt_length']} + {config['gen_length']} tokens · "
+    return (f"ruvllm benchmark · {report['model']['name']} · {system['device']} · {precision(report)} "
+            f"· prompt {config['prompt_length']} + {config['gen_length']} tokens · "
             f"concurrency {config['concurrency']} · {config['iterations']} iterations "
             f"({config['warmup']} warm-up)")
 

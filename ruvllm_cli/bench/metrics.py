@@ -157,14 +157,14 @@ def summarize(iterations: Sequence[IterationSample]) -> dict[str, float | int | 
     decode_tokens = sum(max(r.generated_tokens - 1, 0) for r in requests)
     total_wall = sum(it.wall_s for it in iterations)
     metrics: dict[str, float | int | None] = {}
-    metrics.update(distribution_ms("ttft", [ttft_s(r) for r in requests]))
-    metrics["prefill_ms_mean"] = mean(_ms([prefill_s(r) for r in requests]))
+    metrics.update(distribution_ms("ttft", [ttft_s(r) for r in requests], with_stdev=True))
+    metrics.update(distribution_ms("prefill", [prefill_s(r) for r in requests], with_stdev=True))
     metrics["prefill_tokens_per_s"] = ratio(sum(prefill_tokens(r) for r in requests),
                                             sum(prefill_s(r) for r in requests))
     # Summed decode tokens over summed decode time: the per-stream speed, equal to
     # 1 / mean inter-token latency.
     metrics["decode_tokens_per_s"] = ratio(decode_tokens, sum(decode_s(r) for r in requests))
-    metrics.update(distribution_ms("itl", gaps))
+    metrics.update(distribution_ms("itl", gaps, with_stdev=True))
     metrics.update(distribution_ms("e2e", [e2e_s(r) for r in requests], with_stdev=True))
     metrics["output_tokens_per_s"] = ratio(sum(r.generated_tokens for r in requests), total_wall)
     metrics["requests_per_s"] = ratio(len(requests), total_wall)

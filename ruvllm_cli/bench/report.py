@@ -15,7 +15,7 @@ from ruvllm_cli.bench.metrics import IterationSample
 from ruvllm_cli.bench.runner import BenchRun
 from ruvllm_cli.engine.request import FinishReason
 
-SCHEMA_VERSION = 2   # 2: config.kernels and config.weight_cache
+SCHEMA_VERSION = 3   # 2: config.kernels and config.weight_cache; 3: every latency's stdev, prefill's percentiles
 SECTIONS = ("model", "config", "system", "metrics")
 
 

@@ -91,7 +91,8 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
       ruvllm benchmark qwen --json-schema person.json
       ruvllm benchmark qwen --concurrency 3 --lora sql=./sql-lora --lora chat=./chat-lora
     """
-    from ruvllm_cli.bench.compare import compare_reports, load_previous, print_comparison, raise_on_regression
+    from ruvllm_cli.bench.compare import (compare_reports, comparison_warnings, load_previous, print_comparison,
+                                          raise_on_regression)
     from ruvllm_cli.bench.noise import noise_warnings
 
     app = app_context()
@@ -105,6 +106,8 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
         comparison = compare_reports(previous, report, options["threshold"])
         out = app.output()
         print_comparison(comparison, out.out if fmt == "table" else out.err, Path(compare_file).name)
+        for warning in comparison_warnings(comparison):   # stderr in every format (table mode had them on stdout)
+            out.warn(warning)
         raise_on_regression(comparison)
 
 

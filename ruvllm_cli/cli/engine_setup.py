@@ -165,16 +165,8 @@ class OpenedEngine:
 
 
 def precision(quantization: Quantization, dtype: Any) -> str:
-    """What the weights are and what the layers compute in, by the `-q` name: "float32",
-    "f16: bfloat16", "q8: 8-bit weights, float32 compute". It said "float32 (F16)" for
-    16-bit weights computed in float32, which read as a contradiction."""
-    compute = str(dtype).replace("torch.", "")
-    if quantization is Quantization.F32:
-        return compute
-    if quantization is Quantization.F16:
-        return f"f16: {compute}" if compute != "float32" else "f16: 16-bit weights, float32 compute"
-    bits = {Quantization.Q8_0: 8, Quantization.Q4_K_M: 4}[quantization]
-    return f"{quantization.value}: {bits}-bit weights, {compute} compute"
+    """`Quantization.precision` of a torch dtype."""
+    return quantization.precision(str(dtype).replace("torch.", ""))
 
 
 def set_threads(app: AppContext, threads: int) -> None:

@@ -35,8 +35,10 @@ SYSTEM_FIELDS = [
     "quantization", "quantization_path", "ruvllm_version", "git_commit",
 ]
 METRIC_FIELDS = [
-    "load_time_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p95", "ttft_ms_p99", "prefill_ms_mean",
+    "load_time_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p95", "ttft_ms_p99", "ttft_ms_stdev", "prefill_ms_mean",
+    "prefill_ms_p50", "prefill_ms_p95", "prefill_ms_p99", "prefill_ms_stdev",
     "prefill_tokens_per_s", "decode_tokens_per_s", "itl_ms_mean", "itl_ms_p50", "itl_ms_p95", "itl_ms_p99",
+    "itl_ms_stdev",
     "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p95", "e2e_ms_p99", "e2e_ms_stdev", "output_tokens_per_s",
     "requests_per_s", "generated_tokens_per_request", "prompt_tokens_per_request", "cached_prompt_tokens",
     "measured_requests", "preemptions", "peak_rss_mb", "cuda_max_allocated_mb", "weight_bytes",
@@ -211,12 +213,25 @@ def test_compare_exits_1_on_a_regression(tiny_model_dir, home, json_run):
 
 def test_compare_exits_0_without_a_regression_and_shows_the_tables(tiny_model_dir, home, json_run):
     old = home / "slower.json"
-    old.write_text(json.dumps(scaled(json_run[1], 1 / MUCH)))
+    slower = scaled(json_run[1], 1 / MUCH)
+    slower["system"]["torch_threads"] = 99   # --threads differs: said, as every setting that moves the figures
+    old.write_text(json.dumps(slower))
     done = bench(tiny_model_dir, *SMALL, "--compare", str(old), "--memory-bandwidth", "40", home=home)
     assert done.returncode == 0, done.stderr
     titles = ("Latency (ms, per request)", "Throughput", "Memory and load", "System", "Compared with slower.json")
     for title in titles:
         assert title in done.stdout
+    # every latency cell measured (prefill's percentiles and three stdevs had been blank), the
+    # precision in the load line's words (it said "float32 (F32)"), warnings on stderr alone
+    cells = [line.replace("│", " ").split() for line in done.stdout.splitlines()]
+    rows: dict[str, list[str]] = {}
+    for row in cells:   # the latency table's rows come first ("Prefill (per request)" is throughput's)
+        if row[:1] in (["TTFT"], ["Prefill"], ["Inter-token"], ["End-to-end"]):
+            rows.setdefault(row[0], row[1:])
+    assert len(rows) == 4 and all(len(cells) == 5 for cells in rows.values()), rows
+    assert all(float(cell) >= 0 for cells in rows.values() for cell in cells)
+    assert " · cpu · float32 · prompt 16 + 8 tokens" in done.stdout
+    assert "Warning" not in done.stdout and "the runs differ in system.torch_threads: 99 -> " in done.stderr
     verdict = [line for line in done.stdout.splitlines() if line.startswith("Verdict: decode ")]
     assert len(verdict) == 1 and "GB/s given with --memory-bandwidth" in verdict[0]
     assert "Error" not in done.stderr

@@ -76,6 +76,9 @@ def test_summarize_known_stamps():
     assert summary["ttft_ms_mean"] == pytest.approx((100 + 200 + 200) / 3)
     assert summary["ttft_ms_p50"] == pytest.approx(200)
     assert summary["prefill_ms_mean"] == pytest.approx((100 + 200 + 200) / 3)
+    assert summary["prefill_ms_p50"] == pytest.approx(200) and summary["prefill_ms_p99"] == pytest.approx(200)
+    assert summary["ttft_ms_stdev"] == summary["prefill_ms_stdev"] == pytest.approx(57.7350, rel=1e-5)
+    assert summary["itl_ms_stdev"] == pytest.approx(51.6398, rel=1e-5)   # gaps 100 x4, 200 x2
     # Computed prompt tokens: 20 + 20 + 4 over 0.1 + 0.2 + 0.2 s.
     assert summary["prefill_tokens_per_s"] == pytest.approx(44 / 0.5)
     # Decode: 6 tokens after the first ones, in 0.2 + 0.2 + 0.4 s.
