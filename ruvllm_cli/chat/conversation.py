@@ -38,6 +38,7 @@ class Conversation:
     last_reply: Reply | None = None
     adapters: tuple[str, ...] = ()       # the LoRA adapters the engine serves, by name
     reasoning: "Reasoning | None" = None  # a reasoning model's markers: its reasoning shown apart, not kept
+    more_turns: bool = True              # False piped: one reply, so no warning about the turns to come
 
     def use_adapter(self, name: str | None) -> None:
         """Generate the next replies with LoRA adapter `name` (None: the base model);
@@ -92,7 +93,7 @@ class Conversation:
             return reply   # nothing to keep: the caller takes the turn back
         self.session.add_reply(reply.text, reply.interrupted)
         self.last_reply = reply
-        warning = self.session.context_warning()
+        warning = self.session.context_warning() if self.more_turns else None
         if warning:
             self.renderer.warn(warning)
         return reply

@@ -259,8 +259,11 @@ class ChatSession:
         if self._warned:
             return None
         self._warned = True
-        return (f"the conversation uses {used} of the {self.budget} tokens it may take "
-                f"(context {self.context_limit}, {self.reply_reserve} kept for the reply); "
+        kept = f"(context {self.context_limit}, {self.reply_reserve} kept for the reply)"
+        if used > self.budget:   # a reply ran past the room kept for it
+            return (f"the conversation uses {used} tokens, past the {self.budget} it may keep {kept}: "
+                    "the next message drops its oldest turns")
+        return (f"the conversation uses {used} of the {self.budget} tokens it may keep {kept}; "
                 "the oldest turns will be dropped when it is full")
 
     def _user_indices(self) -> list[int]:

@@ -216,7 +216,7 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
     renderer = (TerminalRenderer(out.out, show_reasoning=show) if interactive
                 else PipeRenderer(out.err, whole=options["structured"] is not None, show_reasoning=show))
     return Conversation(session, loop, renderer, chats_dir=chats_dir(), adapters=tuple(engine.lora.names()),
-                        reasoning=model_reasoning(engine.tokenizer))
+                        reasoning=model_reasoning(engine.tokenizer), more_turns=interactive)
 
 
 def run_interactive(app: AppContext, opened: "OpenedEngine", conversation: "Conversation") -> None:

@@ -75,3 +75,20 @@ def test_stdin_that_is_not_utf8_is_a_usage_error(cli_env: dict[str, str], tiny_m
     assert result.stdout == b""
     assert result.stderr.decode().splitlines()[:2] == ["Error: stdin is not UTF-8 text: byte 0xe9",
                                                        "Hint: convert it first, e.g. iconv -f latin1 -t utf-8"]
+
+
+def test_a_piped_reply_ends_without_a_warning_about_turns_to_come(ruvllm: Run, make_tiny_model: Any,
+                                                                  template: Any) -> None:
+    """One message, one reply: the warning that the oldest turns will be dropped (shown
+    after a long reply in the REPL) had ended a piped reply too, where no turn follows."""
+    from ruvllm_cli.chat.session import ChatSession, ChatSettings
+
+    model = make_tiny_model(max_position_embeddings=128)   # the tiny model's tokenizer, a 128-token context
+    result = ruvllm("chat", str(model), "-q", "none", "-t", "0", "--max-tokens", "60", input="hello there\n")
+    assert result.returncode == 0, result.stderr
+    # the same conversation in a session: the REPL would have warned after this reply
+    session = ChatSession(template, 128, model="tiny", settings=ChatSettings(max_tokens=60))
+    session.add_user("hello there")
+    session.add_reply(result.stdout.removesuffix("\n"))
+    assert session.context_warning() is not None
+    assert "the conversation uses" not in result.stderr and "Warning" not in result.stderr

@@ -140,7 +140,7 @@ def test_context_warning_comes_once_per_crossing(template: Any) -> None:
         add_turns(session, 1, words=2)
     warning = session.context_warning()
     assert warning is not None
-    assert warning.startswith(f"the conversation uses {session.count_tokens()} of the 96 tokens it may take "
+    assert warning.startswith(f"the conversation uses {session.count_tokens()} of the 96 tokens it may keep "
                               "(context 128, 32 kept for the reply)")
     assert "oldest turns will be dropped" in warning
     assert session.context_warning() is None
@@ -148,6 +148,17 @@ def test_context_warning_comes_once_per_crossing(template: Any) -> None:
     assert session.context_warning() is None
     add_turns(session, 6, words=2)
     assert session.context_warning() is not None
+
+
+def test_context_warning_past_the_budget_says_the_next_message_drops_turns(template: Any) -> None:
+    """A reply that ran past the room kept for it: "uses 120 of the 96" had read as a contradiction."""
+    session = make_session(template, context_limit=128, settings=ChatSettings(max_tokens=32))
+    session.add_user("hello")
+    session.add_reply(" ".join(["word"] * 100))
+    assert session.count_tokens() > session.budget
+    warning = session.context_warning()
+    assert warning == (f"the conversation uses {session.count_tokens()} tokens, past the 96 it may keep (context "
+                       "128, 32 kept for the reply): the next message drops its oldest turns")
 
 
 # ---- settings -------------------------------------------------------------------------------
