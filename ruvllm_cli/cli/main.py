@@ -7,6 +7,7 @@ and the model-free commands never import torch.
 from __future__ import annotations
 
 import atexit
+import difflib
 import gc
 import importlib
 import sys
@@ -56,6 +57,11 @@ class LazyGroup(click.Group):
         return module.command
 
     def resolve_command(self, ctx, args):  # type: ignore[no-untyped-def]
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and not ctx.resilient_parsing and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, [*COMMANDS, *ALIASES], n=1)
+            if close:   # as a misspelt model name gets
+                ctx.fail(f"No such command '{name}'. Did you mean '{ALIASES.get(close[0], close[0])}'?")
         # Report the canonical name so `ruvllm dl` shows up as `download` in errors and help.
         _, cmd, rest = super().resolve_command(ctx, args)
         return (cmd.name if cmd else None), cmd, rest

@@ -240,6 +240,12 @@ def add_user_alias(alias: str, target: str, *, name: str | None = None,
     local = _local_ref(target)
     if local is None and Path(target).expanduser().exists():
         raise _not_a_model(target, Path(target).expanduser())
+    if local is None and not is_repo_id(target):
+        named = load_registry(config_dir).get(target)
+        if named is not None:   # it was "invalid Hugging Face model id 'my'"
+            raise UsageError(f"'{target}' is an alias itself; an alias names a Hugging Face id (org/name) or a "
+                             "local model, not another alias",
+                             f"ruvllm alias set {alias} {named.target}")
     if local is None:
         validate_repo_id(target)
     unknown = sorted(set(fields) - USER_FIELDS)

@@ -146,6 +146,15 @@ def test_unknown_command_is_a_usage_error(env: dict[str, str]) -> None:
     assert "Error: No such command 'frobnicate'." in result.stderr
 
 
+@pytest.mark.parametrize("typed, meant", [("lst", "list"), ("benchmrk", "benchmark"), ("downlod", "download"),
+                                          ("chatt", "chat")])
+def test_a_misspelt_command_gets_a_suggestion(env: dict[str, str], typed: str, meant: str) -> None:
+    """As a misspelt model name gets one (it was "No such command 'lst'." alone)."""
+    result = run([typed], env)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert f"Error: No such command '{typed}'. Did you mean '{meant}'?" in result.stderr
+
+
 def test_unknown_global_option_is_a_usage_error(env: dict[str, str]) -> None:
     result = run(["--frobnicate"], env)
     assert result.returncode == 2

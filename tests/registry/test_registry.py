@@ -244,6 +244,17 @@ def test_user_alias_defaults_name_to_the_repo_name(config_dir: Path) -> None:
     assert add_user_alias("x", "org/Great-Model").name == "Great-Model"
 
 
+def test_an_alias_of_an_alias_is_refused_with_what_that_alias_names(config_dir: Path) -> None:
+    """It said "invalid Hugging Face model id 'mine'"; the hint now gives the command to run."""
+    add_user_alias("mine", "someone/their-model")
+    for target, names in (("mine", "someone/their-model"), ("qwen", builtin_entries()["qwen"].repo_id)):
+        with pytest.raises(UsageError) as refused:
+            add_user_alias("other", target)
+        assert refused.value.message.startswith(f"'{target}' is an alias itself")
+        assert refused.value.hint == f"ruvllm alias set other {names}"
+    assert "other" not in load_registry()
+
+
 def test_user_alias_shadows_builtin_until_removed(config_dir: Path) -> None:
     add_user_alias("qwen", "me/my-qwen", recommended_quantization=Quantization.Q8_0)
     ref = resolve_model("qwen")
