@@ -203,12 +203,20 @@ def _fetch_files(repo_id: str, commit: str, records: list[FileRecord], cache: Mo
     _check_disk_space(cache, sum(r.size for r in pending))
     progress.started(repo_id, commit, records, pending)
     with progress:
-        for record in pending:
+        for finished, record in enumerate(pending):
             # A wrong-sized file in the snapshot (a damaged blob) is fetched again.
             refetch = force or (snapshot / record.name).exists()
             progress.file_started(record)
-            path = _hf_download(repo_id, record.name, commit, cache, force=refetch, token=token,
-                                tqdm_class=progress.tqdm_class)
+            try:
+                path = _hf_download(repo_id, record.name, commit, cache, force=refetch, token=token,
+                                    tqdm_class=progress.tqdm_class)
+            except _network_errors() as error:
+                # The hub answered the listing, so this is no "cannot reach the hub" (as it was
+                # said): the transfer failed after the client's own retries.
+                raise DownloadError(f"the connection to the hub failed while fetching {record.name} "
+                                    f"({finished} of {len(pending)} files done)",
+                                    f"run the same command again: complete files stay, but {NO_RESUME}, so "
+                                    "this one starts over") from error
             actual = Path(path).stat().st_size
             if actual != record.size:
                 raise DownloadError(f"{record.name} arrived with {actual} bytes, expected {record.size}",

@@ -287,6 +287,22 @@ def test_resume_after_dropped_connection(ruvllm: Run, fake_hub: FakeHub, tiny_mo
     assert "Trying to resume" not in result.stderr  # the client's retry log shows with -v only
 
 
+def test_a_connection_that_keeps_dropping_mid_file_is_said_as_such(ruvllm: Run, fake_hub: FakeHub,
+                                                                   tiny_model_dir: Path) -> None:
+    """The hub answered the listing, then one file's transfer failed every retry: that is
+    no "cannot reach the Hugging Face hub, check your network" (as it was said)."""
+    repo_id = unique_repo("drops")
+    fake_hub.add_repo(repo_id, {name: tiny_model_dir / name for name in TINY_FILES})
+    fake_hub.drop_connection(repo_id, "model.safetensors", after_bytes=1000, times=100)
+    result = ruvllm("download", repo_id)
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert result.returncode == 1 and len(error) == 1, result.stderr
+    assert error[0].startswith("Error: the connection to the hub failed while fetching model.safetensors (")
+    assert "files done)" in error[0] and "cannot reach" not in result.stderr
+    assert "Hint: run the same command again: complete files stay" in result.stderr
+    assert len(fake_hub.file_requests("model.safetensors")) > 1   # the client's own retries came first
+
+
 def test_sharded_safetensors_take_exactly_the_indexed_shards(ruvllm: Run, fake_hub: FakeHub,
                                                              isolated_env) -> None:
     repo_id = unique_repo("sharded")
