@@ -54,6 +54,26 @@ def complete_model(ctx: click.Context | None, param: click.Parameter | None,
     return items or [CompletionItem(incomplete, type="file")]
 
 
+def complete_downloaded_model(ctx: click.Context | None, param: click.Parameter | None,
+                              incomplete: str) -> list[CompletionItem]:
+    """Completes `rm`'s MODEL: what there is to remove, the aliases with a repo in the
+    cache and the downloaded repo ids (not every registry alias, as it had)."""
+    from ruvllm_cli.errors import RuvllmError
+    from ruvllm_cli.registry.registry import builtin_entries, load_registry
+
+    downloaded = _downloaded(ctx)
+    present = {repo_id for repo_id, _ in downloaded}
+    try:
+        registry = load_registry()
+    except RuvllmError:
+        registry = builtin_entries()
+    items = [CompletionItem(alias, help=entry.name) for alias, entry in registry.items()
+             if alias.startswith(incomplete) and {entry.repo_id, entry.gguf_repo} & present]
+    items += [CompletionItem(repo_id, help=f"downloaded, {stored_as}")
+              for repo_id, stored_as in downloaded if repo_id.lower().startswith(incomplete.lower())]
+    return items
+
+
 def _downloaded(ctx: click.Context | None) -> list[tuple[str, str]]:
     """(repo id, what its files are) of each model in the cache, once per repo."""
     from ruvllm_cli.cli.context import app_context

@@ -9,7 +9,7 @@ import click
 from rich.filesize import decimal as format_size
 from rich.markup import escape
 
-from ruvllm_cli.cli.completion import complete_model
+from ruvllm_cli.cli.completion import complete_downloaded_model
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.errors import RuvllmError, UsageError
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @click.command("rm")
-@click.argument("model", shell_complete=complete_model)
+@click.argument("model", shell_complete=complete_downloaded_model)
 @click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
 @click.option("--revision", metavar="REV", help="Remove only this branch, tag or commit (default: all).")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing.")

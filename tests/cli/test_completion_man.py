@@ -275,10 +275,14 @@ def test_complete_model_arguments_with_aliases_and_downloads(env: dict[str, str]
 
     add_user_alias("qwen-mine", "Qwen/Qwen2.5-0.5B-Instruct")
     fake_download(isolated_env.cache_dir, "Acme/Tiny-Chat")
-    for command in ("download", "dl", "info", "rm", "chat", "serve", "benchmark"):
+    for command in ("download", "dl", "info", "chat", "serve", "benchmark"):
         assert complete(env, f"ruvllm {command} qwen-") == [
             "plain,qwen-coder", "plain,qwen-large", "plain,qwen-0.5b", "plain,qwen-1.5b", "plain,qwen-mine"]
         assert complete(env, f"ruvllm {command} acme") == ["plain,Acme/Tiny-Chat"]
+    # rm completes what there is to remove: aliases with a repo in the cache, downloaded ids
+    assert complete(env, "ruvllm rm qwen-") == [""] and complete(env, "ruvllm rm acme") == ["plain,Acme/Tiny-Chat"]
+    fake_download(isolated_env.cache_dir, "Qwen/Qwen2.5-0.5B-Instruct")
+    assert complete(env, "ruvllm rm qwen-") == ["plain,qwen-0.5b", "plain,qwen-mine"]
     other = tmp_path / "other-cache"
     fake_download(other, "Acme/Elsewhere")
     assert complete(env, f"ruvllm --cache-dir {other} rm Acme") == ["plain,Acme/Elsewhere"]
