@@ -59,6 +59,7 @@ class StopMatcher:
         self.longest = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.emitted = 0
+        self.written = 0   # characters fed, a stop string and what followed it in its delta included
         self.stopped = False
         self.matched: str | None = None   # the stop string that ended the text (the earliest found)
 
@@ -68,6 +69,7 @@ class StopMatcher:
         if self.stopped:
             return "", True
         self.text += delta
+        self.written += len(delta)
         if not self.stop:
             return self._emit(len(self.text)), False
         search_from = max(0, self.emitted - self.longest)

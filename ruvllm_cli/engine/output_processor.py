@@ -145,8 +145,10 @@ class OutputProcessor:
 
     def _output(self, request: Request, tokens: list[int], text: str,
                 logprob: TokenLogprob | None) -> RequestOutput:
+        matcher = request.stop_matcher
         return RequestOutput(
             request_id=request.request_id, token_ids=tokens, text=text,
             logprobs=[logprob] if logprob is not None else [],
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=len(request.output_ids), timings=request.timings)
+            num_output_tokens=len(request.output_ids), timings=request.timings,
+            written=matcher.written if matcher is not None else None)

@@ -27,6 +27,9 @@ class RequestOutput:
     timings: RequestTimings | None = None
     error: str | None = None
     stop_string: str | None = None       # the stop string that ended it (vLLM's stop_reason); final only
+    # Characters of text the reply has written so far, shown or not: a tail held back as a
+    # possible stop string, and a stop string cut off, count (None: no text written)
+    written: int | None = None
 
 
 @dataclass

@@ -204,12 +204,22 @@ def _candidates(scaled: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     return ids, values
 
 
+# A token the step's masks ruled out (a grammar, min_tokens) has logprob -inf, which JSON
+# cannot carry: Python's json writes a bare -Infinity that JavaScript's, Go's and Rust's
+# parsers refuse. Reported as vLLM does, at this floor (NaN too).
+LOGPROB_FLOOR = -9999.0
+
+
+def _reportable(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def top_logprobs(logprobs_row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if k:
         values, ids = torch.topk(logprobs_row, k)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id, float(logprobs_row[token_id]), top)
+        top = [(token, _reportable(value)) for token, value in zip(ids.tolist(), values.tolist())]
+    return TokenLogprob(token_id, _reportable(float(logprobs_row[token_id])), top)
 
 
 # ---- the batched mask stage: one vectorised operation per kind for the whole step ----

@@ -40,10 +40,13 @@ class Choice:
     timings: RequestTimings | None = None   # the engine's timestamps, as of the last output that had them
     repaired: bool = False           # json-repair closed a truncated JSON reply
     tool_calls: list[Any] = field(default_factory=list)   # parsed ToolCalls (chat with tools)
-    # The span of `text` each token of `logprobs` came with: the text of its step (a
-    # skipped special token brings none, and a step may bring text held back earlier:
-    # a character's first bytes, a tail that could have been a stop string).
+    # The span of `text` each token of `logprobs` wrote: from where the token before it
+    # ended to where this one ends in what the reply wrote (`RequestOutput.written`: a
+    # tail held back as a possible stop string counts, though its step does not show it
+    # yet; offsets from what each step showed had lagged behind under `stop`). A skipped
+    # special token writes none; a character's first bytes none until its last byte's.
     token_spans: list[tuple[int, int]] = field(default_factory=list)
+    _token_end: int = 0
     # A reasoning model's reply: `text` is its answer, `reasoning` what it wrote before.
     reasoning: str = ""
     reasoning_tokens: int | None = 0      # None: its end marker is not one token, so not counted
@@ -65,7 +68,12 @@ class Choice:
                 tail = self.splitter.finish()
                 split = Split(split.reasoning + tail.reasoning, split.content + tail.content)
             self.reasoning += split.reasoning
-        self.token_spans += [(len(self.text), len(self.text) + len(split.content))] * len(output.logprobs)
+        # A reasoning model's answer starts after its reasoning: there the shown text's end
+        end = output.written if output.written is not None and self.splitter is None \
+            else len(self.text) + len(split.content)
+        end = max(end, self._token_end)
+        self.token_spans += [(self._token_end, end)] * len(output.logprobs)
+        self._token_end = end
         self.text += split.content
         self.token_ids += output.token_ids
         self.logprobs += output.logprobs

@@ -238,16 +238,20 @@ class CompletionFormat(OpenAIStreamEnd):
     def _logprobs(self, logprobs: Sequence[TokenLogprob], echo: int,
                   spans: Sequence[tuple[int, int]]) -> dict[str, Any] | None:
         """The legacy format: parallel arrays, `text_offset` where each token shows in
-        the text after `echo` characters of echoed prompt: at the end of its step's span
-        (`Choice.token_spans`), or the span's start where its own text is longer (a
-        skipped special token, a character's last bytes)."""
+        the text after `echo` characters of echoed prompt: its own text back from the end
+        of its span (`Choice.token_spans`), or the span's start where its text is longer
+        (a skipped special token, a character's last bytes)."""
         if self.logprobs is None:
             return None
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for lp, (start, end) in zip(logprobs, spans):
             text = self.texts.text(lp.token_id)
-            alternatives = {self.texts.text(t): p for t, p in lp.top[:self.logprobs]}
-            alternatives.setdefault(text, lp.logprob)
+            # Keyed by text, so tokens that read alike share an entry: the likeliest of them
+            # (the list is best first; the last one had won), the chosen token its own value.
+            alternatives: dict[str, float] = {}
+            for token, value in lp.top[:self.logprobs]:
+                alternatives.setdefault(self.texts.text(token), value)
+            alternatives[text] = lp.logprob
             tokens.append(text)
             token_logprobs.append(lp.logprob)
             tops.append(alternatives)

@@ -3,8 +3,10 @@ streaming and not, n, stop, seeds, usage, logprobs and prefix-cache accounting."
 
 from __future__ import annotations
 
+import json
 import uuid
 
+import httpx
 import openai
 import pytest
 
@@ -145,6 +147,34 @@ def test_chat_logprobs(client, server):
     assert raw.decode("utf-8", errors="replace").rstrip("\ufffd") == text.rstrip("\ufffd")
 
 
+def strict_json(text: str):
+    """JSON as JavaScript, Go and Rust read it: no NaN or Infinity."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_a_grammar_rules_out_are_json(server, stream):
+    """Fewer allowed tokens than top_logprobs asks for: the rest are -inf, which had gone
+    out as a bare -Infinity (JSON.parse refused the reply); now vLLM's floor, -9999."""
+    body = {"model": server.model, "messages": [{"role": "user", "content": "pick"}], "max_tokens": 10,
+            "temperature": 0, "logprobs": True, "top_logprobs": 5, "stream": stream,
+            "structured_outputs": {"choice": ["alpha", "beta"]}}
+    reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200 and "Infinity" not in reply.text
+    payloads = ([line[6:] for line in reply.text.splitlines() if line.startswith("data: {")] if stream
+                else [reply.text])
+    tops = [t for p in payloads for c in strict_json(p)["choices"] if c.get("logprobs")
+            for item in c["logprobs"]["content"] for t in item["top_logprobs"]]
+    assert len(tops) >= 5 and min(t["logprob"] for t in tops) == -9999.0   # the first token: 2 of 5 allowed
+    completion = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": server.model, "prompt": "pick", "max_tokens": 4, "temperature": 0, "logprobs": 5,
+        "structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert completion.status_code == 200 and "Infinity" not in completion.text
+    strict_json(completion.text)
+
+
 def test_chat_logprobs_stream_with_the_deltas(client, server):
     chunks = list(chat(client, server, max_tokens=6, temperature=0, logprobs=True, stream=True,
                        extra_body={"ignore_eos": True}))
@@ -183,6 +213,13 @@ def test_completion_logprobs_and_echo(client, server):
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
     assert all(len(top) <= 3 and tok in top for tok, top in zip(logprobs.tokens, logprobs.top_logprobs))
+    # Tokens that read alike share a top_logprobs entry: the chosen token's own value there,
+    # the likeliest for the others (the least likely had won: greedy's token looked second)
+    alike = client.completions.create(model=server.model, prompt="Once upon a time, a grey cat", max_tokens=8,
+                                      temperature=0, logprobs=5, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert any("\ufffd" in token for token in alike.tokens)   # byte tokens, which read alike
+    for token, value, top in zip(alike.tokens, alike.token_logprobs, alike.top_logprobs):
+        assert top[token] == value and value == max(top.values())
     echoed = client.completions.create(model=server.model, prompt="Bread needs flour", max_tokens=5,
                                        temperature=0, echo=True, extra_body={"ignore_eos": True})
     assert echoed.choices[0].text == "Bread needs flour" + done.choices[0].text
@@ -192,6 +229,7 @@ def test_completion_text_offsets_point_into_the_text_streamed_or_not(client, ser
     """A skipped special token takes no room in the text, a token that ends a character
     sits where the character begins, and the stream gives the same offsets."""
     pad = server.engine(lambda e: e.tokenizer.convert_tokens_to_ids("<|pad|>"))
+    checked = 0
     for seed in range(4):
         ask = dict(model=server.model, prompt="Bread needs flour", max_tokens=12, temperature=1.0, seed=seed,
                    logprobs=0, logit_bias={str(pad): 4}, extra_body={"ignore_eos": True})
@@ -204,6 +242,18 @@ def test_completion_text_offsets_point_into_the_text_streamed_or_not(client, ser
         streamed = [o for chunk in client.completions.create(**ask, stream=True) for c in chunk.choices
                     if c.logprobs for o in c.logprobs.text_offset]
         assert streamed == lp.text_offset
+        # a stop string holds back a tail that could start it: the offsets must not lag behind
+        # it (they had: [0, 1, 2, 5] for [0, 1, 3, 6])
+        cut = next((i for i in range(2, len(text) - 3) if text.find(text[i:i + 3]) == i
+                    and i not in lp.text_offset), None)
+        if cut is None:
+            continue
+        stopped = client.completions.create(**ask, stop=text[cut:cut + 3]).choices[0]
+        assert stopped.text == text[:cut] and stopped.finish_reason == "stop"
+        shown = len(stopped.logprobs.text_offset)
+        assert stopped.logprobs.text_offset == lp.text_offset[:shown], (text, cut)
+        checked += 1
+    assert checked
 
 
 def test_repeated_long_prompt_reports_cached_tokens(client, server):
