@@ -417,12 +417,94 @@ MARKDOWN = [   # (model text, the HTML the renderer builds)
      '(<a href="https://e.com/Baz_(q)" target="_blank" rel="noopener noreferrer nofollow">https://e.com/Baz_(q)</a>).'
      '</p>'),
     ("one\n\n---\n\ntwo", "<p>one</p><hr><p>two</p>"),
+    # steps split by blank lines stay one list; one that starts at 3 says so (each had restarted at 1)
+    ("1. a\n\n2. b\n\n3. c", "<ol><li>a</li><li>b</li><li>c</li></ol>"),
+    ("3. c\n4. d\n\ntext", '<ol start="3"><li>c</li><li>d</li></ol><p>text</p>'),
+    ("- a\n\n1. b", "<ul><li>a</li></ul><ol><li>b</li></ol>"),
 ]
 
 
 def test_the_markdown_renderer_builds_only_its_own_elements(server, page_for):
     page = page_for(server.url).open()
     assert [(text, render(page, text)) for text, _ in MARKDOWN] == MARKDOWN
+
+
+def test_a_reply_of_deeply_nested_quotes_renders_and_the_page_goes_on(server, page_for):
+    """10,000 `>` had run the renderer out of stack: the reply stayed "streaming" and,
+    once saved, the page could not start again."""
+    page = page_for(server.url).open()
+    html = render(page, ">" * 12_000 + " deep")
+    assert html.count("<blockquote>") == 16 and html.endswith("deep</p>" + "</blockquote>" * 16)
+    page.force_reply("> " * 6_000)
+    page.send("quote yourself")
+    page.wait_reply()
+    page.open()   # a reload draws the saved reply again
+    assert len(page.all(".message.assistant blockquote")) == 16 and page.severe_logs() == []
+
+
+def test_stored_data_of_another_shape_does_not_stop_the_page(server, page_for):
+    """Valid JSON of the wrong shape had stopped the page from starting (`messages:
+    [null]`), or made Send do nothing (a null system prompt)."""
+    page = page_for(server.url).open()
+    chats = [{"id": "a", "title": 5, "messages": [None, {"role": "assistant"}, {"role": "user", "content": 7},
+                                                   {"role": "user", "content": "kept"},
+                                                   {"role": "assistant", "content": "me too", "state": "streaming"}]},
+             None, "junk", {"id": "b", "messages": "nope"}]
+    page.js("localStorage.setItem('ruvllm.chats', arguments[0]); localStorage.setItem('ruvllm.active', '\"a\"');"
+            "localStorage.setItem('ruvllm.settings', arguments[1]);",
+            json.dumps(chats), json.dumps({"system": None, "temperature": 0.5, "maxTokens": "3"}))
+    page.open()
+    assert [m.text for m in page.all(".message .body")] == ["kept", "me too"]
+    assert "cut off: the page was closed or reloaded" in page.reply().text   # it was left streaming
+    record_requests(page)
+    page.send("and now")
+    page.wait_reply()
+    assert page.js("return window.bodies")[0]["temperature"] == 0.5   # a number kept as its text
+
+
+def test_a_full_storage_is_said(server, page_for):
+    """Saving failed in silence once localStorage was full, and a reload lost the replies."""
+    page = page_for(server.url).open()
+    page.js("const piece = 'x'.repeat(1 << 18); let n = 0;"   # 256k characters a key until one does not fit
+            "for (;;) { try { localStorage.setItem('filler' + n, piece); n += 1; } catch { break; } }"
+            "for (let size = 1 << 17; size > 500; size >>= 1) {"
+            "  try { localStorage.setItem('filler' + n, piece.slice(0, size)); n += 1; } catch { } }")
+    page.settings(maxTokens="3")
+    page.send("word " * 150)   # 750 characters: more than the room the filler left
+    page.wait_reply()
+    assert "storage for the page is full" in page.el("#notice").text
+    page.js("for (const key of Object.keys(localStorage)) if (key.startsWith('filler')) localStorage.removeItem(key)")
+    page.send("again")
+    page.wait_reply()
+    assert not page.el("#notice").is_displayed()
+
+
+def test_enter_twice_while_the_model_list_loads_sends_once(server, page_for):
+    """send() waited for the model list before it marked the page busy: a second Enter
+    sent the message again, and Stop reached only the second reply."""
+    page = page_for(server.url).open()
+    record_requests(page)
+    page.js("document.getElementById('model').replaceChildren();"   # as before the list came
+            "const original = window.fetch; window.fetch = (url, init) => String(url).endsWith('/models')"
+            "  ? new Promise((done) => setTimeout(() => done(original(url, init)), 500)) : original(url, init);")
+    page.settings(maxTokens="3")
+    from selenium.webdriver.common.keys import Keys
+
+    page.el("#input").send_keys("once", Keys.ENTER)
+    page.el("#input").send_keys(Keys.ENTER)
+    page.wait_reply()
+    time.sleep(0.8)
+    assert len(page.js("return window.bodies")) == 1 and len(page.all(".message.user")) == 1
+
+
+def test_a_number_the_browser_cannot_read_is_said(server, page_for):
+    """'100-' in a number field reaches the page as '' and had been left out of the
+    request in silence."""
+    page = page_for(server.url).open()
+    page.settings(maxTokens="100-")
+    page.send("hello")
+    assert "Max tokens: a number is needed" in page.el("#settings-error").text
+    assert page.all(".message") == []
 
 
 def test_n_above_one_shows_the_first_choice(server, page_for):
@@ -542,6 +624,13 @@ def test_new_chat_closes_the_list_on_a_phone(server, page_for):
     page.el("#toggle-chats").click()
     page.wait(lambda: page.el("#new-chat").rect["x"] >= 0)
     page.el("#new-chat").click()
+    assert not page.js("return document.body.classList.contains('show-chats')")
+    # the open list covers its own button: Escape or a tap outside it closes it
+    page.el("#toggle-chats").click()
+    assert page.js("return document.body.classList.contains('show-chats')")
+    from selenium.webdriver.common.keys import Keys
+
+    page.el("body").send_keys(Keys.ESCAPE)
     assert not page.js("return document.body.classList.contains('show-chats')")
 
 

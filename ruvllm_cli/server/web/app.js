@@ -15,8 +15,9 @@ const ui = {
   key: $('key'), remember: $('remember'), keyError: $('key-error'),
 };
 const state = {
-  chats: store.loadChats(), chat: null, settings: store.loadSettings(), key: store.loadKey(),
-  controller: null, pending: '', savedAt: 0, needsKey: false, modelsRetry: 0,
+  chats: store.loadChats(true), chat: null, settings: store.loadSettings(), key: store.loadKey(),
+  controller: null, sending: false, pending: '', savedAt: 0, needsKey: false, modelsRetry: 0, unsaved: false,
+  models: [], badInput: '',
 };
 const api = new Api(() => state.key);
 const views = new WeakMap();   // message -> its <article>, kept out of what is saved
@@ -33,7 +34,15 @@ function openChat(chat) {
 
 function saveChats() {
   // A conversation nobody wrote in is not worth a line in the list.
-  store.saveChats(state.chats.filter((c) => c.messages.length));
+  const saved = store.saveChats(state.chats.filter((c) => c.messages.length));
+  // Said while saving fails (it had failed in silence, and a reload lost the replies)
+  if (!saved) {
+    notice('This browser\'s storage for the page is full: new messages are not saved and a reload loses them. '
+           + 'Delete old conversations (×) to make room.');
+  } else if (state.unsaved) {
+    notice('');
+  }
+  state.unsaved = !saved;
 }
 
 /** Another tab saved its conversations: take its new and changed ones, drop the ones
@@ -42,6 +51,7 @@ function mergeChats() {
   const theirs = store.loadChats();
   const busy = state.controller ? state.chat : null;   // streaming here: ours is newer
   const byId = new Map(state.chats.map((c) => [c.id, c]));
+  const shown = state.chat ? JSON.stringify(state.chat.messages) : null;
   const merged = theirs.map((chat) => {
     const ours = byId.get(chat.id);
     if (!ours) return chat;
@@ -54,7 +64,9 @@ function mergeChats() {
   }
   state.chats = merged;
   renderChats();
-  if (state.chat !== busy) {
+  // Redrawn only when it changed: another tab streaming its own chat had redrawn this one
+  // every second, closing an opened "Thought" and clearing a selection
+  if (state.chat !== busy && JSON.stringify(state.chat.messages) !== shown) {
     ui.messages.replaceChildren(...state.chat.messages.map(messageView));
   }
 }
@@ -162,7 +174,18 @@ function scrollToEnd(force = false) {
 // ---- sending ------------------------------------------------------------------------
 async function send() {
   const text = ui.input.value.trim();
-  if (!text || state.controller) return;
+  if (!text || state.controller || state.sending) return;
+  // One send at a time, from the first key press: a second Enter while the model list
+  // loaded had sent the message twice, and Stop reached only the second reply.
+  state.sending = true;
+  try {
+    await sendText(text);
+  } finally {
+    state.sending = false;
+  }
+}
+
+async function sendText(text) {
   if (!ui.model.value && state.needsKey) {   // the key dialog was dismissed: ask again, not "no model"
     state.pending = text;
     askKey();
@@ -361,6 +384,7 @@ function requestBody(messages) {
 
 /** The request fields the settings panel sets; extra fields first, so the panel's own win. */
 function settingsFields() {
+  if (state.badInput) throw new Error(`${state.badInput}: a number is needed`);
   const s = state.settings;
   const body = { ...jsonSetting(s.extra, 'Extra request fields') };
   setNumber(body, 'temperature', s.temperature, 'Temperature');
@@ -434,6 +458,7 @@ async function loadModels() {
 
 /** Base models as options; LoRA adapters (`parent` = their base) grouped under it. */
 function fillModels(models) {
+  state.models = models;
   // One option per model: a model served under several names (an alias and its path)
   // shares one `root`, and its first name stands for it.
   const roots = new Set();
@@ -449,8 +474,13 @@ function fillModels(models) {
   ui.model.replaceChildren(...options);
   const ids = [...bases, ...models.filter((m) => m.parent)].map((m) => m.id);
   ui.model.value = ids.includes(state.settings.model) ? state.settings.model : ids[0] ?? '';
-  const chosen = models.find((m) => m.id === ui.model.value);
-  // The server's default: its cap, or what the model's context leaves if that is less.
+  showMaxTokensDefault();
+}
+
+/** The model's own default in the Max tokens field: the server's cap, or what the
+ * model's context leaves if that is less (kept to the first model's before). */
+function showMaxTokensDefault() {
+  const chosen = state.models.find((m) => m.id === ui.model.value);
   const cap = chosen?.max_tokens_default?.['/v1/chat/completions'];
   const context = chosen?.max_model_len;
   ui.form.elements.maxTokens.placeholder = cap == null ? '' : String(context ? Math.min(cap, context) : cap);
@@ -502,11 +532,17 @@ function fillSettings() {
 }
 
 function readSettings() {
+  state.badInput = '';
   for (const name of Object.keys(store.DEFAULT_SETTINGS)) {
     const field = ui.form.elements[name];
-    if (field) state.settings[name] = field.value;
+    if (!field) continue;
+    state.settings[name] = field.value;
+    // A number field the browser cannot read ("100-") gives '' as its value: said, not
+    // left out of the request in silence
+    if (field.validity?.badInput) state.badInput ||= field.labels?.[0]?.textContent?.trim() || name;
   }
   state.settings.model = ui.model.value;
+  showMaxTokensDefault();
   store.saveSettings(state.settings);
   try {
     settingsFields();
@@ -547,6 +583,8 @@ function onKey(event) {
   if (event.key === 'Escape' && state.controller) {
     event.preventDefault();
     stop();
+  } else if (event.key === 'Escape' && document.body.classList.contains('show-chats')) {
+    document.body.classList.remove('show-chats');   // a phone's list covers its own button
   } else if (event.target === ui.input && event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
     event.preventDefault();
     send();
@@ -572,6 +610,12 @@ function wire() {
   $('toggle-settings').addEventListener('click', () => togglePanel());
   $('close-settings').addEventListener('click', () => togglePanel(false));
   $('toggle-chats').addEventListener('click', () => document.body.classList.toggle('show-chats'));
+  // On a phone the open list covers the chat, and its own button: a tap outside it closes it
+  document.addEventListener('click', (event) => {
+    if (document.body.classList.contains('show-chats') && !event.target.closest?.('#sidebar, #toggle-chats')) {
+      document.body.classList.remove('show-chats');
+    }
+  });
 }
 
 function start() {

@@ -4,6 +4,10 @@
 // more. Covered: paragraphs, headings, code fences, inline code, bold, italic,
 // lists (flat), quotes, rules, and links to http(s) only.
 
+// Quotes nest this deep, then their lines are text: a reply of 10,000 `>` had run the
+// renderer out of stack, and the page with it.
+const MAX_QUOTE_DEPTH = 16;
+
 const FENCE = /^\s*(`{3,}|~{3,})\s*([\w.+#-]*)/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
@@ -21,12 +25,21 @@ const INLINE = new RegExp([
   /(https?:\/\/(?:[^\s<>()]|\([^\s<>()]*\))*(?:[^\s<>().,;:!?'"]|\([^\s<>()]*\)))/.source,
 ].join('|'), 'g');
 
-/** Replace `container`'s children with `text` rendered as Markdown. */
+/** Replace `container`'s children with `text` rendered as Markdown; as plain text if
+ * the renderer fails, so that no reply can stop the page. */
 export function renderMarkdown(container, text) {
-  container.replaceChildren(...blocks(text.split('\n')));
+  let nodes;
+  try {
+    nodes = blocks(text.split('\n'));
+  } catch (error) {
+    console.warn('ruvllm: a reply shown as plain text, its Markdown failed:', error);
+    container.textContent = text;
+    return;
+  }
+  container.replaceChildren(...nodes);
 }
 
-function blocks(lines) {
+function blocks(lines, depth = 0) {
   const out = [];
   let i = 0;
   while (i < lines.length) {
@@ -44,10 +57,10 @@ function blocks(lines) {
       i += 1;
     } else if (ITEM.test(line)) {
       i = list(lines, i, out);
-    } else if (QUOTE.test(line)) {
-      i = quote(lines, i, out);
+    } else if (QUOTE.test(line) && depth < MAX_QUOTE_DEPTH) {
+      i = quote(lines, i, out, depth);
     } else {
-      i = paragraph(lines, i, out);
+      i = paragraph(lines, i, out, depth);
     }
   }
   return out;
@@ -74,20 +87,33 @@ function codeBlock(lines, start, match, out) {
   return i + 1;
 }
 
+/** A list: its items, across blank lines while the next item is of its kind; an
+ * ordered one starts at its first number (steps split by a code block go on 2., 3.,
+ * where each had restarted at 1). */
 function list(lines, start, out) {
-  const ordered = /\d/.test(ITEM.exec(lines[start])[1]);
+  const first = ITEM.exec(lines[start])[1];
+  const ordered = /\d/.test(first);
   const node = el(ordered ? 'ol' : 'ul');
+  if (ordered && parseInt(first, 10) !== 1) node.start = parseInt(first, 10);
   let i = start;
   let match;
-  while (i < lines.length && (match = ITEM.exec(lines[i])) && /\d/.test(match[1]) === ordered) {
-    node.append(inline(el('li'), match[2]));
-    i += 1;
+  for (;;) {
+    while (i < lines.length && (match = ITEM.exec(lines[i])) && /\d/.test(match[1]) === ordered) {
+      node.append(inline(el('li'), match[2]));
+      i += 1;
+    }
+    let next = i;
+    while (next < lines.length && !lines[next].trim()) next += 1;
+    if (next === i || next >= lines.length || !(match = ITEM.exec(lines[next])) || /\d/.test(match[1]) !== ordered) {
+      break;
+    }
+    i = next;
   }
   out.push(node);
   return i;
 }
 
-function quote(lines, start, out) {
+function quote(lines, start, out, depth) {
   const body = [];
   let i = start;
   let match;
@@ -96,15 +122,16 @@ function quote(lines, start, out) {
     i += 1;
   }
   const node = el('blockquote');
-  node.append(...blocks(body));
+  node.append(...blocks(body, depth + 1));
   out.push(node);
   return i;
 }
 
-function paragraph(lines, start, out) {
+function paragraph(lines, start, out, depth) {
   const node = el('p');
   let i = start;
-  while (i < lines.length && lines[i].trim() && !startsBlock(lines[i])) {
+  // Past the deepest quote a quote line is text (blocks() sends it here)
+  while (i < lines.length && lines[i].trim() && (i === start || !startsBlock(lines[i], depth))) {
     if (i > start) node.append(el('br'));
     inline(node, lines[i]);
     i += 1;
@@ -113,8 +140,9 @@ function paragraph(lines, start, out) {
   return i;
 }
 
-function startsBlock(line) {
-  return [FENCE, HEADING, ITEM, QUOTE, RULE].some((pattern) => pattern.test(line));
+function startsBlock(line, depth = 0) {
+  return [FENCE, HEADING, ITEM, RULE].some((pattern) => pattern.test(line))
+    || (depth < MAX_QUOTE_DEPTH && QUOTE.test(line));
 }
 
 /** Append `text`'s inline Markdown to `parent` (returned). */
