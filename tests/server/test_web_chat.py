@@ -507,6 +507,21 @@ def test_a_number_the_browser_cannot_read_is_said(server, page_for):
     assert page.all(".message") == []
 
 
+def test_a_reply_holding_nul_goes_back_as_it_came(server, page_for):
+    """The page had sent a reply's NUL back as U+FFFD, when the server refused NUL; it
+    takes NUL as text now, so the conversation goes back as the model wrote it."""
+    nul = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "\x00"}).json()["tokens"][-1]
+    page = page_for(server.url).open()
+    record_requests(page)
+    page.settings(maxTokens="2", extra=json.dumps({"logit_bias": {str(nul): 100}}))
+    page.send("null please")
+    page.wait_reply()
+    page.settings(extra="")
+    page.send("and again")
+    page.wait_reply()
+    assert page.js("return window.bodies")[1]["messages"][1] == {"role": "assistant", "content": "\x00\x00"}
+
+
 def test_n_above_one_shows_the_first_choice(server, page_for):
     """Extra request fields may ask for `n`: the bubble had run every choice's deltas
     together ("abcabc")."""

@@ -367,11 +367,11 @@ function history() {
   return system ? [{ role: 'system', content: system }, ...turns] : turns;
 }
 
-// A model can write a NUL, which the server refuses in a request: sent as U+FFFD.
 // A reply's reasoning stays on the page, out of requests: the reasoning models' own
 // templates (DeepSeek-R1, QwQ, Qwen3) leave earlier turns' reasoning out of the prompt.
+// Its text goes back as it came, a NUL included (the server takes NUL as text now).
 function sendable(message) {
-  return { role: message.role, content: message.content.replaceAll('\u0000', '\ufffd') };
+  return { role: message.role, content: message.content };
 }
 
 /** The chat completion request for `messages`; throws on a setting that does not parse. */
