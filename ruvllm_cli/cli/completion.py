@@ -40,6 +40,19 @@ def complete_model(ctx: click.Context | None, param: click.Parameter | None,
     Use as `@click.argument("model", shell_complete=complete_model)`. When nothing matches,
     the shell completes file names instead, for local model directories and .gguf files.
     """
+    return _model_items(ctx, incomplete) or [CompletionItem(incomplete, type="file")]
+
+
+def complete_downloaded_model(ctx: click.Context | None, param: click.Parameter | None,
+                              incomplete: str) -> list[CompletionItem]:
+    """Completes `rm`'s MODEL: what there is to remove, the aliases with a repo in the
+    cache and the downloaded repo ids (not every registry alias, as it had)."""
+    return _model_items(ctx, incomplete, downloaded_only=True)
+
+
+def _model_items(ctx: click.Context | None, incomplete: str, downloaded_only: bool = False) -> list[CompletionItem]:
+    """The aliases starting with `incomplete` (with `downloaded_only`, those with a repo
+    in the cache), then the downloaded repo ids that do."""
     from ruvllm_cli.errors import RuvllmError
     from ruvllm_cli.registry.registry import builtin_entries, load_registry
 
@@ -47,28 +60,10 @@ def complete_model(ctx: click.Context | None, param: click.Parameter | None,
         registry = load_registry()
     except RuvllmError:  # a broken user aliases file must not break the shell
         registry = builtin_entries()
-    items = [CompletionItem(alias, help=entry.name)
-             for alias, entry in registry.items() if alias.startswith(incomplete)]
-    items += [CompletionItem(repo_id, help=f"downloaded, {stored_as}")
-              for repo_id, stored_as in _downloaded(ctx) if repo_id.lower().startswith(incomplete.lower())]
-    return items or [CompletionItem(incomplete, type="file")]
-
-
-def complete_downloaded_model(ctx: click.Context | None, param: click.Parameter | None,
-                              incomplete: str) -> list[CompletionItem]:
-    """Completes `rm`'s MODEL: what there is to remove, the aliases with a repo in the
-    cache and the downloaded repo ids (not every registry alias, as it had)."""
-    from ruvllm_cli.errors import RuvllmError
-    from ruvllm_cli.registry.registry import builtin_entries, load_registry
-
     downloaded = _downloaded(ctx)
     present = {repo_id for repo_id, _ in downloaded}
-    try:
-        registry = load_registry()
-    except RuvllmError:
-        registry = builtin_entries()
     items = [CompletionItem(alias, help=entry.name) for alias, entry in registry.items()
-             if alias.startswith(incomplete) and {entry.repo_id, entry.gguf_repo} & present]
+             if alias.startswith(incomplete) and (not downloaded_only or {entry.repo_id, entry.gguf_repo} & present)]
     items += [CompletionItem(repo_id, help=f"downloaded, {stored_as}")
               for repo_id, stored_as in downloaded if repo_id.lower().startswith(incomplete.lower())]
     return items
