@@ -95,19 +95,17 @@ function list(lines, start, out) {
   const ordered = /\d/.test(first);
   const node = el(ordered ? 'ol' : 'ul');
   if (ordered && parseInt(first, 10) !== 1) node.start = parseInt(first, 10);
+  const item = (k) => {   // line k's item match where it is one of this list's kind
+    const match = k < lines.length && ITEM.exec(lines[k]);
+    return match && /\d/.test(match[1]) === ordered ? match : null;
+  };
   let i = start;
-  let match;
-  for (;;) {
-    while (i < lines.length && (match = ITEM.exec(lines[i])) && /\d/.test(match[1]) === ordered) {
-      node.append(inline(el('li'), match[2]));
-      i += 1;
-    }
+  for (let match = item(i); match; match = item(i)) {
+    node.append(inline(el('li'), match[2]));
+    i += 1;
     let next = i;
     while (next < lines.length && !lines[next].trim()) next += 1;
-    if (next === i || next >= lines.length || !(match = ITEM.exec(lines[next])) || /\d/.test(match[1]) !== ordered) {
-      break;
-    }
-    i = next;
+    if (item(next)) i = next;   // blank lines between two of its items
   }
   out.push(node);
   return i;
@@ -131,7 +129,7 @@ function paragraph(lines, start, out, depth) {
   const node = el('p');
   let i = start;
   // Past the deepest quote a quote line is text (blocks() sends it here)
-  while (i < lines.length && lines[i].trim() && (i === start || !startsBlock(lines[i], depth))) {
+  while (i < lines.length && lines[i].trim() && !startsBlock(lines[i], depth)) {
     if (i > start) node.append(el('br'));
     inline(node, lines[i]);
     i += 1;
