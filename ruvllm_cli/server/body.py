@@ -127,10 +127,10 @@ def _check_string(path: str | None, text: str, what: str = "") -> None:
 
 
 def no_nul(param: str, text: str) -> str:
-    """`text` where it names a file (a path, an adapter's hub id): a 400 for a NUL,
+    """`text` where it names an adapter or a file (a path, a hub id): a 400 for a NUL,
     which no file name holds (and which Python's os calls raise ValueError on)."""
     offset = text.find("\x00")
     if offset >= 0:
-        raise bad_request(f"Invalid value in '{param}': a path must not contain a NUL character "
+        raise bad_request(f"Invalid value in '{param}': a name or path must not contain a NUL character "
                           f"(at offset {offset}).", param, "invalid_value")
     return text

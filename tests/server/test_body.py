@@ -35,8 +35,8 @@ def test_a_path_refuses_nul_under_its_param():
     with pytest.raises(ApiError) as refused:
         no_nul("lora_path", "./adapters\x00/sql")
     assert (refused.value.status, refused.value.param, refused.value.code) == (400, "lora_path", "invalid_value")
-    assert refused.value.message == ("Invalid value in 'lora_path': a path must not contain a NUL character "
-                                     "(at offset 10).")
+    assert refused.value.message == ("Invalid value in 'lora_path': a name or path must not contain a NUL "
+                                     "character (at offset 10).")
 
 
 def nested(depth: int) -> list:
