@@ -169,18 +169,26 @@ def precision(quantization: Quantization, dtype: Any) -> str:
     return quantization.precision(str(dtype).replace("torch.", ""))
 
 
+_threads_applied: int | None = None
+
+
 def set_threads(app: AppContext, threads: int) -> None:
     """torch's (and so the C kernels') CPU threads; more than the usable cores only with
-    a warning, since every step then waits on threads the cores cannot run at once."""
+    a warning, since every step then waits on threads the cores cannot run at once.
+    Once a process: a serve pool opens an engine at each model load, and said it again."""
     import torch
 
     from ruvllm_cli.bench.noise import usable_cores
 
+    global _threads_applied
+    if threads == _threads_applied and torch.get_num_threads() == threads:
+        return
     cores = usable_cores()
     if threads > cores:
         app.output().warn(f"--threads {threads} is more than the {cores} CPU cores this process may use: "
                           "each step waits for threads that cannot run at once (slower, not faster)")
     torch.set_num_threads(threads)
+    _threads_applied = threads
 
 
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,

@@ -251,6 +251,10 @@ def test_threads_sets_torch_s_and_warns_beyond_the_cores(tiny_model_dir, capsys)
                     max_num_seqs=1, max_model_len=64, threads=many)
         assert torch.get_num_threads() == many
         assert f"--threads {many} is more than the {many - 1} CPU cores" in capsys.readouterr().err
+        # A serve pool opens an engine at each model load: said once a process.
+        open_engine(AppContext(no_color=True), str(tiny_model_dir), quantization=Quantization.F32, device="cpu",
+                    max_num_seqs=1, max_model_len=64, threads=many)
+        assert torch.get_num_threads() == many and "--threads" not in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
     for command in ("chat", "serve", "benchmark"):
