@@ -251,6 +251,18 @@ def test_function_call_items_and_their_outputs_render_as_the_chat_route_does(cli
     assert "<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>system\nAnswer briefly." in rendered
 
 
+def test_an_assistant_s_refusal_part_passed_back_is_its_text():
+    """OpenAI's output messages carry a refusal as a `refusal` part; a client passing a
+    reply's items back sends it as it came (it was a 400), as the chat route takes it."""
+    def messages_of(part):
+        return parse_responses_request({"model": "tiny", "input": [
+            {"role": "user", "content": "x"}, {"role": "assistant", "content": [part]},
+            {"role": "user", "content": "y"}]}).messages
+
+    assert messages_of({"type": "refusal", "refusal": "I can't help with that."}) \
+        == messages_of({"type": "output_text", "text": "I can't help with that."})
+
+
 def test_a_long_prompt_is_read_from_the_prefix_cache_the_second_time(client, server):
     instructions = f"{uuid.uuid4().hex} " + "Computers store numbers in binary. A byte has eight bits. " * 20
     first = create(client, server, instructions=instructions, max_output_tokens=2)
@@ -282,6 +294,9 @@ def test_what_needs_a_stored_response_is_a_400(client, server):
     ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}]},
+     "input[0].content[0].refusal"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "add", "arguments": {}}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "5"}]}, "input[0].call_id"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),

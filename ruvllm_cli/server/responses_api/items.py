@@ -99,11 +99,13 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     if content is None:
         raise bad_request(f"Missing required parameter: '{where}.content'.", f"{where}.content",
                           "missing_required_parameter")
-    return {"role": ROLES[role], "content": _text(content, f"{where}.content")}
+    return {"role": ROLES[role], "content": _text(content, f"{where}.content", refusals=role == "assistant")}
 
 
-def _text(content: Any, where: str) -> str:
-    """A string, or text parts (input_text, output_text) joined by newlines."""
+def _text(content: Any, where: str, refusals: bool = False) -> str:
+    """A string, or text parts (input_text, output_text) joined by newlines; an assistant
+    message's `refusal` parts (OpenAI's output messages carry them, and clients pass a
+    reply's items back as they came) count as its text, as on the chat route."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -113,12 +115,13 @@ def _text(content: Any, where: str) -> str:
         if not isinstance(part, dict):
             raise invalid_type(f"{where}[{i}]", "an object (a content part)", part)
         kind = part.get("type")
-        if kind not in TEXT_PARTS:
+        key = "refusal" if refusals and kind == "refusal" else "text"
+        if key == "text" and kind not in TEXT_PARTS:
             raise invalid_value(f"{where}[{i}].type", "must be input_text or output_text (images, files and audio "
                                                       "are not supported)", kind)
-        if not isinstance(part.get("text"), str):
-            raise invalid_type(f"{where}[{i}].text", "a string", part.get("text"))
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise invalid_type(f"{where}[{i}].{key}", "a string", part.get(key))
+        texts.append(part[key])
     return "\n".join(texts)
 
 
