@@ -77,8 +77,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """Anthropic's: the input tokens a /v1/messages request of these fields would have."""
     state = get_state(request.app)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), COUNT_TOKENS_FIELDS)
-    system = values["system"]
-    messages = [*([{"role": "system", "content": system}] if system else []), *values["messages"]]
+    messages = messages_protocol.conversation_of(values)
     tools = messages_protocol.tool_request_of(values)   # tool_choice none leaves the tools out, as there
     async with state.model_for(values["model"]) as model:
         tokenizer = model.engine.tokenizer

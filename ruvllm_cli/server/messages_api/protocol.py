@@ -39,8 +39,6 @@ class MessagesRequest:
 
 def parse_messages_request(body: Any) -> MessagesRequest:
     values = read_fields(Fields(body), REQUEST_FIELDS[PATH])
-    system = values["system"]
-    messages = [{"role": "system", "content": system}] if system else []
     sampling = SamplingFields(
         max_tokens=values["max_tokens"], stop=values["stop_sequences"], temperature=values["temperature"],
         top_p=values["top_p"], top_k=0 if values["top_k"] == -1 else values["top_k"], seed=values["seed"],
@@ -54,8 +52,15 @@ def parse_messages_request(body: Any) -> MessagesRequest:
     options = RequestOptions(cache_salt=values["cache_salt"] or None, priority=values["priority"],
                              user=metadata.get("user_id") or None, session_id=values["session_id"] or None)
     thinking = values["thinking"]
-    return MessagesRequest(values["model"], [*messages, *values["messages"]], sampling, values["stream"],
+    return MessagesRequest(values["model"], conversation_of(values), sampling, values["stream"],
                            tools, options, thinking is not None and thinking.get("type") != "disabled")
+
+
+def conversation_of(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages for the chat template: Anthropic's top-level `system` first, as a
+    system message; count_tokens renders the same."""
+    system = values["system"]
+    return [*([{"role": "system", "content": system}] if system else []), *values["messages"]]
 
 
 def _thinking_budget(thinking: dict[str, Any] | None) -> int | None:
