@@ -41,7 +41,7 @@ def chat(engine: "LLMEngine", messages: Sequence[dict[str, Any]], params: Sampli
                 engine.grammar_compiler.validate(grammar.spec)
             except UsageError:
                 grammar = None   # a schema the library cannot enforce: the calls go free (prompts.tool_sampling)
-        params = replace(params, kept_special_tokens=parser.markers,
+        params = replace(params, kept_special_tokens=parser.markers, stop_fence=parser.opening,
                          structured=grammar.spec if grammar is not None else params.structured,
                          # a forced reply is calls only (prompts.tool_sampling)
                          stop=() if grammar is not None and grammar.forced else params.stop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 # Prompt tokens kept as left context: some tokenizers (SentencePiece) decode a
@@ -52,11 +53,16 @@ class IncrementalDetokenizer:
 
 class StopMatcher:
     """Finds stop strings in the generated text, holding back a tail that could
-    still become one, so a stream never shows part of a stop string."""
+    still become one, so a stream never shows part of a stop string. With a `fence`
+    (a regular expression: where a tool call opens) the stop strings apply to the
+    text before its first match only, as OpenAI's stop never cuts a call."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    FENCE_LOOKBACK = 64   # characters of earlier text a fence's match may start in
+
+    def __init__(self, stop: Sequence[str], fence: str | None = None) -> None:
         self.stop = tuple(stop)
         self.longest = max((len(s) for s in self.stop), default=0)
+        self.fence = re.compile(fence) if fence is not None and self.stop else None
         self.text = ""
         self.emitted = 0
         self.written = 0   # characters fed, a stop string and what followed it in its delta included
@@ -68,12 +74,18 @@ class StopMatcher:
         After a hit the text is final: later deltas are ignored."""
         if self.stopped:
             return "", True
+        before = len(self.text)
         self.text += delta
         self.written += len(delta)
         if not self.stop:
             return self._emit(len(self.text)), False
+        fence = self.fence.search(self.text, max(0, before - self.FENCE_LOOKBACK)) if self.fence else None
+        limit = fence.start() if fence is not None else len(self.text)
         search_from = max(0, self.emitted - self.longest)
-        hits = [(at, s) for s, at in ((s, self.text.find(s, search_from)) for s in self.stop) if at >= 0]
+        hits = [(at, s) for s, at in ((s, self.text.find(s, search_from, limit)) for s in self.stop) if at >= 0]
+        if fence is not None and not hits:   # a call opened: no stop string applies from here on
+            self.stop, self.longest, self.fence = (), 0, None
+            return self._emit(len(self.text)), False
         if hits:
             end, self.matched = min(hits, key=lambda hit: hit[0])   # a tie: the first listed
             self.text = self.text[:end]

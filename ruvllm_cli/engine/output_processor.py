@@ -33,7 +33,7 @@ class OutputProcessor:
         params = request.params
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                                      params.skip_special_tokens, params.kept_special_tokens)
-        request.stop_matcher = StopMatcher(params.stop)
+        request.stop_matcher = StopMatcher(params.stop, params.stop_fence)
         # What _is_eos would end the reply on, held back until min_tokens, and while a
         # constraint waits out a reasoning block: ended there, the reply has no answer.
         if params.min_tokens or (params.structured is not None and params.reasoning_block is not None):

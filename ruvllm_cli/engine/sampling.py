@@ -64,6 +64,7 @@ class SamplingParams(SamplingKnobs):
     thinking_budget: int | None = None              # its end marker forced after this many tokens in it
     skip_special_tokens: bool = True                # False: special tokens reach the text
     kept_special_tokens: tuple[str, ...] = ()       # left in the text where the others are skipped (tool-call markers)
+    stop_fence: str | None = None                   # a regex: `stop` applies before its first match (a call's opening)
     min_tokens: int = 0                             # EOS and stop_token_ids held off until this many (vLLM's)
     # None: repetition_penalty over prompt and output, presence and frequency over the
     # output (transformers', vLLM's, OpenAI's). N: all three over the last N tokens of

@@ -75,10 +75,11 @@ def tool_sampling(tokenizer: Any, tools: ToolRequest, parser: ToolParser, sampli
     would cut mid-call (a "\\n" left the markup as content and no call; a "}" invalid
     arguments under finish_reason "tool_calls"): they apply to text, and a forced reply
     has none, so they are left out, as OpenAI's stop never cuts a call. Under "auto"
-    the reply is free until the model opens a call (`call_grammar`), unless a
-    response_format holds it; a tool schema the library cannot enforce is a 400 where
-    the tool is strict, else leaves the calls free."""
-    sampling = replace(sampling, kept_special_tokens=parser.markers)
+    they apply to the text before the first call opens (`stop_fence`), and the reply
+    is free until the model opens a call (`call_grammar`), unless a response_format
+    holds it; a tool schema the library cannot enforce is a 400 where the tool is
+    strict, else leaves the calls free."""
+    sampling = replace(sampling, kept_special_tokens=parser.markers, stop_fence=parser.opening)
     try:
         grammar = call_grammar(tools, parser.name, tokenizer, constrained=sampling.structured is not None)
     except UsageError as error:

@@ -70,6 +70,7 @@ class SamplingFields(SamplingKnobs):
     reasoning_block: ReasoningBlock | None = None   # a reasoning model's block (prompts.reasoning_sampling)
     thinking_budget: int | None = None     # most tokens in it (Anthropic's thinking.budget_tokens)
     kept_special_tokens: tuple[str, ...] = ()   # a tool-call format's markers, for its parser
+    stop_fence: str | None = None               # where a call opens: `stop` applies before it (tool_sampling)
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
@@ -99,6 +100,7 @@ class SamplingFields(SamplingKnobs):
             return SamplingParams(**{**self.knobs(), "seed": seed}, max_tokens=max_tokens, stop=self.stop,
                                   ignore_eos=self.ignore_eos, logprobs=self.logprobs,
                                   logit_bias=self.logit_bias, kept_special_tokens=self.kept_special_tokens,
+                                  stop_fence=self.stop_fence,
                                   structured=self.structured.spec if self.structured else None,
                                   reasoning_block=self.reasoning_block, thinking_budget=self.thinking_budget,
                                   min_tokens=min(self.min_tokens, max_tokens), stop_token_ids=self.stop_token_ids,

@@ -60,6 +60,28 @@ def test_the_matched_stop_string_is_the_earliest_then_the_first_listed():
     assert StopMatcher(["x"]).matched is None
 
 
+def test_stop_strings_apply_before_the_fence_only():
+    """A tool call's opening (the parser's `opening`) fences the stop strings off: what
+    follows it is a call, which a stop string must not cut (OpenAI's never does)."""
+    m = StopMatcher(["}", "\n"], fence="<tool_call>")
+    assert m.feed("Let me check") == ("Let me check", False)
+    assert m.feed("<tool_call>") == ("<tool_call>", False)
+    assert m.feed('\n{"name": "f", "arguments": {}}\n</tool_call>') == \
+        ('\n{"name": "f", "arguments": {}}\n</tool_call>', False)
+    assert not m.stopped and m.flush() == ""
+    before = StopMatcher(["\n"], fence="<tool_call>")   # before the call it still ends the reply
+    assert before.feed("one\ntwo<tool_call>") == ("one", True) and before.matched == "\n"
+    astride = StopMatcher(["x<tool"], fence="<tool_call>")   # a stop string must end before the fence
+    assert astride.feed("ax<tool_call>{") == ("ax<tool_call>{", False)
+    held = StopMatcher(["END"], fence="<tool_call>")   # a held partial stop is text once the call opens
+    assert held.feed("a E") == ("a ", False)
+    assert held.feed("<tool_call>END") == ("E<tool_call>END", False)
+    start = StopMatcher(["}"], fence=r"\A\s*\{")   # llama3_json: a call only at the reply's start
+    assert start.feed(' {"name": "f"}') == (' {"name": "f"}', False)
+    later = StopMatcher(["}"], fence=r"\A\s*\{")
+    assert later.feed('x {"a": 1}') == ('x {"a": 1', True)
+
+
 def test_streamed_text_equals_one_decode_of_the_reply(make_engine, loaded):
     """Whatever the model emits, including a reply cut inside a multi-byte
     character, the stream's text is exactly the reply decoded in one go."""

@@ -295,6 +295,29 @@ def test_a_call_opened_under_auto_follows_the_tools(client, server):
     assert called >= 3, (called, texts)
 
 
+def test_a_stop_string_does_not_cut_a_call_opened_under_auto(client, server):
+    """A helper's pass: under auto a stop string cut the calls the model opened ("}":
+    arguments that are not JSON under finish_reason "tool_calls", which the openai SDK's
+    parse refuses; "\n": the markup as content and no call). It applies to the text
+    before the first call only, streamed or not."""
+    called = 0
+    for seed in range(6):
+        for stop in (["}"], ["\n"], ["get_weather", "add"]):
+            ask = dict(model=server.model, messages=HELLO, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=300,
+                       stop=stop, logit_bias=opening_bias(server))
+            reply = client.chat.completions.create(**ask).choices[0]
+            assert "<tool_call>" not in (reply.message.content or "")
+            if reply.message.tool_calls:
+                called += 1
+                assert reply.finish_reason == "tool_calls"
+                check_calls(reply.message.tool_calls)
+            content, calls, finish = collect_stream(client.chat.completions.create(**ask, stream=True))
+            assert (content or None, finish) == (reply.message.content or None, reply.finish_reason)
+            assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+                [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
+    assert called >= 6, called
+
+
 def test_without_a_call_an_auto_reply_is_the_free_one(client, server):
     """Until a call opens, the grammar allows every token but the marker: a reply that
     opens none is the unconstrained reply token for token (greedy, the same seed)."""

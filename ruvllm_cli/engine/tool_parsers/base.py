@@ -94,6 +94,7 @@ class ToolParser(Protocol):
     name: str
     start_markers: tuple[str, ...]
     markers: tuple[str, ...]   # every marker the format writes, kept in the text as special tokens
+    opening: str               # a regular expression: where the reply's first call opens
 
     def parse(self, text: str) -> ParsedReply: ...
 
@@ -109,6 +110,7 @@ class ScanningParser:
 
     name: ClassVar[str]
     start_markers: ClassVar[tuple[str, ...]]
+    opening: ClassVar[str]
     id_length: ClassVar[int] = 24
     id_prefix: ClassVar[str] = "call_"
     scan: ClassVar[Callable[[str, bool], list[Piece]]]

@@ -9,6 +9,8 @@ the next `<tool_call>`; marker text inside JSON strings is just string text.
 
 from __future__ import annotations
 
+import re
+
 from ruvllm_cli.engine.tool_parsers.base import CallPiece, Piece, ScanningParser, TextPiece, text_until_marker
 from ruvllm_cli.engine.tool_parsers.json_scan import CallObject, State, scan_call_object, skip_ws
 
@@ -81,4 +83,5 @@ class Parser(ScanningParser):
     name = NAME
     start_markers = START_MARKERS
     markers = (START, END)
+    opening = re.escape(START)
     scan = staticmethod(scan)

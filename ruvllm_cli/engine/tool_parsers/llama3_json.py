@@ -10,6 +10,8 @@ announced the call, is dropped).
 
 from __future__ import annotations
 
+import re
+
 from ruvllm_cli.engine.tool_parsers.base import CallPiece, Piece, ScanningParser, TextPiece
 from ruvllm_cli.engine.tool_parsers.json_scan import State, scan_call_object, skip_ws
 
@@ -64,4 +66,5 @@ class Parser(ScanningParser):
     name = NAME
     start_markers = START_MARKERS
     markers = (PYTHON_TAG,)
+    opening = rf"\A\s*(?:{re.escape(PYTHON_TAG)}|\{{)"   # a reply that starts with a call
     scan = staticmethod(scan)

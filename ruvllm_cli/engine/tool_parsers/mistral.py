@@ -108,6 +108,7 @@ class Parser(ScanningParser):
     name = NAME
     start_markers = START_MARKERS
     markers = (START, ARGS, CALL_ID)
+    opening = re.escape(START)
     id_length = 9
     id_prefix = ""
     scan = staticmethod(scan)
