@@ -94,6 +94,15 @@ def arguments_object(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def complete_call(arguments: str) -> bool:
+    """Whether a call's arguments are whole: a complete call's are a JSON object
+    (tool_parsers.json_scan); a cut or broken one's are text as far as it went."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
 def calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for c in calls]

@@ -200,6 +200,32 @@ def test_tool_calls_in_a_stream_come_whole_after_the_text():
     assert final["done"] and final["done_reason"] == "stop" and final["message"]["content"] == ""
 
 
+def test_a_call_cut_by_num_predict_is_left_out():
+    """Ollama's shape cannot mark a call as cut: one with its arguments as far as they
+    went (repaired into `{}` or `{"city": "Par"}`) was sent as a call, and LangChain's
+    agent ran the tool with them. Complete calls only, whole and streamed."""
+    parser = get_parser("hermes")
+    done = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut in ('{"name": "get_weather", "arguments": {', '{"name": "get_weather", "arguments": {"city": "Par'):
+        text = f"Let me look.{done}<tool_call>\n{cut}"
+        fmt = OllamaFormat("chat", "m", Clock(0.0), tools=ToolReplies(parser))
+        whole = Choice(0, 0)
+        whole.add(RequestOutput("r", [0], text, finished=True, finish_reason=FinishReason.LENGTH))
+        body = fmt.body([whole])
+        assert body["done_reason"] == "length" and body["message"]["content"] == "Let me look."
+        assert [c["function"]["arguments"] for c in body["message"]["tool_calls"]] == [{"city": "Paris"}]
+        streamed, chunks = Choice(0, 0), []
+        for i, char in enumerate(text):
+            output = RequestOutput("r", [i], char, finished=i == len(text) - 1,
+                                   finish_reason=FinishReason.LENGTH if i == len(text) - 1 else None)
+            streamed.add(output)
+            chunks += fmt.deltas(streamed, output)
+        chunks += fmt.flush(streamed)
+        calls = [c for chunk in chunks for c in chunk["message"].get("tool_calls", [])]
+        assert [c["function"]["arguments"] for c in calls] == [{"city": "Paris"}]
+        assert "".join(c["message"]["content"] for c in chunks) == "Let me look."
+
+
 def test_durations_come_from_the_engine_s_timestamps():
     choice = Choice(0, 0, num_prompt_tokens=5, num_output_tokens=3,
                     timings=RequestTimings(arrival=10.0, scheduled=10.5, first_token=11.0, finished=12.25))

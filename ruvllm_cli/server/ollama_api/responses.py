@@ -20,7 +20,7 @@ from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.server.bridge import Choice
 from ruvllm_cli.server.errors import ApiError
 from ruvllm_cli.server.sse import Chunk
-from ruvllm_cli.server.tool_output import ToolReplies, arguments_object
+from ruvllm_cli.server.tool_output import ToolReplies, arguments_object, complete_call
 
 DONE_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
@@ -137,6 +137,10 @@ class OllamaFormat:
         return [ollama_error_body(error)]
 
     def _calls(self, choice: Choice) -> list[dict[str, Any]]:
+        """Complete calls only: Ollama's shape cannot mark one that `num_predict` cut (or
+        the model broke) as partial, and its clients run what they get (LangChain's
+        agent ran a cut call with `{}` for its required arguments); Ollama's own parser
+        gives complete calls only. The other APIs keep a cut call, as OpenAI answers."""
         return [{"id": call.id, "function": {"index": index, "name": call.name,
                                              "arguments": arguments_object(call.arguments)}}
-                for index, call in enumerate(choice.tool_calls)]
+                for index, call in enumerate(c for c in choice.tool_calls if complete_call(c.arguments))]
