@@ -318,6 +318,23 @@ def test_a_stop_string_does_not_cut_a_call_opened_under_auto(client, server):
     assert called >= 6, called
 
 
+def test_an_auto_call_cut_before_its_name_leaves_no_markup(client, server):
+    """A helper's pass: max_tokens cutting a call the model opened under auto, before
+    its name came out, left '<tool_call>\\n{"name":"' as the reply's content; the
+    markup is dropped, streamed or not (as under a forced choice)."""
+    cut = 0
+    for seed in range(4):
+        for max_tokens in (2, 3, 5, 8):
+            ask = dict(model=server.model, messages=HELLO, tools=TOOLS, temperature=1.0, seed=seed,
+                       max_tokens=max_tokens, logit_bias=opening_bias(server, 8.0))
+            whole = client.chat.completions.create(**ask).choices[0]
+            content, calls, finish = collect_stream(client.chat.completions.create(**ask, stream=True))
+            assert "<tool_call>" not in (whole.message.content or "") and "<tool_call>" not in content
+            assert (content or None, finish) == (whole.message.content or None, whole.finish_reason)
+            cut += whole.finish_reason == "length" and not whole.message.tool_calls
+    assert cut >= 4, cut
+
+
 def test_without_a_call_an_auto_reply_is_the_free_one(client, server):
     """Until a call opens, the grammar allows every token but the marker: a reply that
     opens none is the unconstrained reply token for token (greedy, the same seed)."""

@@ -110,6 +110,7 @@ class ScanningParser:
 
     name: ClassVar[str]
     start_markers: ClassVar[tuple[str, ...]]
+    markers: ClassVar[tuple[str, ...]]
     opening: ClassVar[str]
     id_length: ClassVar[int] = 24
     id_prefix: ClassVar[str] = "call_"
@@ -130,8 +131,11 @@ class ScanningParser:
     def parse_partial(self, text: str, final: bool = False) -> PartialReply:
         """What a stream may send of `text`. A call counts once its name is complete
         and stays a call even if it breaks later (its arguments stop where the text
-        went wrong); a call that broke before its name, or that is still nameless at
-        the end (`final`), is content. Each field only grows as `text` grows."""
+        went wrong); a call that broke before its name is content, and so is one still
+        nameless at the end (`final`) unless it opened with one of the format's markers
+        (special tokens, never text): then the reply was cut inside the call's opening,
+        which is dropped rather than shown as markup. Each field only grows as `text`
+        grows."""
         content: list[str] = []
         calls: list[PartialCall] = []
         for piece in self.scan(text, final):
@@ -139,7 +143,7 @@ class ScanningParser:
                 content.append(piece.text)
             elif piece.name is not None:
                 calls.append(PartialCall(piece.name, piece.arguments, piece.call_id, piece.state is not State.OPEN))
-            elif final or piece.state is State.BROKEN:
+            elif piece.state is State.BROKEN or (final and not piece.raw.lstrip().startswith(self.markers)):
                 content.append(piece.raw)
         return PartialReply("".join(content), tuple(calls))
 
