@@ -50,8 +50,8 @@ class ToolReplies:
         """A whole reply, as the same reply streamed ends: a call whose name came out
         is a call, with its arguments as far as the model wrote them (so not valid JSON
         where max_tokens cut it, finish_reason "length", or the model broke it: OpenAI
-        answers a cut-off call so too); a call that never got its name out stays
-        content. `parse` gave such calls back as content, markup and all, where the
+        answers a cut-off call so too); a call that never got its name out is content,
+        or nothing where it opened with a marker (`parse_partial`). `parse` gave such calls back as content, markup and all, where the
         stream had sent them as calls."""
         reply = self.parser.parse_partial(choice.text, final=True)
         choice.text = "" if self.forced else reply.content.strip()

@@ -29,7 +29,8 @@ class StreamingToolParser:
 
     Content is the text outside the calls with surrounding whitespace stripped, as
     `parse` gives it (trailing whitespace waits until more content follows it).
-    At `finish` a call that never got its name out is sent as content; one already
+    At `finish` a call that never got its name out is sent as content (unless it
+    opened with a marker: `ScanningParser.parse_partial` drops it); one already
     announced keeps the arguments it has (the model's text as far as it went, so
     possibly not valid JSON when the reply was cut off or broke inside the call).
     """
