@@ -15,7 +15,8 @@ import threading
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 from ruvllm_cli.engine.engine import LLMEngine
-from ruvllm_cli.engine.outputs import RequestOutput
+from ruvllm_cli.engine.lora import AdapterNotFoundError
+from ruvllm_cli.engine.outputs import AdapterGoneError, RequestOutput
 from ruvllm_cli.engine.request import FinishReason, RequestOptions
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import RuvllmError
@@ -217,6 +218,10 @@ class _Add:
         try:
             self.loop.engine.add_request(self.prompt_ids, self.params, request_id=stream.request_id,
                                          options=self.options)
+        except AdapterNotFoundError as error:   # unloaded since `submit` checked the name
+            stream._deliver(RequestOutput(request_id=stream.request_id, token_ids=[], text="", finished=True,
+                                          finish_reason=FinishReason.ERROR, error=AdapterGoneError(error.message)))
+            return
         except Exception as error:  # noqa: BLE001 - the stream ends with it instead
             stream._deliver(_failed(stream.request_id, error, prefix=""))
             return

@@ -13,6 +13,12 @@ class RequestError(str):
     server answers it as a 400, not a 500): a str, so it travels where errors do."""
 
 
+class AdapterGoneError(RequestError):
+    """The request's LoRA adapter was unloaded after the name was checked and before
+    the request reached the engine thread (the server answers 404, as for a name it
+    never had)."""
+
+
 @dataclass
 class RequestOutput:
     request_id: str

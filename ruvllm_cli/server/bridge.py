@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ruvllm_cli.engine.lora import AdapterNotFoundError
-from ruvllm_cli.engine.outputs import RequestError, RequestOutput
+from ruvllm_cli.engine.outputs import AdapterGoneError, RequestError, RequestOutput
 from ruvllm_cli.engine.reasoning import Reasoning, ReasoningSplitter, Split
 from ruvllm_cli.engine.request import FinishReason, RequestTimings
 from ruvllm_cli.engine.sampler import TokenLogprob
@@ -112,6 +112,8 @@ def check_finished(choice: Choice) -> None:
     """A sequence the engine cancelled (shutdown) or failed becomes an HTTP error."""
     if choice.finish_reason is FinishReason.CANCELLED:
         raise shutting_down()
+    if choice.finish_reason is FinishReason.ERROR and isinstance(choice.error, AdapterGoneError):
+        raise ApiError(404, str(choice.error), param="model", code="model_not_found")
     if choice.finish_reason is FinishReason.ERROR and isinstance(choice.error, RequestError):
         raise ApiError(400, f"{choice.error[0].upper()}{choice.error[1:]}.", code="invalid_constraint")
     if choice.finish_reason is FinishReason.ERROR:

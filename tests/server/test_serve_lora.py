@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from typing import Any, Callable
 
 import httpx
 import openai
@@ -208,6 +210,49 @@ def test_unloading_an_adapter_in_use_is_a_409(lora_server):
     assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
     assert outcome["chunks"] > 1
     assert httpx.post(live.base_url + "/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
+
+
+def test_an_adapter_unloaded_while_its_request_is_queued_is_a_404(lora_server, adapters):
+    """A helper's pass: the name is checked in the handler's thread and the request then
+    queued for the engine thread; an unload that ran in between failed the request
+    with a 500 ("The engine failed on this request"). Now the 404 an unknown name gets,
+    whole and streamed."""
+    live = lora_server(allow_runtime_lora=True)
+    assert live.engine_loop is not None
+    commands = live.engine_loop._commands
+
+    def unload_behind(request: Callable[[], Any]) -> Any:
+        """`request` in a thread while the engine thread waits for its add to be queued,
+        then unloads the adapter before that add runs."""
+        def unload_once_queued(engine):
+            deadline = time.monotonic() + 30
+            while commands.qsize() == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            engine.remove_lora("attn")
+
+        result: dict[str, Any] = {}
+        worker = threading.Thread(target=lambda: result.update(value=request()))
+        blocker = threading.Thread(target=live.engine, args=(unload_once_queued,))
+        blocker.start()
+        time.sleep(0.2)   # the engine thread is in unload_once_queued
+        worker.start()
+        worker.join(60)
+        blocker.join(60)
+        return result["value"]
+
+    for stream in (False, True):
+        body = {"model": "attn", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
+        reply = unload_behind(lambda: httpx.post(live.base_url + "/completions", json=body, timeout=60))
+        if stream:   # the stream had begun: its one event is the error, in the API's shape
+            [event] = [json.loads(line[6:]) for line in reply.text.splitlines()
+                       if line.startswith("data: {")]
+            error = event["error"]
+        else:
+            assert reply.status_code == 404, reply.text
+            error = reply.json()["error"]
+        assert (error["code"], error["param"]) == ("model_not_found", "model"), error
+        assert httpx.post(live.base_url + "/load_lora_adapter", timeout=60,
+                          json={"lora_name": "attn", "lora_path": str(adapters["attn"])}).status_code == 200
 
 
 def test_runtime_loading_needs_the_api_key(lora_server, adapters):
