@@ -39,6 +39,10 @@ DEFAULT_AGING_RATE = 0.1
 # without the margin, requests of one priority that arrived a moment apart took each
 # other's places step after step (each time recomputing the one thrown out).
 PREEMPT_MARGIN = 1.0
+# /metrics counts preemptions by priority; a client picks any integer, so beyond this
+# they count at +-100 (a label set of at most 201 x 2, where each new priority had added
+# a series for good: a helper's pass).
+PRIORITY_LABELS = 100
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.preemptions: Counter[tuple[int, str]] = Counter()   # (priority, "recompute"|"swap") -> count
+        # (priority within +-PRIORITY_LABELS, "recompute"|"swap") -> count
+        self.preemptions: Counter[tuple[int, str]] = Counter()
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -153,7 +158,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.preemptions[(request.priority, mode)] += 1
+        self.preemptions[(max(-PRIORITY_LABELS, min(PRIORITY_LABELS, request.priority)), mode)] += 1
         if front:
             self.waiting.appendleft(request)
         else:

@@ -97,8 +97,9 @@ class EngineCollector(Collector):
                        s.prefix_evictions)
         yield _counter("ruvllm_num_preemptions", "Sequences preempted for want of KV blocks.", s.preemptions)
         yield _counter("ruvllm_engine_steps", "Engine steps (forward passes).", s.steps)
-        by = CounterMetricFamily("ruvllm_preemptions", "Preemptions by the preempted request's priority and by "
-                                 "mode (recompute, or swap to the swap pool).", labels=["priority", "mode"])
+        by = CounterMetricFamily("ruvllm_preemptions", "Preemptions by the preempted request's priority (those "
+                                 "beyond +-100 counted at +-100) and by mode (recompute, or swap to the swap "
+                                 "pool).", labels=["priority", "mode"])
         for priority, mode, count in s.preemptions_by:
             by.add_metric([str(priority), mode], count)
         yield by

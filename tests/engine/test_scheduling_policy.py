@@ -92,6 +92,20 @@ def test_priority_preempts_the_worst_running_request_for_blocks():
     assert s.preemptions[(1, "recompute")] >= 1 and (0, "recompute") not in s.preemptions
 
 
+def test_preemptions_count_priorities_beyond_a_hundred_at_a_hundred():
+    """/metrics labels them by priority, which a client picks: each new one had added a
+    series for good (a helper's pass: 50 after five rounds of 12 requests)."""
+    s = scheduler(blocks=6, seqs=4)
+    low_late = make(7, 0, priority=123_456, arrival=1000.2)
+    low_early = make(7, 100, priority=654_321, arrival=1000.1)
+    high = make(7, 200, priority=-5_000, arrival=1000.3)
+    for r in (low_late, low_early, high):
+        s.add(r)
+    for _ in range(3):
+        run_step(s)
+    assert set(s.preemptions) == {(100, "recompute")} and low_late.priority == 123_456
+
+
 def test_fcfs_preempts_the_latest_admitted():
     s = scheduler("fcfs", blocks=4)
     a, b = make(7, 0, priority=9), make(7, 100, priority=-9)
