@@ -227,6 +227,7 @@ class ModelPool:
             served = await in_daemon_thread(lambda: self._serve(load(adapters)))
         except Exception as error:  # noqa: BLE001 - every request for it answers with it
             entry.status, entry.error, entry.failed_at = ModelStatus.FAILED, one_line(error), time.monotonic()
+            entry.unload_asked = False   # asked of this load, which left nothing: not of the next one
             entry.counts["load_failures"] += 1
             self.report(f"{entry.name} failed to load: {entry.error}")
         else:

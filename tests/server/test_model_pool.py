@@ -196,6 +196,36 @@ def test_a_failed_load_is_a_503_in_the_routes_shape_and_retried_later(pool_serve
     assert statuses(live)["b"] == "loaded"
 
 
+def test_an_unload_asked_during_a_failed_load_does_not_unload_the_next_load(pool_server):
+    """A helper's pass: Ollama's unload (`keep_alive: 0`, no messages) sent while a load
+    that then failed ran stayed asked, and unloaded the next, good load at once."""
+    live, loads = pool_server(retry_after=0.2)
+    loads.failing.add("b")
+    loads.gate = threading.Event()
+    client = client_for(live)
+    failed: list[int] = []
+
+    def first_request() -> None:
+        try:
+            greedy(client, "b")
+        except openai.APIStatusError as error:
+            failed.append(error.status_code)
+
+    worker = threading.Thread(target=first_request)
+    worker.start()
+    wait_for(lambda: statuses(live)["b"] == "loading")
+    unload = httpx.post(live.url + "/api/chat", json={"model": "b", "messages": [], "keep_alive": 0}, timeout=30)
+    assert unload.status_code == 200, unload.text
+    loads.gate.set()
+    worker.join(60)
+    assert failed == [503] and statuses(live)["b"] == "failed"
+    loads.failing.clear()
+    time.sleep(0.3)
+    assert greedy(client, "b")
+    time.sleep(0.5)
+    assert statuses(live)["b"] == "loaded"
+
+
 def test_keep_alive_zero_unloads_a_model_when_its_last_request_ends(pool_server):
     live, loads = pool_server(keep_alive=0)
     greedy(client_for(live), "a")
