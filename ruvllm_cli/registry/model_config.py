@@ -77,8 +77,45 @@ def _language_config(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+# Fields of config.json that the loaders and the model classes read, by type. A value of
+# another type had loaded ("rms_norm_eps": "1e-06" failed the first request's step with a
+# TypeError, and the second stopped the server; "tie_word_embeddings": "false" tied the
+# head, since a string is true): transformers 5 refuses both too.
+_INTEGERS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "vocab_size", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
+             "sliding_window", "max_window_layers", "n_embd", "n_layer", "n_head", "n_head_kv", "n_inner",
+             "n_positions")
+_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "partial_rotary_factor")
+_BOOLEANS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def check_field_types(raw: dict[str, Any], source: str = "config.json") -> None:
+    """A ModelLoadError naming the first field of `_INTEGERS`, `_NUMBERS`, `_BOOLEANS` or
+    `_TOKEN_IDS` whose value has another type (a missing or null field is left to the
+    defaults)."""
+    cfg = _language_config(raw)
+
+    def integer(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    rules = ((_INTEGERS, integer, "an integer"),
+             (_NUMBERS, lambda v: integer(v) or isinstance(v, float), "a number"),
+             (_BOOLEANS, lambda v: isinstance(v, bool), "true or false"),
+             (_TOKEN_IDS, lambda v: integer(v) or (isinstance(v, list) and all(integer(i) for i in v)),
+              "a token id or a list of them"))
+    for names, fits, kind in rules:
+        for name in names:
+            value = cfg.get(name)
+            if value is not None and not fits(value):
+                raise ModelLoadError(f"{source}: {name} must be {kind}, not {json.dumps(value)}",
+                                     "the model's config.json is damaged or hand-edited: fix that field")
+
+
 def shape_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelShape:
-    """Builds a `ModelShape` from a parsed config; raises ModelLoadError if numbers are missing."""
+    """Builds a `ModelShape` from a parsed config; raises ModelLoadError if numbers are
+    missing or a field has the wrong type (`check_field_types`)."""
+    check_field_types(raw, source)
     cfg = _language_config(raw)
     architectures = raw.get("architectures") or cfg.get("architectures") or []
     model_type = cfg.get("model_type") or raw.get("model_type")
@@ -146,7 +183,9 @@ def read_model_dir_config(path: Path) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a model directory (no config.json)",
                              "download the model first: ruvllm download MODEL")
-    return read_config_json(path / "config.json")
+    raw = read_config_json(path / "config.json")
+    check_field_types(raw, str(path / "config.json"))
+    return raw
 
 
 def read_model_config(path: Path) -> ModelShape:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import queue
 import re
 import signal
@@ -59,6 +61,28 @@ def test_a_broken_config_fails_before_listening(ruvllm: Run, free_port: int, tmp
     result = ruvllm("serve", str(tmp_path), "--port", str(free_port), timeout=60)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [f"Error: {error.format(config=config)}"]
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("rms_norm_eps", "1e-06", "a number"),           # loaded, then a step's TypeError stopped the server
+    ("tie_word_embeddings", "false", "true or false"),   # loaded, and a string is true: the head tied
+    ("num_hidden_layers", "two", "an integer"),       # "ValueError: invalid literal for int()"
+    ("eos_token_id", [2, "x"], "a token id or a list of them"),
+])
+def test_a_config_field_of_the_wrong_type_fails_before_listening(ruvllm: Run, free_port: int, tmp_path: Path,
+                                                                field: str, value: object, kind: str) -> None:
+    """A helper's pass: a number written as a string in config.json loaded, and the
+    first requests failed with a TypeError, the second stopping the engine."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "vocab_size": 512, field: value}))
+    result = ruvllm("serve", str(tmp_path), "--port", str(free_port), timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"Error: {config}: {field} must be {kind}, not {json.dumps(value)}",
+        "Hint: the model's config.json is damaged or hand-edited: fix that field"]
+    info = ruvllm("info", str(tmp_path))
+    assert info.returncode == 1 and f"{field} must be {kind}" in info.stderr and "Traceback" not in info.stderr
 
 
 def test_a_damaged_gguf_fails_before_listening(ruvllm: Run, free_port: int, tmp_path: Path) -> None:
