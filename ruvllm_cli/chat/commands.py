@@ -297,6 +297,8 @@ def is_command(line: str) -> bool:
 
 def run_command(conv: Conversation, line: str) -> Action:
     """Run one `/command args` line; UsageError for an unknown command (with a suggestion)."""
+    if "\0" in line:   # a path with one raised ValueError, which ended the chat
+        raise UsageError("a command must not contain a NUL character")
     name, _, arg = line.strip()[1:].partition(" ")
     command = lookup(name)
     if command is None:
@@ -349,11 +351,11 @@ def file_names(word: str) -> list[str]:
     """Paths that complete `word` as typed (directories end in `/`; hidden files only
     once a `.` is typed)."""
     head, _, stem = word.rpartition("/")
-    directory = Path(head or ("/" if word.startswith("/") else ".")).expanduser()
     prefix = f"{head}/" if head or word.startswith("/") else ""
     try:
+        directory = Path(head or ("/" if word.startswith("/") else ".")).expanduser()
         entries = sorted(directory.iterdir())
-    except OSError:
+    except (OSError, RuntimeError, ValueError):   # RuntimeError: ~user with no home directory
         return []
     return [prefix + entry.name + ("/" if entry.is_dir() else "") for entry in entries
             if entry.name.startswith(stem) and (stem.startswith(".") or not entry.name.startswith("."))]

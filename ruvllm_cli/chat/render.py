@@ -107,11 +107,11 @@ class TerminalRenderer:
         self._thinking = False   # reasoning is on screen and the answer has not begun
 
     def banner(self, description: str, session: "ChatSession", adapters: Sequence[str] = ()) -> None:
-        self.console.print(f"[bold]ruvllm chat[/bold] · {escape(description)}")
+        self.console.print(f"[bold]ruvllm chat[/bold] · {escape(terminal_safe(description))}")
         if session.system_prompt:
-            self.console.print(f"[dim]System: {escape(session.system_prompt)}[/dim]")
+            self.console.print(f"[dim]System: {escape(terminal_safe(session.system_prompt))}[/dim]")
         if adapters:
-            self.console.print(f"[dim]{escape(format_adapters(session.adapter, adapters))}[/dim]")
+            self.console.print(f"[dim]{escape(terminal_safe(format_adapters(session.adapter, adapters)))}[/dim]")
         if session.structured is not None:
             self.console.print(f"[dim]{escape(format_structured(session.structured))}[/dim]")
         self.console.print('[dim]/help for commands · """ for multi-line input · '
@@ -158,18 +158,20 @@ class TerminalRenderer:
     def rows(self, rows: list[tuple[str, str]]) -> None:
         width = max((len(key) for key, _ in rows), default=0)
         for key, value in rows:
-            self.console.print(f"  [bold]{escape(key.ljust(width))}[/bold]  {escape(value)}")
+            self.console.print(f"  [bold]{escape(key.ljust(width))}[/bold]  {escape(terminal_safe(value))}")
 
+    # Notices quote what a user or a loaded chat file wrote (a model's name, an adapter's,
+    # an unknown command): each goes through terminal_safe, as the reply does.
     def info(self, message: str) -> None:
         self.console.print(escape(terminal_safe(message)))
 
     def warn(self, message: str) -> None:
-        self.console.print(f"[yellow]Warning:[/yellow] {escape(message)}")
+        self.console.print(f"[yellow]Warning:[/yellow] {escape(terminal_safe(message))}")
 
     def error(self, message: str, hint: str | None = None) -> None:
-        self.console.print(f"[bold red]Error:[/bold red] {escape(message)}")
+        self.console.print(f"[bold red]Error:[/bold red] {escape(terminal_safe(message))}")
         if hint:
-            self.console.print(f"[dim]Hint: {escape(hint)}[/dim]")
+            self.console.print(f"[dim]Hint: {escape(terminal_safe(hint))}[/dim]")
 
 
 class PipeRenderer:
@@ -184,11 +186,19 @@ class PipeRenderer:
         self._held: list[str] = []
         self._thinking = False
 
+    @staticmethod
+    def _shown(text: str, stream: object) -> str:
+        """The model's text as written, for a file or a pipe (a script gets its bytes);
+        through terminal_safe where the stream is a terminal (`echo hi | ruvllm chat M`
+        typed in a shell: the model's escape sequences had reached it)."""
+        isatty = getattr(stream, "isatty", None)
+        return terminal_safe(text) if isatty is not None and isatty() else text
+
     def reply_reasoning(self, text: str) -> None:
         """A reasoning model's reasoning goes to stderr: stdout holds the answer alone."""
         if self.show_reasoning:
             self._thinking = True
-            sys.stderr.write(text)
+            sys.stderr.write(self._shown(text, sys.stderr))
             sys.stderr.flush()
 
     def _end_thinking(self) -> None:
@@ -202,7 +212,7 @@ class PipeRenderer:
         if self.whole:
             self._held.append(text)
             return
-        sys.stdout.write(text)
+        sys.stdout.write(self._shown(text, sys.stdout))
         sys.stdout.flush()
 
     def reply_end(self, reply: "Reply", max_tokens: int) -> None:
@@ -214,7 +224,7 @@ class PipeRenderer:
         if self.whole and reply.finish_reason is FinishReason.LENGTH:
             self.info(f"The reply so far: {held}")
         else:
-            sys.stdout.write(held + "\n")
+            sys.stdout.write(self._shown(held, sys.stdout) + "\n")
         sys.stdout.flush()
         if reply.interrupted:
             self.warn("interrupted; the reply above is partial")
@@ -226,12 +236,12 @@ class PipeRenderer:
             self.info(f"{key}: {value}")
 
     def info(self, message: str) -> None:
-        self.notices.print(escape(message))
+        self.notices.print(escape(terminal_safe(message)))
 
     def warn(self, message: str) -> None:
-        self.notices.print(f"[yellow]Warning:[/yellow] {escape(message)}")
+        self.notices.print(f"[yellow]Warning:[/yellow] {escape(terminal_safe(message))}")
 
     def error(self, message: str, hint: str | None = None) -> None:
-        self.notices.print(f"[bold red]Error:[/bold red] {escape(message)}")
+        self.notices.print(f"[bold red]Error:[/bold red] {escape(terminal_safe(message))}")
         if hint:
-            self.notices.print(f"[dim]Hint: {escape(hint)}[/dim]")
+            self.notices.print(f"[dim]Hint: {escape(terminal_safe(hint))}[/dim]")

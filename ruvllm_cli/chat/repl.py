@@ -7,8 +7,13 @@ turns into a cancel; Ctrl-D on an empty line (EOFError) says goodbye.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import os
+import signal
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion
@@ -17,7 +22,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 
 from ruvllm_cli.chat.commands import Action, completions, is_command, run_command
 from ruvllm_cli.chat.conversation import Conversation
-from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.errors import RuvllmError, UsageError
 
 PROMPT = "You> "
 CONTINUATION = "... "
@@ -43,10 +48,50 @@ def open_history(path: Path) -> tuple[History, str | None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600, exist_ok=True)   # what was typed: as private as saved chats
+        # touch succeeds on a directory and on an owner's read-only file (it sets times):
+        # prompt-toolkit's appends then failed with a traceback at every prompt.
+        with open(path, "ab"):
+            pass
     except OSError as error:
         return InMemoryHistory(), (f"cannot write the history file {path} ({error.strerror or error}); "
                                    "this session's input is not kept")
     return FileHistory(str(path)), None
+
+
+def check_text(text: str) -> None:
+    """Refuse input that is not UTF-8: a terminal in another encoding (latin-1's "é")
+    reaches Python as surrogate escapes, which no tokenizer takes and no file holds
+    (every message failed with the tokenizer's own words, and /save ended the chat)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("the input is not UTF-8 text", "set the terminal's encoding to UTF-8") from None
+
+
+@contextmanager
+def terminal_restored_on_sigterm() -> Iterator[None]:
+    """Killed at the prompt (prompt-toolkit keeps the terminal raw there), the terminal
+    gets its settings back before the process goes, as `reply.typed_ahead_unechoed`
+    does during a reply (it had been left without echo or Ctrl-C)."""
+    import termios
+
+    try:
+        fd = sys.stdin.fileno()
+        before = termios.tcgetattr(fd)
+    except (OSError, ValueError, termios.error):   # not a terminal
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def block_text(first: str, lines: list[str]) -> str:
@@ -68,21 +113,23 @@ class ChatRepl:
     def run(self) -> None:
         """Prompt, answer, repeat, until Ctrl-D or /quit."""
         renderer = self.conversation.renderer
-        while True:
-            try:
-                text, typed_line = self.read_message()
-            except KeyboardInterrupt:
-                continue
-            except EOFError:
-                break
-            if text.strip() and self.handle(text, command=typed_line) is Action.QUIT:
-                break
+        with terminal_restored_on_sigterm():
+            while True:
+                try:
+                    text, typed_line = self.read_message()
+                except KeyboardInterrupt:
+                    continue
+                except EOFError:
+                    break
+                if text.strip() and self.handle(text, command=typed_line) is Action.QUIT:
+                    break
         renderer.info("Goodbye.")
 
     def handle(self, text: str, command: bool = True) -> Action:
         """A slash command (`command`: the text came as one typed line) or a message."""
         renderer = self.conversation.renderer
         try:
+            check_text(text)
             if command and is_command(text):
                 return run_command(self.conversation, text)
             self.conversation.send(text.strip())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -325,14 +326,31 @@ class ChatSession:
         return str(data.get("model") or "")
 
 
+# No chat file is this big (a 4,096-token context is about 16 KB of text); a larger one
+# is read no further (`/load /dev/zero` had read until the kernel killed the chat).
+MAX_CHAT_FILE = 256 * 2**20
+
+
 def read_chat_file(path: Path) -> dict[str, Any]:
     try:
+        found = path.stat()
+        if stat.S_ISDIR(found.st_mode):
+            raise RuvllmError(f"{path} is a directory, not a chat file", "give a file: /load <file>")
+        if not stat.S_ISREG(found.st_mode):   # a FIFO blocked the chat, a device read forever
+            raise RuvllmError(f"{path} is not a regular file")
+        if found.st_size > MAX_CHAT_FILE:
+            raise RuvllmError(f"{path} is {found.st_size / 2**20:.0f} MiB: larger than any chat file")
         data = json.loads(path.read_text(encoding="utf-8"))
+        # JSON's \ud800 escapes make lone surrogates, which no tokenizer or file takes:
+        # refused here, where they had failed every message and then /save ended the chat.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
     except FileNotFoundError:
         raise RuvllmError(f"no chat file at {path}") from None
+    except UnicodeEncodeError:
+        raise RuvllmError(f"{path} holds text that is not Unicode (a lone surrogate escape)") from None
     except (OSError, UnicodeDecodeError) as error:
-        raise RuvllmError(f"cannot read {path}: {error}") from None
-    except json.JSONDecodeError as error:
+        raise RuvllmError(f"cannot read {path}: {getattr(error, 'strerror', None) or error}") from None
+    except (json.JSONDecodeError, RecursionError) as error:
         raise RuvllmError(f"{path} is not JSON: {error}") from None
     if not isinstance(data, dict) or data.get("format") != FILE_FORMAT:
         raise RuvllmError(f"{path} is not a ruvllm chat file", "save one with /save")

@@ -25,9 +25,21 @@ if TYPE_CHECKING:
     from ruvllm_cli.engine.grammar import GrammarSpec
 
 
+def utf8_text(value: str | None) -> str | None:
+    """An argument that must reach the tokenizer: UTF-8 text (a shell in another encoding
+    passes bytes Python holds as surrogate escapes, which failed every message with the
+    tokenizer's own words)."""
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise click.BadParameter("not UTF-8 text") from None
+    return value
+
+
 @click.command("chat")
 @click.argument("model", shell_complete=complete_model)
-@click.option("-s", "--system", help="System prompt.")
+@click.option("-s", "--system", help="System prompt.", callback=lambda ctx, param, value: utf8_text(value))
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Most tokens per reply.")
 @click.option("-t", "--temperature", type=FiniteFloatRange(0.0, 2.0), default=None,

@@ -540,3 +540,94 @@ def test_control_characters_never_reach_the_terminal() -> None:
 
     assert terminal_safe("a\x1b]52;c;aGk=\x07b\tc\r\nd\x9b31m\x00") == "a\\x1b]52;c;aGk=\\x07b\tc\nd\\x9b31m\\x00"
     assert terminal_safe("中文 é ✓") == "中文 é ✓"
+
+
+# ---- a helper's pass over the REPL (each of these had ended the chat or left it broken) ----
+
+def test_load_refuses_what_is_not_a_regular_file_or_not_unicode(conv: Conversation, tmp_path: Path) -> None:
+    """/load /dev/zero read until the kernel killed the chat; a FIFO blocked it; a file's
+    \\ud800 escape loaded, failed every message, and /save then ended the chat."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, message in ((Path("/dev/zero"), "is not a regular file"), (fifo, "is not a regular file"),
+                          (tmp_path, "is a directory, not a chat file")):
+        with pytest.raises(RuvllmError, match=message):
+            run_command(conv, f"/load {path}")
+    lone = tmp_path / "surrogate.json"
+    lone.write_text('{"format": "ruvllm-chat", "version": 1, "model": "tiny", "messages": '
+                    '[{"role": "user", "content": "lone \\ud800 surrogate"}]}')
+    with pytest.raises(RuvllmError, match="not Unicode"):
+        run_command(conv, f"/load {lone}")
+    assert conv.session.messages == []
+
+
+def test_text_that_is_not_utf8_or_a_nul_in_a_command_is_one_error() -> None:
+    """A latin-1 terminal's "é" arrives as a surrogate escape: every message failed in the
+    tokenizer and /save ended the chat; a NUL in a pasted path raised ValueError."""
+    from ruvllm_cli.chat.repl import ChatRepl
+
+    class Conversation_:
+        renderer = RecordingRenderer()
+
+    repl = ChatRepl.__new__(ChatRepl)
+    repl.conversation = Conversation_()   # type: ignore[assignment]
+    assert repl.handle("/system caf\udce9 prompt") is Action.CONTINUE
+    assert repl.handle("caf\udce9", command=False) is Action.CONTINUE
+    assert repl.handle("/save sv/a\0b.json") is Action.CONTINUE
+    assert Conversation_.renderer.lines == ["Error: the input is not UTF-8 text"] * 2 + [
+        "Error: a command must not contain a NUL character"]
+
+
+def test_a_history_file_that_is_a_directory_falls_back_to_memory(tmp_path: Path) -> None:
+    """touch() succeeds on a directory: prompt-toolkit then printed a traceback and
+    "Press ENTER to continue..." at every prompt."""
+    from prompt_toolkit.history import InMemoryHistory
+
+    from ruvllm_cli.chat.repl import open_history
+
+    (tmp_path / "chat_history").mkdir()
+    history, problem = open_history(tmp_path / "chat_history")
+    assert isinstance(history, InMemoryHistory) and problem is not None and "Is a directory" in problem
+
+
+def test_completion_of_a_path_under_an_unknown_user_is_nothing() -> None:
+    from ruvllm_cli.chat.commands import file_names
+
+    assert file_names("~no_such_user_ruvllm/") == []
+
+
+def test_notices_quote_a_loaded_file_s_text_through_terminal_safe() -> None:
+    """A chat file's model name reached the terminal as escape sequences (a title, an OSC
+    52 clipboard write) through the warning that quotes it."""
+    import io
+
+    from rich.console import Console
+
+    from ruvllm_cli.chat.render import PipeRenderer, TerminalRenderer
+
+    for make in (lambda c: TerminalRenderer(c), lambda c: PipeRenderer(c)):
+        buffer = io.StringIO()
+        renderer = make(Console(file=buffer, force_terminal=False, width=200))
+        renderer.warn("it was saved with evil\x1b]0;PWNED\x1b\\")
+        renderer.error("unknown command /x\x1b]52;c;aGk=\x07", "hint\x1b[5m")
+        renderer.info("model \x1b[31mred")
+        assert "\x1b" not in buffer.getvalue() and "\\x1b]0;PWNED" in buffer.getvalue()
+
+
+def test_a_piped_reply_to_a_terminal_goes_through_terminal_safe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`echo hi | ruvllm chat M` typed in a shell wrote the model's ESC and SO bytes to the
+    terminal; to a file or a pipe the reply stays byte for byte."""
+    import io
+
+    from rich.console import Console
+
+    from ruvllm_cli.chat.render import PipeRenderer
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, expected in ((Terminal(), "a\\x1bhb\\x0ec"), (io.StringIO(), "a\x1bhb\x0ec")):
+        monkeypatch.setattr("sys.stdout", stream)
+        PipeRenderer(Console(file=io.StringIO())).reply_text("a\x1bhb\x0ec")
+        assert stream.getvalue() == expected

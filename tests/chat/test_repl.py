@@ -7,6 +7,7 @@ command output, the files written, the exit status.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -176,3 +177,30 @@ def test_stdin_a_terminal_and_stdout_piped_is_one_clear_error(tiny_model_dir: Pa
         os.close(secondary)
     assert done.returncode == 2 and done.stdout == ""
     assert "needs a terminal on stdout" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigterm_at_the_prompt_gives_the_terminal_back(tiny_model_dir: Path, cli_env: dict[str, str],
+                                                       tmp_path: Path) -> None:
+    """A helper's pass: killed at the `You>` prompt (prompt-toolkit keeps the terminal raw
+    there), the shell was left without echo, line editing or Ctrl-C."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    env = {**cli_env, "TERM": "xterm", "PROMPT_TOOLKIT_NO_CPR": "1"}
+    chat = shlex.join([sys.executable, "-m", "ruvllm_cli", "chat", str(tiny_model_dir), "-q", "none",
+                       "--cache-dir", str(tmp_path / "chat-cache")])
+    child = pexpect.spawn("bash", ["-c", f"{chat}; echo EXIT=$?; stty -a"], cwd=str(tmp_path), env=env,
+                          encoding="utf-8", codec_errors="replace", dimensions=(24, 100), timeout=60)
+    try:
+        child.expect(PROMPT)
+        pid = int(subprocess.run(["pgrep", "-P", str(child.pid)], capture_output=True, text=True).stdout.split()[0])
+        os.kill(pid, signal.SIGTERM)
+        child.expect(r"EXIT=(\d+)")
+        assert child.match.group(1) == "143"
+        child.expect(pexpect.EOF)
+        settings = child.before.split()
+        assert {"isig", "icanon", "echo"} <= set(settings), child.before
+    finally:
+        child.close(force=True)
