@@ -298,13 +298,16 @@ class ChatSession:
     def load(self, path: Path) -> str:
         """Replace system prompt, parameters, adapter and messages with a saved chat's;
         returns the model it was saved with. Nothing changes when the file is bad. The
-        adapter is taken as saved: whether it is loaded is the caller's to check."""
+        adapter is taken as saved: whether it is loaded is the caller's to check.
+        Parameters the file leaves out keep their values (a file without any had reset
+        them to the built-in defaults, not the command line's or the model's)."""
         data = read_chat_file(path)
         try:
             parameters = data.get("parameters") or {}
             if not isinstance(parameters, Mapping):
                 raise UsageError("parameters must be an object of name: value")
-            settings = ChatSettings.from_dict(parameters)
+            given = ChatSettings.from_dict(parameters)
+            settings = self.settings.replace(**{name: getattr(given, name) for name in parameters})
             if settings.max_tokens > self.context_limit:   # as /max refuses it
                 raise UsageError(f"max_tokens {settings.max_tokens} is beyond the model's "
                                  f"{self.context_limit}-token context")

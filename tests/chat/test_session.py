@@ -232,6 +232,19 @@ def test_a_bad_chat_file_changes_nothing(template: Any, tmp_path: Path, content:
     assert session.settings == ChatSettings()
 
 
+def test_parameters_a_chat_file_leaves_out_keep_their_values(template: Any, tmp_path: Path) -> None:
+    """A helper's pass: a file without parameters reset them to the built-in defaults
+    (max_tokens 512, beyond a small model's context: such a file could not load)."""
+    session = make_session(template, settings=ChatSettings(max_tokens=6, seed=3))
+    path = tmp_path / "partial.json"
+    path.write_text('{"format": "ruvllm-chat", "version": 1, "parameters": {"temperature": 0.5}}')
+    session.load(path)
+    assert session.settings == ChatSettings(max_tokens=6, seed=3, temperature=0.5)
+    path.write_text('{"format": "ruvllm-chat", "version": 1, "messages": []}')
+    session.load(path)
+    assert session.settings == ChatSettings(max_tokens=6, seed=3, temperature=0.5)
+
+
 def test_loading_a_missing_file_says_so(template: Any, tmp_path: Path) -> None:
     with pytest.raises(RuvllmError, match="no chat file at"):
         make_session(template).load(tmp_path / "nope.json")
