@@ -148,6 +148,10 @@ class ChatRepl:
         line = self.prompt.prompt(PROMPT)
         if not line.strip().startswith(BLOCK):
             return line, "\n" not in line.strip()
+        pasted = line.strip()
+        if "\n" in pasted:   # a paste is one message even where it starts with """ (a module's docstring)
+            whole_block = pasted.endswith(BLOCK) and len(pasted) >= 2 * len(BLOCK)
+            return (block_text(pasted[len(BLOCK):-len(BLOCK)], []) if whole_block else pasted), False
         first = line.strip()[len(BLOCK):]
         if first.rstrip().endswith(BLOCK):
             return first.rstrip()[:-len(BLOCK)].strip(), False

@@ -155,7 +155,11 @@ def test_a_block_or_a_paste_starting_with_a_slash_is_a_message(spawn_chat: Calla
     child.sendcontrol("d")
     child.expect(STATS)
     child.expect(PROMPT)
-    run(child, "/history", "You: /etc/hosts is empty, why\\?", "You: // explain this", "You: ended by ctrl-d")
+    # A paste that starts with """ (a module's docstring) is sent whole: it had opened a block
+    child.send('\x1b[200~"""Module doc."""\nimport os\x1b[201~')
+    run(child, "", STATS)
+    run(child, "/history", "You: /etc/hosts is empty, why\\?", "You: // explain this", "You: ended by ctrl-d",
+        'You: """Module doc."""\r?\nimport os')
     child.sendline("/quit")
     child.expect(pexpect.EOF)
 
