@@ -62,7 +62,9 @@ class RopeTable:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.tabled or last < 0:
-            cos, sin = self.rotary(x, positions)
+            # each decode is a sequence of its own (longrope's choice is per sequence)
+            each = {"furthest": positions} if isinstance(self.rotary, native.RotaryEmbedding) else {}
+            cos, sin = self.rotary(x, positions, **each)
             return cos.contiguous(), sin.contiguous()
         table = self.tables.get(x.dtype)
         if table is None or table[0].shape[0] <= last:

@@ -201,21 +201,44 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.attention_scaling = attention_factor(config)
-        # longrope: a step whose furthest position passes the original length takes the
-        # long set, for all its tokens, as transformers' module does.
+        # longrope: a sequence whose furthest position in the step passes the original
+        # length takes the long set, for all its tokens, as transformers' module does for
+        # its one sequence; each sequence of a batched step by its own (`furthest`).
         longrope = config.rope_parameters["rope_type"] == "longrope"
         self.long_inv_freq = inverse_frequencies(config, long=True) if longrope else None
         self.original_length = config.rope_parameters.get("original_max_position_embeddings", 0)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, T, D] in x's dtype for positions [1, T]."""
-        inv_freq = self.inv_freq
-        if self.long_inv_freq is not None and int(position_ids.max()) + 1 > self.original_length:
-            inv_freq = self.long_inv_freq
-        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                furthest: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, D] in x's dtype for positions [1, T]. `furthest` [1, T]: the
+        furthest position in this step of each token's sequence (longrope's choice; all
+        the tokens one sequence when None). A batch had taken the long set for every
+        sequence once one passed the original length: a short request's tokens changed
+        with its neighbours (a helper's pass)."""
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float)
+        if self.long_inv_freq is not None:
+            furthest = position_ids.max().view(1, 1) if furthest is None else furthest
+            long = furthest + 1 > self.original_length
+            long_inv_freq = self.long_inv_freq.to(device=x.device, dtype=torch.float)
+            if bool(long.all()):
+                inv_freq = long_inv_freq
+            elif bool(long.any()):   # per token: the same products as a set for all
+                inv_freq = torch.where(long[..., None], long_inv_freq, inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def sequence_furthest(position_ids: torch.Tensor, step: StepMetadata | None) -> torch.Tensor | None:
+    """[1, T]: each packed token's sequence's furthest position in the step (a decode's
+    own; a prefill chunk's last), or None without step metadata (one sequence)."""
+    if step is None:
+        return None
+    furthest = position_ids.clone()
+    for segment in step.prefills:
+        furthest[0, segment.start:segment.start + segment.length] = segment.context_len + segment.length - 1
+    return furthest
 
 
 class RMSNorm(nn.Module):
@@ -349,7 +372,7 @@ class DecoderModel(nn.Module):
                 **_: Any) -> DecoderOutput:
         """input_ids, position_ids [1, T]: the step's packed tokens (engine/model_runner.py)."""
         hidden_states = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(hidden_states, position_ids)
+        cos, sin = self.rotary_emb(hidden_states, position_ids, sequence_furthest(position_ids, ruvllm_step))
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, ruvllm_step)
         return DecoderOutput(self.norm(hidden_states))

@@ -155,6 +155,22 @@ def _engine_steps(loaded, fused: bool = False):
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)], steps, engine.runner.fused_steps
 
 
+def _alone(loaded):
+    """Greedy tokens of the prompts that stay within longrope's original length (32
+    positions), each run alone: transformers' longrope module picks its frequencies by
+    the furthest position of the whole step, so batched it changes a short request's
+    tokens once another passes the original length; ours picks them per sequence. (A
+    request that passes it depends on where its prompt's chunks fall, alone or not.)"""
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.F32, fused_decode=False))
+    short = [prompt for prompt in PROMPTS if len(prompt) + GREEDY.max_tokens <= 32]
+    assert len(short) == 2
+    return [engine.generate([prompt], GREEDY)[0].token_ids for prompt in short]
+
+
+def _short(tokens):
+    return [t for prompt, t in zip(PROMPTS, tokens) if len(prompt) + GREEDY.max_tokens <= 32]
+
+
 def test_logits_are_bit_identical_to_transformers_classes(family_dir, monkeypatch):
     ours, theirs = _load(family_dir, monkeypatch, ours=True), _load(family_dir, monkeypatch, ours=False)
     assert isinstance(ours.model, native.NativeForCausalLM)
@@ -162,6 +178,9 @@ def test_logits_are_bit_identical_to_transformers_classes(family_dir, monkeypatc
     assert ours.model.state_dict().keys() == theirs.model.state_dict().keys()
     assert torch.equal(prefill_logits(ours.model, PROMPTS[1]), prefill_logits(theirs.model, PROMPTS[1]))
     our_tokens, our_steps, _ = _engine_steps(ours)
+    if ours.model.model.rotary_emb.long_inv_freq is not None:   # longrope: per sequence (`_alone`)
+        assert _short(our_tokens) == _alone(theirs) != _short(_engine_steps(theirs)[0])
+        return
     their_tokens, their_steps, _ = _engine_steps(theirs)
     assert our_tokens == their_tokens
     assert len(our_steps) == len(their_steps) > GREEDY.max_tokens
@@ -175,6 +194,9 @@ def test_the_fused_step_on_our_classes_matches_transformers_classes(family_dir, 
     rounding (the C kernels sum in another order)."""
     ours, theirs = _load(family_dir, monkeypatch, ours=True), _load(family_dir, monkeypatch, ours=False)
     tokens, steps, fused_steps = _engine_steps(ours, fused=True)
+    if ours.model.model.rotary_emb.long_inv_freq is not None:   # longrope: per sequence (`_alone`)
+        assert fused_steps > 0 and _short(tokens) == _alone(theirs)
+        return
     reference_tokens, reference_steps, _ = _engine_steps(theirs)
     assert fused_steps > 0 and tokens == reference_tokens
     assert max((a - b).abs().max().item() for a, b in zip(steps, reference_steps)) < 1e-4
