@@ -185,7 +185,8 @@ def cmd_load(conv: Conversation, arg: str) -> None:
     adapter_before = session.adapter
     model = session.load(path)
     conv.last_reply = None
-    conv.renderer.info(f"Loaded {len(session.messages)} messages from {path}")
+    count = len(session.messages)
+    conv.renderer.info(f"Loaded {count} message{'' if count == 1 else 's'} from {path}")
     if session.awaits_reply:
         conv.renderer.info("Its last message has no reply yet: /retry answers it.")
     if model and model != session.model:
@@ -299,10 +300,12 @@ def run_command(conv: Conversation, line: str) -> Action:
     """Run one `/command args` line; UsageError for an unknown command (with a suggestion)."""
     if "\0" in line:   # a path with one raised ValueError, which ended the chat
         raise UsageError("a command must not contain a NUL character")
-    name, _, arg = line.strip()[1:].partition(" ")
+    name, arg = (line.strip()[1:].split(maxsplit=1) + ["", ""])[:2]   # any whitespace: "/temp\t0.5"
     command = lookup(name)
     if command is None:
         raise unknown_command(name)
+    if arg and not command.args:   # "/clear all" had cleared, "/q later" quit
+        raise UsageError(f"/{command.name} takes no arguments", f"type /{command.name} alone")
     return command.handler(conv, arg.strip()) or Action.CONTINUE
 
 

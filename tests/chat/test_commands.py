@@ -631,3 +631,15 @@ def test_a_piped_reply_to_a_terminal_goes_through_terminal_safe(monkeypatch: pyt
         monkeypatch.setattr("sys.stdout", stream)
         PipeRenderer(Console(file=io.StringIO())).reply_text("a\x1bhb\x0ec")
         assert stream.getvalue() == expected
+
+
+def test_arguments_split_on_any_whitespace_and_commands_without_any_refuse_them(conv: Conversation) -> None:
+    """A helper's pass: "/temp\\t0.5" was an unknown command; "/clear all" cleared and
+    "/q later" quit, their arguments dropped in silence."""
+    run_command(conv, "/temp\t0.5")
+    assert conv.session.settings.temperature == 0.5
+    conv.send("hello")
+    for line in ("/clear all", "/q later", "/help me"):
+        with pytest.raises(UsageError, match="takes no arguments"):
+            run_command(conv, line)
+    assert len(conv.session.messages) == 2
