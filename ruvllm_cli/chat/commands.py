@@ -61,6 +61,9 @@ def cmd_system(conv: Conversation, arg: str) -> None:
     elif arg:
         session.system_prompt = arg
         conv.renderer.info(f"System prompt set: {arg}")
+        warning = session.system_prompt_warning()
+        if warning:
+            conv.renderer.warn(warning)
     elif session.system_prompt:
         conv.renderer.info(f"System prompt: {session.system_prompt}")
     else:

@@ -195,6 +195,21 @@ class ChatSession:
         """Tokens of the conversation so far, system prompt included, as the model sees it."""
         return len(self.template(self.template_messages(), False))
 
+    def system_prompt_warning(self) -> str | None:
+        """A warning when the system prompt alone leaves no room in the context for a
+        message and its reply (it had been taken in silence, and every message then
+        refused as too long)."""
+        if not self.system_prompt:
+            return None
+        try:
+            used = len(self.template(self.template_messages([]), False))
+        except RuvllmError:   # a template that renders no conversation without a message
+            return None
+        if used < self.budget:
+            return None
+        return (f"the system prompt takes {used} tokens of the {self.context_limit}-token context, with "
+                f"{self.reply_reserve} kept for a reply: no message fits (shorten it; /system --clear removes it)")
+
     @property
     def reply_reserve(self) -> int:
         """Context tokens kept free for the next reply (never more than half the window)."""
@@ -243,8 +258,11 @@ class ChatSession:
         UsageError, with nothing dropped, when the latest message cannot fit even alone."""
         alone = self.template(self.template_messages(self.messages[self._last_turn_start():]), True)
         if len(alone) >= self.context_limit:
+            hint = "send a shorter message"
+            if self.system_prompt:
+                hint += ", or shorten the system prompt (/system --clear removes it)"
             raise UsageError(f"the message needs {len(alone)} tokens with the system prompt; "
-                             f"the context limit is {self.context_limit}", "send a shorter message")
+                             f"the context limit is {self.context_limit}", hint)
         ids, dropped = self.prompt_ids(), 0
         while len(ids) > self.budget and self._drop_oldest_turn():
             dropped += 1

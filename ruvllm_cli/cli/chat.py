@@ -224,6 +224,8 @@ def build_conversation(app: AppContext, opened: "OpenedEngine", loop: Any, optio
                           settings=resolve_settings(options, recommended_sampling(opened)),
                           structured=options["structured"], adapter=options["adapter"])
     out = app.output()
+    if (warning := session.system_prompt_warning()) is not None:
+        out.warn(warning)
     show = not options.get("hide_thinking", False)
     renderer = (TerminalRenderer(out.out, show_reasoning=show) if interactive
                 else PipeRenderer(out.err, whole=options["structured"] is not None, show_reasoning=show))

@@ -248,3 +248,18 @@ def test_parameters_a_chat_file_leaves_out_keep_their_values(template: Any, tmp_
 def test_loading_a_missing_file_says_so(template: Any, tmp_path: Path) -> None:
     with pytest.raises(RuvllmError, match="no chat file at"):
         make_session(template).load(tmp_path / "nope.json")
+
+
+def test_a_system_prompt_that_leaves_no_room_is_said_at_once(template: Any) -> None:
+    """A helper's pass: a system prompt longer than the context was taken in silence, and
+    every message then refused with "send a shorter message"."""
+    session = make_session(template, context_limit=320, settings=ChatSettings(max_tokens=64))
+    session.system_prompt = "Be brief."
+    assert session.system_prompt_warning() is None
+    session.system_prompt = " ".join(["S"] * 400)
+    warning = session.system_prompt_warning()
+    assert warning is not None and "of the 320-token context" in warning and "no message fits" in warning
+    session.add_user("hi")
+    with pytest.raises(UsageError, match="tokens with the system prompt") as caught:
+        session.fit_context()
+    assert "shorten the system prompt" in (caught.value.hint or "")
