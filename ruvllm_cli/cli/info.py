@@ -157,6 +157,13 @@ def gguf_record(path: Path, layout: GGUFLayout | ModelLoadError) -> dict[str, An
 
     if isinstance(layout, ModelLoadError):
         return {"path": str(path), "error": layout.message}
+    arch = layout.metadata.get("general.architecture")
+    if arch not in gguf_plan.STREAMED_ARCHS:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING   # 1 s, no torch: only here
+
+        if arch not in GGUF_CONFIG_MAPPING:   # info had said it loads through transformers, which refuses it
+            return {"path": str(path), "error": f"{path}: ruvllm and transformers read no GGUF file of "
+                                                f"architecture {arch}"}
     half = half_weights_expected()
     return {"path": str(path), "file_type": gguf_plan.label(layout),
             "default_quantization": gguf_plan.file_quantization(layout).value,

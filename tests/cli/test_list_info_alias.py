@@ -312,6 +312,20 @@ def test_info_local_gguf_file(ruvllm: Run, tmp_path: Path) -> None:
     assert error_lines(table.stderr) == [f"Error: {message}"] and "Warning" not in table.stderr
 
 
+def test_info_of_a_gguf_file_no_reader_takes_fails_as_its_load_would(ruvllm: Run, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """A helper's pass: an architecture neither ruvllm nor transformers' GGUF reader maps
+    showed "Loading: through transformers ..., dequantized whole" with exit 0, and chat
+    then failed on it."""
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    path = write_gguf(tiny_model_dir, tmp_path / "odd.gguf", arch="frobnicator")
+    result = ruvllm("info", str(path), "--json")
+    message = f"{path}: ruvllm and transformers read no GGUF file of architecture frobnicator"
+    assert result.returncode == 1 and json.loads(result.stdout)["gguf"] == [{"path": str(path), "error": message}]
+    assert error_lines(result.stderr) == [f"Error: {message}"]
+
+
 def test_info_gguf_says_what_each_tensor_becomes(ruvllm: Run, cli_env: dict[str, str], tiny_model_dir: Path,
                                                  tmp_path: Path) -> None:
     from ruvllm_cli.testing.tiny_gguf import write_gguf
