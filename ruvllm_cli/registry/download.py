@@ -165,9 +165,10 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
         raise DownloadError(f"the hub did not say which commit {repo_id}@{revision or DEFAULT_REVISION} is")
     tree = api.list_repo_tree(repo_id, revision=commit, recursive=True, repo_type="model")
     sizes = {entry.path: int(entry.size) for entry in tree if isinstance(entry, RepoFile)}
-    shards, done = None, set()
+    shards, done, ahead = None, set(), False
     if SAFETENSORS_INDEX in sizes and any(_is_root(n) and n.endswith(".safetensors") for n in sizes):
         # The index says which shards belong to the model, so it comes first.
+        ahead = force or not (cache.snapshot_dir(repo_id, commit) / SAFETENSORS_INDEX).is_file()
         index = _hf_download(repo_id, SAFETENSORS_INDEX, commit, cache, force=force, token=token,
                              tqdm_class=DownloadObserver().tqdm_class)
         shards, done = _index_shards(Path(index)), {SAFETENSORS_INDEX}
@@ -176,6 +177,8 @@ def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache
     names = [file_name] if file_name else plan_files(sizes, quantization, shards)
     records = [FileRecord(name, sizes[name]) for name in names]
     _fetch_files(repo_id, commit, records, cache, force=force, token=token, progress=progress, done=done)
+    if ahead:   # fetched before the others: not "already in the cache" in the summary
+        progress.fetched_ahead(FileRecord(SAFETENSORS_INDEX, sizes[SAFETENSORS_INDEX]))
     earlier = cache.find(repo_id, commit)
     if earlier is not None and _gguf_names(f.name for f in earlier.files) and _gguf_names(names):
         # Another quantization of the same GGUF repo commit: one manifest lists both.

@@ -36,6 +36,7 @@ class DownloadObserver:
                 pending: Sequence[FileRecord]) -> None: ...
     def file_started(self, record: FileRecord) -> None: ...
     def file_finished(self, record: FileRecord) -> None: ...
+    def fetched_ahead(self, record: FileRecord) -> None: ...   # fetched before `started` (the shards' index)
     def finished(self, model: DownloadedModel) -> None: ...
     def bar_opened(self, initial: int) -> None: ...
     def bar_advanced(self, n: int) -> None: ...
@@ -118,6 +119,7 @@ class DownloadProgress(DownloadObserver):
         self._transferred = 0  # bytes the client really wrote this run
         self._current_transferred = False
         self._fetched: list[FileRecord] = []
+        self._ahead = 0   # files fetched before the others (fetched_ahead)
         self._linked: list[FileRecord] = []
         self._start = time.monotonic()
         self._last_line = self._start
@@ -178,10 +180,15 @@ class DownloadProgress(DownloadObserver):
             verb = "fetched" if self._current_transferred else "linked "
             self.console.print(f"[dim]  {verb} {escape(record.name)} ({format_size(record.size)})[/dim]")
 
+    def fetched_ahead(self, record: FileRecord) -> None:
+        self._fetched.append(record)
+        self._transferred += record.size
+        self._ahead += 1
+
     def finished(self, model: DownloadedModel) -> None:
         self._stop()
         elapsed = max(time.monotonic() - self._start, 1e-6)
-        have = len(self._files) - len(self._pending) + len(self._linked)
+        have = len(self._files) - len(self._pending) - self._ahead + len(self._linked)
         speed = f" in {elapsed:.1f}s ({format_size(int(self._transferred / elapsed))}/s)" if self._fetched else ""
         self.console.print(f"Fetched {_files(len(self._fetched))} ({format_size(self._transferred)}){speed}; "
                            f"{have} already in the cache.")

@@ -319,6 +319,8 @@ def test_sharded_safetensors_take_exactly_the_indexed_shards(ruvllm: Run, fake_h
     snapshot = snapshot_of(isolated_env.cache_dir, repo_id, commit)
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(
         ["config.json", "tokenizer.json", "model.safetensors.index.json", *shards])
+    # The index comes first (it names the shards): it was said to be "1 already in the cache"
+    assert "Fetched 5 files " in result.stderr and "; 0 already in the cache." in result.stderr
 
 
 def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub, isolated_env) -> None:
