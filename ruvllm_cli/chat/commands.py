@@ -156,6 +156,8 @@ def _save_target(chats_dir: Path, arg: str) -> Path:
     try:
         if path.is_dir():
             return new_chat_path(path)
+        if arg.endswith("/"):   # a directory meant (Path drops the slash: it had written sv/a.json)
+            raise UsageError(f"cannot save to {arg}: no directory {path}", "create it first, or give another path")
         if path.is_symlink():
             path = path.resolve()
         if path.exists() and not path.is_file():

@@ -513,6 +513,9 @@ def test_save_never_replaces_what_is_not_a_regular_file(conv: Conversation, tmp_
     with pytest.raises(UsageError, match="no directory"):
         run_command(conv, f"/save {tmp_path / 'missing' / 'x.json'}")
     assert not (tmp_path / "missing").exists()
+    with pytest.raises(UsageError, match="no directory"):   # a directory meant: it had written the file x.json
+        run_command(conv, f"/save {tmp_path / 'x.json'}/")
+    assert not (tmp_path / "x.json").exists()
 
 
 @pytest.mark.parametrize("line", ["/load " + "x" * 300, "/save ~no_such_user_ruvllm/x.json",
