@@ -10,6 +10,7 @@ import atexit
 import difflib
 import gc
 import importlib
+import os
 import sys
 
 import click
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `ruvllm` console script."""
     atexit.unregister(_quick_exit)   # once, however often main runs in one process
     atexit.register(_quick_exit)
+    for name in ("stdout", "stderr"):   # closed by the shell (`>&-`): Python leaves None, which
+        if getattr(sys, name) is None:  # print() skips but a write raised AttributeError: discarded, as print does
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))
     app = AppContext()
     try:
         # Outside standalone mode click gives a command's click.exceptions.Exit back as

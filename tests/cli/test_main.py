@@ -289,3 +289,14 @@ main.main(["list"])
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-2:] == ["command's handler, frozen False", "frozen at the end True"]
+
+
+def test_a_closed_stdout_is_written_to_nowhere_not_an_error(env: dict[str, str]) -> None:
+    """`ruvllm list --json >&-` (and a piped chat so): Python leaves sys.stdout None, which
+    print() skips but a write had raised: "Error: AttributeError: 'NoneType' object..."."""
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "ruvllm_cli", "list", "--json"], cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and "AttributeError" not in done.stderr, done.stderr
