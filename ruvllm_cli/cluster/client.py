@@ -17,7 +17,6 @@ from collections import Counter
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import ray
-from ray.exceptions import RayActorError
 
 from ruvllm_cli.cluster.model_view import ModelView
 from ruvllm_cli.cluster.replica import ReplicaHello, ReplicaJob
@@ -33,6 +32,19 @@ RESEND_LIMIT = 2
 STATUS_PERIOD_S = 1.0       # how often the replicas' states are read from Serve's controller
 SNAPSHOT_TIMEOUT_S = 5.0    # a replica that does not answer /metrics within this is left out
 log = logging.getLogger("ruvllm.server")
+
+
+def _lost(error: BaseException) -> bool:
+    """Whether `error` says the replica (its process, worker or node) went, not that the
+    request failed in it: RayActorError, and Ray's OutOfMemoryError (its memory monitor
+    killed the worker), WorkerCrashedError, NodeDiedError..., Serve's replica or
+    deployment unavailability. Only RayActorError had been caught: a replica the memory
+    monitor killed was a 500, written into a started stream."""
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    if isinstance(error, (ray.exceptions.RayTaskError, ray.exceptions.TaskCancelledError)):
+        return False
+    return isinstance(error, (ray.exceptions.RayError, ReplicaUnavailableError, DeploymentUnavailableError))
 
 
 def replica_lost() -> ApiError:
@@ -76,7 +88,9 @@ class ReplicaStream:
             self._call = self._client.call_replica(self._job)
             try:
                 hello = await self._call.__anext__()
-            except RayActorError:
+            except Exception as error:  # noqa: BLE001 - sorted by _lost
+                if not _lost(error):
+                    raise
                 if attempt == RESEND_LIMIT:
                     raise replica_lost() from None
                 log.info("%s: its replica was gone before it started; sending it again", self.request_id)
@@ -90,11 +104,13 @@ class ReplicaStream:
         try:
             async for output in self._call:
                 yield output
-        except RayActorError:
-            raise replica_lost() from None
         except ray.exceptions.RayTaskError as error:   # the replica's code raised: the request failed
             yield RequestOutput(self.request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
                                 error=str(error).splitlines()[0])
+        except Exception as error:  # noqa: BLE001 - sorted by _lost
+            if not _lost(error):
+                raise
+            raise replica_lost() from None
 
 
 class RayEngineClient:

@@ -27,7 +27,7 @@ from ruvllm_cli.server.engine_client import EngineClient, EngineStream as Reques
 from ruvllm_cli.server.errors import ApiError, bad_request, json_response
 from ruvllm_cli.server.messages_api.protocol import parse_messages_request
 from ruvllm_cli.server.messages_api.responses import MessagesFormat
-from ruvllm_cli.server.middlewares import ARRIVED, CLIENT_GONE
+from ruvllm_cli.server.middlewares import ARRIVED, CLIENT_GONE, internal_error, log_internal_error
 from ruvllm_cli.server.metrics import CONTENT_TYPE, EngineSnapshot
 from ruvllm_cli.server.ollama_api.routes import add_ollama_routes
 from ruvllm_cli.server.openapi import openapi_document
@@ -344,6 +344,10 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             error = bridge.shutting_down()
         except ApiError as failed:   # a replica behind --replicas died mid-stream: a 503 event
             error = failed
+        except Exception as failed:  # noqa: BLE001 - the stream has begun: an error event, not a 500
+            # response written into its body (a client read "illegal chunk header")
+            log_internal_error(request, failed, get_state(request.app).config.verbose)
+            error = internal_error()
         for chunk in fmt.error_chunks(error) if error is not None else fmt.closing(choices):
             await sse.send(chunk)
         return await sse.close()

@@ -149,6 +149,29 @@ def test_an_internal_error_is_a_500_without_a_traceback(make_server, monkeypatch
     assert "internal error on GET /metrics: RuntimeError: boom" in caplog.text
 
 
+def test_an_internal_error_mid_stream_is_an_error_event_and_one_short_log_line(make_server, monkeypatch, caplog):
+    """A helper's pass with --replicas: a replica Ray's memory monitor killed raised an
+    error the stream did not catch, and the last-resort 500 was written into the
+    stream's body ("illegal chunk header"), with a 40 MB log line (Ray's process table)."""
+    from ruvllm_cli.server import routes
+
+    async def fail(sse, *args, **kwargs):
+        await sse.send({"id": "x", "object": "chat.completion.chunk", "choices": []})
+        raise RuntimeError("x" * 10_000 + "\nthe rest of a process table")
+
+    monkeypatch.setattr(routes, "send_outputs", fail)
+    live = make_server()
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 5, "stream": True}
+    with caplog.at_level("ERROR", logger="ruvllm.server"):
+        response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+    [line] = [r.getMessage() for r in caplog.records if "internal error" in r.getMessage()]
+    assert line.startswith("internal error on POST /v1/chat/completions: RuntimeError: xxx") and len(line) < 600
+    live.wait_idle()
+
+
 def test_in_flight_metrics_count_requests_and_their_sequences_apart(make_server):
     live = make_server()
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 900, "ignore_eos": True, "stream": True, "n": 3}
