@@ -31,6 +31,13 @@ class ModelFacts:
     described: str               # OpenedEngine.describe()
     kv_summary: str              # OpenedEngine.kv_summary()
     sampling_defaults: dict[str, float | int]   # the model's recommended sampling (LLMEngine's)
+    # What the routes read of an engine's config and memory besides (a priority under
+    # fcfs is a 400; Ollama's quantization_level and /api/ps size): one replica's.
+    scheduling_policy: str = "fcfs"
+    quantization: Any = None     # ruvllm_cli.quantization.Quantization
+    weight_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+    device: Any = None           # torch.device of the replica's engine
 
     @classmethod
     def of(cls, opened: Any) -> "ModelFacts":
@@ -38,7 +45,9 @@ class ModelFacts:
         engine = opened.engine
         return cls(engine.tokenizer, engine.loaded.model.config, engine.max_model_len, engine.vocab_size,
                    engine.config.max_num_seqs, engine.config.block_size, tuple(engine.loaded.eos_token_ids),
-                   tuple(engine.lora.names()), opened.describe(), opened.kv_summary(), engine.sampling_defaults)
+                   tuple(engine.lora.names()), opened.describe(), opened.kv_summary(), engine.sampling_defaults,
+                   engine.config.scheduling_policy, engine.config.quantization, engine.loaded.weight_bytes,
+                   engine.kv_cache_bytes, engine.loaded.device)
 
 
 class StaticAdapters:
@@ -61,9 +70,12 @@ class ModelView:
         self.vocab_size = facts.vocab_size
         self.sampling_defaults = dict(facts.sampling_defaults)
         # Admission holds sequences for every replica the deployment may grow to.
-        self.config = SimpleNamespace(max_num_seqs=facts.max_num_seqs * max_replicas, block_size=facts.block_size)
+        self.config = SimpleNamespace(max_num_seqs=facts.max_num_seqs * max_replicas, block_size=facts.block_size,
+                                      scheduling_policy=facts.scheduling_policy, quantization=facts.quantization)
         self.loaded = SimpleNamespace(model=SimpleNamespace(config=facts.model_config),
-                                      eos_token_ids=list(facts.eos_token_ids))
+                                      eos_token_ids=list(facts.eos_token_ids), weight_bytes=facts.weight_bytes,
+                                      device=facts.device)
+        self.kv_cache_bytes = facts.kv_cache_bytes
         self.lora = StaticAdapters(facts.adapters)
         self._grammar_lock = threading.Lock()
         self._grammar_compiler: Any = None
