@@ -227,10 +227,30 @@ def deploy(options: ClusterOptions, spec: ReplicaSpec, app_name: str) -> Any:
     try:
         handle = serve.run(deployment.bind(spec), name=app_name, route_prefix=None)
     except RuntimeError as error:   # Serve gave up on the replicas' constructors
+        reason = replica_error(app_name)
+        if reason is not None:   # what a single process says ("--device cuda: no CUDA device ...")
+            raise RuvllmError(reason, "run with --verbose to see the replicas' logs") from error
         raise RuvllmError(f"the replicas did not start: {last_error_line(error)}",
                           "run with --verbose to see the replicas' logs") from error
     facts = handle.facts.remote().result()
     return RayEngineClient(handle, ModelView(facts, options.max_replicas), app_name, DEPLOYMENT)
+
+
+def replica_error(app_name: str) -> str | None:
+    """Why the replicas' constructor failed, from the deployment's message in Serve's
+    status (serve.run's own error says only "Failed to update the deployments"): a
+    ruvllm error's own message, or the traceback's last error line; None if unknown."""
+    try:
+        from ray import serve
+
+        message = serve.status().applications[app_name].deployments[DEPLOYMENT].message
+    except Exception:  # noqa: BLE001 - no status: the caller says what it has
+        return None
+    if not message:
+        return None
+    line = last_error_line(RuntimeError(message))
+    ours = re.match(r"^ruvllm_cli\.[\w.]*(Error|Exception): (.+)$", line)
+    return ours.group(2) if ours else f"the replicas did not start: {line}"
 
 
 def last_error_line(error: BaseException) -> str:

@@ -51,6 +51,9 @@ class EngineReplica:
         app = AppContext(verbose=spec.verbose, no_color=True, cache_dir_option=spec.cache_dir)
         adapters = [(name, path) for name, path in spec.adapters]
         self.opened = open_engine(app, spec.model, adapters=adapters, **spec.engine_options)
+        # A pool too small to serve a request is refused as in one process (a replica
+        # had served "context 128 tokens"); deploy reports the error (replica_error).
+        self.opened.check_served_context()
         self.loop = EngineLoop(self.opened.engine)
         self.hello = ReplicaHello(replica_id(), os.getpid())
 

@@ -219,3 +219,20 @@ def test_a_killed_replica_fails_only_its_own_requests_and_comes_back(replicas: R
     after = replicas.client.completions.create(model="tiny", prompt="back again", max_tokens=4,
                                               extra_body={"ignore_eos": True})
     assert after.usage.completion_tokens == 4
+
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_start_says_why_as_one_process_would(tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """A helper's pass: serve.run's error said only "Failed to update the deployments
+    ['EngineReplica']" (the reason was in --verbose's logs), and a KV pool too small to
+    serve was not refused with replicas at all (they served "context 128 tokens")."""
+    command = [sys.executable, "-m", "ruvllm_cli", "serve", str(tiny_model_dir), "--replicas", "1",
+               "--threads-per-replica", "1", "--port", str(free_port()), "-q", "none", "--device", "cpu",
+               "--kv-cache-memory", "64KiB"]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=server_env(tmp_path), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 1, done.stderr
+    assert "Error: the KV cache (64 KiB, --kv-cache-memory) holds 128 tokens of context, fewer than the 256 a " \
+           "server needs to answer requests" in done.stderr
+    assert "Traceback" not in done.stderr
