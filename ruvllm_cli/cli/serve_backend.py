@@ -134,7 +134,7 @@ def load_cluster(app: AppContext, options: dict[str, Any], cluster_options: "Clu
     from ruvllm_cli.registry.locate import locate_model
 
     located = locate_model(options["model"], app.cache_dir, options["quantization"])
-    app_name = app_name_for(located.served_name)
+    app_name = app_name_for(located.served_name, options["port"])
     # The server writes nothing to stdout, but Ray's driver prints the cluster's error
     # messages there ("a worker died"): logs belong on stderr.
     sys.stdout = sys.stderr

@@ -71,9 +71,15 @@ class Cluster:
             ray.shutdown()
 
 
-def app_name_for(served_name: str) -> str:
-    """One app per model: restarting `ruvllm serve` for it replaces the old replicas."""
-    return "ruvllm-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", served_name).strip("-") or "model")
+def app_name_for(served_name: str, port: int) -> str:
+    """One app per front door (this host, its port) and model: restarting `ruvllm serve`
+    on that port replaces the old replicas. It had been one per model name, so two front
+    doors on one cluster (or two models in directories of one name) took over and then
+    deleted each other's replicas (a helper's pass)."""
+    import socket
+
+    name = f"{served_name}-{socket.gethostname()}-{port}"
+    return "ruvllm-" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "model")
 
 
 def import_ray(options: ClusterOptions) -> None:

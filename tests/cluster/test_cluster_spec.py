@@ -110,3 +110,17 @@ def test_serve_s_router_warnings_about_busy_replicas_are_not_the_user_s():
                                    "high network latency in the cluster."))
     assert not quiet.filter(record("Failed to route request after 200 attempts over 10.00s."))
     assert quiet.filter(record("Replica EngineReplica#x3xx failed its health check"))
+
+
+def test_each_front_door_has_an_app_of_its_own():
+    """Two front doors on one cluster (or two models in directories of one name) had the
+    same app name: each deploy replaced the other's replicas, and each stop deleted them.
+    A restart on the same port still replaces its own."""
+    import socket
+
+    from ruvllm_cli.cluster.deploy import app_name_for
+
+    assert app_name_for("model", 8000) != app_name_for("model", 8001)
+    assert app_name_for("model", 8000) == app_name_for("model", 8000) == \
+        f"ruvllm-model-{socket.gethostname()}-8000".replace("/", "-")
+    assert app_name_for("org/odd name!", 80).startswith("ruvllm-org-odd-name-")
