@@ -185,9 +185,12 @@ class QueuedRequestsFilter(logging.Filter):
     hundred attempts) and "Failed to get queue length from Replica ... within 0.1s"
     (a replica whose CPU threads are all in a step answers the router's probe late on
     one machine, no network involved; the router leaves it out of that pick, and the
-    line came twice a probe, at start too, under a busy 2-core machine)."""
+    line came twice a probe, at start too, under a busy 2-core machine); and "Failed to
+    fetch queue length for Replica" after a replica died (each copy carrying Ray's whole
+    error: 14,790 of them in two minutes of a helper's pass; /health says it once)."""
 
-    NOISE = ("Failed to route request after", "Failed to get queue length from Replica")
+    NOISE = ("Failed to route request after", "Failed to get queue length from Replica",
+             "Failed to fetch queue length for Replica")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.NOISE)

@@ -109,6 +109,8 @@ def test_serve_s_router_warnings_about_busy_replicas_are_not_the_user_s():
                                    "app='ruvllm-1') within 0.1s. If this happens repeatedly it's likely caused by "
                                    "high network latency in the cluster."))
     assert not quiet.filter(record("Failed to route request after 200 attempts over 10.00s."))
+    assert not quiet.filter(record("Failed to fetch queue length for Replica(id='x3xx', deployment='EngineReplica',"
+                                   " app='ruvllm-1'): OutOfMemoryError: 2 worker(s) were killed ..."))
     assert quiet.filter(record("Replica EngineReplica#x3xx failed its health check"))
 
 
