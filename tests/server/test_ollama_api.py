@@ -178,20 +178,24 @@ def test_forced_tool_calls_come_whole_with_object_arguments(server):
     assert after.done and after.prompt_eval_count > whole["prompt_eval_count"]
 
 
+def stream_chars(fmt: OllamaFormat, text: str, reason: FinishReason) -> tuple[Choice, list[dict]]:
+    """`text` through `fmt` a character at a time, ended by `reason`: the choice and its chunks."""
+    choice, chunks = Choice(0, 0), []
+    for i, char in enumerate(text):
+        last = i == len(text) - 1
+        output = RequestOutput("r", [i], char, finished=last, finish_reason=reason if last else None)
+        choice.add(output)
+        chunks += fmt.deltas(choice, output)
+    return choice, chunks + fmt.flush(choice)
+
+
 def test_tool_calls_in_a_stream_come_whole_after_the_text():
     """A model's own (unforced) call: the parser's format, streamed a character at a time."""
     parser = get_parser("hermes")
     text = 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' \
            "\n</tool_call>"
     fmt = OllamaFormat("chat", "m", Clock(0.0), tools=ToolReplies(parser))
-    choice = Choice(0, 0)
-    chunks = []
-    for i, char in enumerate(text):
-        output = RequestOutput("r", [i], char, finished=i == len(text) - 1,
-                               finish_reason=FinishReason.STOP if i == len(text) - 1 else None)
-        choice.add(output)
-        chunks += fmt.deltas(choice, output)
-    chunks += fmt.flush(choice)
+    choice, chunks = stream_chars(fmt, text, FinishReason.STOP)
     content = "".join(c["message"]["content"] for c in chunks)
     assert content == "Let me look."
     assert chunks[-1]["message"]["tool_calls"][0]["function"] == {
@@ -214,13 +218,7 @@ def test_a_call_cut_by_num_predict_is_left_out():
         body = fmt.body([whole])
         assert body["done_reason"] == "length" and body["message"]["content"] == "Let me look."
         assert [c["function"]["arguments"] for c in body["message"]["tool_calls"]] == [{"city": "Paris"}]
-        streamed, chunks = Choice(0, 0), []
-        for i, char in enumerate(text):
-            output = RequestOutput("r", [i], char, finished=i == len(text) - 1,
-                                   finish_reason=FinishReason.LENGTH if i == len(text) - 1 else None)
-            streamed.add(output)
-            chunks += fmt.deltas(streamed, output)
-        chunks += fmt.flush(streamed)
+        _, chunks = stream_chars(fmt, text, FinishReason.LENGTH)
         calls = [c for chunk in chunks for c in chunk["message"].get("tool_calls", [])]
         assert [c["function"]["arguments"] for c in calls] == [{"city": "Paris"}]
         assert "".join(c["message"]["content"] for c in chunks) == "Let me look."
