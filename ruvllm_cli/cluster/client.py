@@ -113,6 +113,28 @@ class ReplicaStream:
             raise replica_lost() from None
 
 
+class ReplicaCounters:
+    """/metrics' engine counters over replicas that come and go, never going back (a
+    helper's pass: engine_steps_total 4,244 -> 1,902 when a replica was replaced, which
+    Prometheus reads as a reset). A replica's last answer is kept: its counters stand
+    in when it answers too late, and join the retired ones once it is gone, as the
+    model pool keeps an unloaded model's (section 17)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, EngineSnapshot] = {}
+        self._retired = EngineSnapshot.zero()
+        self._lock = threading.Lock()
+
+    def total(self, answered: dict[str, EngineSnapshot], running: set[str]) -> EngineSnapshot:
+        """`answered`: this read's snapshots by replica id; `running`: the replicas asked."""
+        with self._lock:
+            for replica_id in [r for r in self._last if r not in running]:
+                self._retired = EngineSnapshot.total([self._retired, self._last.pop(replica_id).counters_only()])
+            self._last.update(answered)
+            late = [self._last[r].counters_only() for r in running if r not in answered and r in self._last]
+            return EngineSnapshot.total([*answered.values(), *late, self._retired])
+
+
 class RayEngineClient:
     """The server's engine: a Serve deployment of EngineReplica, behind `handle`."""
 
@@ -124,6 +146,7 @@ class RayEngineClient:
         self.in_flight: Counter[str] = Counter()
         self.served: Counter[str] = Counter()
         self._ids = itertools.count()
+        self.counters = ReplicaCounters()
         self._replicas: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._refresh()
@@ -143,16 +166,18 @@ class RayEngineClient:
         return ReplicaStream(self, ReplicaJob(ids, params, options), f"req-{next(self._ids)}")
 
     def snapshot(self) -> EngineSnapshot:
-        """Every running replica's figures, summed (a replica that does not answer is left out)."""
-        calls = [actor.record_routing_stats.remote() for actor in self._running_actors()]
-        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=SNAPSHOT_TIMEOUT_S)
-        snapshots = []
+        """Every running replica's figures, summed, with the counters of replicas gone
+        and of those too slow to answer this time (`ReplicaCounters`)."""
+        running = self._running_actors()
+        calls = {actor.record_routing_stats.remote(): replica_id for replica_id, actor in running}
+        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=SNAPSHOT_TIMEOUT_S)
+        answered = {}
         for ref in ready:
             try:
-                snapshots.append(ray.get(ref)["snapshot"])
+                answered[calls[ref]] = ray.get(ref)["snapshot"]
             except ray.exceptions.RayError:
                 continue   # died since: its requests are gone with it
-        return EngineSnapshot.total(snapshots)
+        return self.counters.total(answered, {replica_id for replica_id, _ in running})
 
     def health(self) -> dict[str, Any]:
         replicas = [{**r, "in_flight": self.in_flight.get(r["replica_id"], 0),
@@ -173,12 +198,12 @@ class RayEngineClient:
         self._stop.set()
         self._watcher.join(STATUS_PERIOD_S + 5)
 
-    def _running_actors(self) -> list[Any]:
+    def _running_actors(self) -> list[tuple[str, Any]]:
         actors = []
         for replica in self._replicas:
             if replica["state"] == "RUNNING":
                 try:
-                    actors.append(ray.get_actor(replica["actor_name"], namespace="serve"))
+                    actors.append((replica["replica_id"], ray.get_actor(replica["actor_name"], namespace="serve")))
                 except ValueError:
                     continue   # gone since the last look
         return actors

@@ -86,3 +86,21 @@ def test_an_error_the_replica_s_code_raised_fails_the_request_alone() -> None:
     failed = ray.exceptions.RayTaskError("generate", "Traceback ...", ValueError("bad step"))
     [output] = collect(Client([[HELLO, failed]]))
     assert output.finished and output.finish_reason is FinishReason.ERROR
+
+
+def test_engine_counters_never_go_back_as_replicas_come_and_go() -> None:
+    """A helper's pass: engine_steps_total went 4,244 -> 1,902 when a replica was replaced
+    (its counts left the sum), and dipped whenever one answered too late."""
+    from ruvllm_cli.cluster.client import ReplicaCounters
+    from ruvllm_cli.server.metrics import EngineSnapshot
+
+    def snap(steps: int, running: int = 1) -> EngineSnapshot:
+        return EngineSnapshot(**{**vars(EngineSnapshot.zero()), "steps": steps, "running": running})
+
+    counters = ReplicaCounters()
+    assert counters.total({"a": snap(100), "b": snap(50)}, {"a", "b"}).steps == 150
+    late = counters.total({"a": snap(120)}, {"a", "b"})         # b too slow: its last counters stand in
+    assert (late.steps, late.running) == (170, 1)
+    replaced = counters.total({"a": snap(130), "c": snap(5)}, {"a", "c"})   # b gone, c new
+    assert replaced.steps == 185 and replaced.running == 2
+    assert counters.total({"a": snap(140), "c": snap(9)}, {"a", "c"}).steps == 199
