@@ -26,11 +26,13 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
-def remove_dead_writers_files(path: Path) -> None:
-    """Delete `.NAME.PID.*.tmp` files beside `path` whose writer process is gone."""
-    prefix = f".{path.name}."
-    for leftover in path.parent.glob(f"{glob_escape(prefix)}*.tmp"):
-        pid_text = leftover.name[len(prefix):].split(".", 1)[0]
+def remove_dead_writers_files(path: Path, names: str | None = None) -> None:
+    """Delete `.NAME.PID.*.tmp` files beside `path` whose writer process is gone; with
+    `names` (a glob), those of every NAME it matches (files named anew at each write,
+    as the chat's timestamped saves: a killed save's temp file matched no later name)."""
+    pattern = f".{glob_escape(path.name) if names is None else names}.*.tmp"
+    for leftover in path.parent.glob(pattern):
+        pid_text = leftover.name[:-len(".tmp")].rsplit(".", 2)[-2]
         if pid_text.isdigit() and not _alive(int(pid_text)):
             with contextlib.suppress(OSError):
                 leftover.unlink()

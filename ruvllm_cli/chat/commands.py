@@ -17,6 +17,7 @@ from ruvllm_cli.chat.conversation import BASE_MODEL_WORDS, Conversation, adapter
 from ruvllm_cli.chat.render import adapter_label, format_stats_details
 from ruvllm_cli.chat.session import canonical_param, param_names, parse_param
 from ruvllm_cli.errors import RuvllmError, UsageError
+from ruvllm_cli.fsutil import remove_dead_writers_files
 
 
 class Action(Enum):
@@ -140,6 +141,9 @@ def cmd_adapter(conv: Conversation, arg: str) -> None:
 def cmd_save(conv: Conversation, arg: str) -> None:
     path = _save_target(conv.chats_dir, arg)
     try:
+        # Each save gets a new name: the temp files of saves killed midway match none of
+        # them, so the next save clears every chat name's (write_text_atomic, its own only).
+        remove_dead_writers_files(path, CHAT_NAMES)
         conv.session.save(path)
     except OSError as error:
         raise RuvllmError(f"cannot save to {path}: {error.strerror or error}") from None
@@ -210,6 +214,9 @@ def _load_adapter(conv: Conversation, before: str | None) -> None:
         conv.renderer.info(f"Replies now come from {adapter_label(saved)}.")
 
 
+CHAT_NAMES = "chat-*.json"   # new_chat_path's names
+
+
 def new_chat_path(chats_dir: Path) -> Path:
     """A name no saved chat has yet: the time to the second, and a count after it for
     a second save (this chat's or another's) within the same second."""
@@ -222,7 +229,7 @@ def new_chat_path(chats_dir: Path) -> Path:
 
 
 def newest_chat(chats_dir: Path) -> Path:
-    files = sorted(chats_dir.glob("chat-*.json"), key=lambda p: p.stat().st_mtime) if chats_dir.is_dir() else []
+    files = sorted(chats_dir.glob(CHAT_NAMES), key=lambda p: p.stat().st_mtime) if chats_dir.is_dir() else []
     if not files:
         raise UsageError(f"no saved chats in {chats_dir}", "give a file: /load <file>")
     return files[-1]
@@ -351,7 +358,7 @@ def saved_chats(chats_dir: Path | None) -> list[str]:
     """The names of the chats saved in `chats_dir`, newest first (`/load NAME` finds them)."""
     if chats_dir is None or not chats_dir.is_dir():
         return []
-    files = sorted(chats_dir.glob("chat-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    files = sorted(chats_dir.glob(CHAT_NAMES), key=lambda p: p.stat().st_mtime, reverse=True)
     return [f.name for f in files]
 
 

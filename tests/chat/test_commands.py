@@ -646,3 +646,22 @@ def test_arguments_split_on_any_whitespace_and_commands_without_any_refuse_them(
         with pytest.raises(UsageError, match="takes no arguments"):
             run_command(conv, line)
     assert len(conv.session.messages) == 2
+
+
+def test_a_save_clears_the_temp_files_of_saves_killed_midway(conv: Conversation) -> None:
+    """Each default save has a name of its own, so a killed save's temp file matched no
+    later save's name and stayed for good (write_text_atomic clears its own name's)."""
+    import subprocess
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    chats = conv.chats_dir
+    chats.mkdir(parents=True)
+    dead = chats / f".chat-20260101-000000.json.{gone.pid}.k2j4h1x0.tmp"
+    alive = chats / f".chat-20260101-000001.json.{os.getpid()}.a8f3k2m1.tmp"
+    other = chats / f".notes.json.{gone.pid}.q1w2e3r4.tmp"
+    for path in (dead, alive, other):
+        path.write_text("{")
+    run_command(conv, "/save")
+    assert not dead.exists() and alive.exists() and other.exists()
+    assert len(list(chats.glob("chat-*.json"))) == 1
