@@ -73,10 +73,10 @@ def precheck_grammar(spec: "GrammarSpec") -> None:
     here, before the model loads. The engine's compile after loading stays the final word."""
     from llguidance import LLMatcher
 
-    from ruvllm_cli.engine.grammar import grammar_error, llguidance_grammar
+    from ruvllm_cli.engine.grammar import grammar_error, llguidance_grammar, on_big_stack
 
     try:
-        failed, messages = LLMatcher.validate_grammar_with_warnings(llguidance_grammar(spec))
+        failed, messages = on_big_stack(lambda: LLMatcher.validate_grammar_with_warnings(llguidance_grammar(spec)))
     except ValueError as error:
         failed, messages = True, [str(error)]
     if failed:

@@ -52,6 +52,69 @@ _HINTS = {"regex": "patterns use Rust regex syntax: no look-around, no backrefer
 MAX_REPEAT = 10_000
 _REPEAT = re.compile(r"(?<!\\)\{([\d\s,]+)\}")   # {n}, {n,}, {n,m}, {,m}
 
+# What llguidance is given is checked against its limits first (a helper's pass): an
+# integer bound below -2^63 made it crash the process (a segfault: the server gone),
+# one above 2^63 - 1 was clamped (9223372036854775807 for a minimum of 1e19, which the
+# schema forbids), a count past 2^32 - 1 said "regex parse error: decimal literal
+# invalid"; a chain of about 2,500 $refs (or Lark rules nested 3,000 deep) overflowed
+# its stack. So: bounds within +-2^63, counts within 2^32 - 1, at most MAX_NESTING
+# $refs or Lark rules, and the compile on a thread with a stack of COMPILE_STACK
+# (virtual memory: only the pages a deep grammar touches are used).
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
+MAX_NESTING = 10_000
+COMPILE_STACK = 256 * 2**20
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_]\w*(\.\d+)?\s*:", re.MULTILINE)
+_stack_lock = threading.Lock()
+
+
+def check_schema_limits(schema: Any) -> None:
+    """GrammarError for a JSON schema past llguidance's limits (above)."""
+    refs = 0
+
+    def visit(sub: dict[str, Any]) -> dict[str, Any]:
+        nonlocal refs
+        for key in _BOUNDS:
+            value = sub.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 2**63:
+                raise GrammarError(f"'{key}' {value} is beyond the range JSON schema numbers may take here "
+                                   "(-2^63 to 2^63 - 1)")
+        for key in _COUNTS:
+            value = sub.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 2**32 - 1:
+                raise GrammarError(f"'{key}' {value} is over the limit of 4294967295")
+        refs += "$ref" in sub
+        return sub
+
+    map_subschemas(schema, visit)
+    if refs > MAX_NESTING:
+        raise GrammarError(f"the JSON schema has {refs} $refs, over the limit of {MAX_NESTING}")
+
+
+def on_big_stack(work: Callable[[], Any]) -> Any:
+    """`work()` on a thread of its own with a COMPILE_STACK stack: llguidance recurses
+    through a grammar's nesting on the caller's stack (8 MiB: a segfault past ~2,500)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = work()
+        except BaseException as error:  # noqa: BLE001 - raised again in the caller
+            box["error"] = error
+
+    with _stack_lock:   # stack_size is global: only this thread is made with it
+        previous = threading.stack_size(COMPILE_STACK)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile-stack", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
 
 class GrammarError(UsageError):
     """A grammar the request asked for that llguidance cannot compile or enforce."""
@@ -85,6 +148,7 @@ class GrammarSpec:
         closed where it does not say otherwise (`closed_objects`)."""
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, not {type(schema).__name__}")
+        check_schema_limits(schema)
         try:
             source = json.dumps(closed_objects(schema), separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as error:
@@ -114,7 +178,11 @@ class GrammarSpec:
     @classmethod
     def lark(cls, text: str) -> "GrammarSpec":
         """Text in the language of a Lark grammar (llguidance's dialect, rule `start`)."""
-        return cls("grammar", _non_empty_text(text, "Lark grammar"))
+        text = _non_empty_text(text, "Lark grammar")
+        rules = len(_LARK_RULE.findall(text))
+        if rules > MAX_NESTING:
+            raise GrammarError(f"the Lark grammar has {rules} rules, over the limit of {MAX_NESTING}")
+        return cls("grammar", text)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -443,6 +511,9 @@ class GrammarCompiler:
                 self._pending.pop(spec.key, None)
 
     def _build(self, spec: GrammarSpec) -> CompiledGrammar:
+        return on_big_stack(lambda: self._build_here(spec))
+
+    def _build_here(self, spec: GrammarSpec) -> CompiledGrammar:
         from llguidance import LLMatcher
 
         try:

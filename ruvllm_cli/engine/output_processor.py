@@ -53,7 +53,7 @@ class OutputProcessor:
         text, hit_stop = ("", False) if is_eos else self._text(request, token)
         reason = self._finish_reason(request, is_eos or hit_stop or grammar_done)
         if not grammar_ok:
-            request.error = self._grammar_refusal(token)
+            request.error = self._grammar_refusal(request, token)
             reason = FinishReason.ERROR
         if reason is None:
             return self._output(request, [token], text, logprob)
@@ -64,11 +64,18 @@ class OutputProcessor:
             text += request.stop_matcher.matched or ""
         return self.final(request, text, [token], logprob)
 
-    def _grammar_refusal(self, token: int) -> str:
+    def _grammar_refusal(self, request: Request, token: int) -> str:
         """Why the grammar refused a token its own mask allowed. An added token whose text
         the grammar forces (a choice of "<tool_call>"): llguidance's mask offers the token
         where the forced text tokenizes to it, and its lexer then takes added tokens only
-        by id (`<[id]>` in Lark), so the request cannot go on: the request's doing."""
+        by id (`<[id]>` in Lark), so the request cannot go on: the request's doing. So is
+        a grammar whose parser outgrows llguidance's limits ("Current row has 2399 items;
+        max is 2000": 501 optional properties, a right-recursive Lark rule after 2,000
+        tokens), which had been a 500 saying only that the token was refused."""
+        reason = request.grammar.error if request.grammar is not None else ""
+        if reason:
+            return RequestError(f"the grammar could not go on after {len(request.output_ids) - 1} tokens: "
+                                f"{reason}")
         if token in getattr(self.tokenizer, "added_tokens_decoder", {}):
             text = self.tokenizer.decode([token], skip_special_tokens=False)
             return RequestError(f"the constraint asks for the text {text!r}, which this model's tokenizer holds "

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ruvllm_cli.engine.grammar import GrammarSpec, closed_objects, map_subschemas
+from ruvllm_cli.engine.grammar import GrammarSpec, check_schema_limits, closed_objects, map_subschemas
 from ruvllm_cli.errors import UsageError
 
 MAX_PARALLEL_CALLS = 5          # what the grammar allows when parallel calls are on
@@ -106,6 +106,8 @@ def call_schema(tools: Sequence[Tool], arguments_key: str) -> dict[str, Any]:
     Each tool's schema sits under the wrapper's `$defs` (as `tool<i>`), its own `$ref`s
     rewritten to point inside it: a `#/$defs/...` (pydantic's nested models) or a
     recursive `#` resolves against the document root, which is now the wrapper."""
+    for tool in tools:
+        check_schema_limits(tool.parameters)
     definitions = {f"tool{index}": _rooted(closed_objects(t.parameters), f"#/$defs/tool{index}")
                    for index, t in enumerate(tools)}
     variants = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],

@@ -502,3 +502,31 @@ def test_a_tool_s_arguments_are_closed_too(compiler, tokenizer):
     call = '<tool_call>\n{"name":"f","arguments":{"city":"x"%s}}\n</tool_call>'
     assert compiler.accepts_text(spec, call % "")
     assert not compiler.accepts_text(spec, call % ',"zz":1')
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": -9223372036854775813, "maximum": -9223372036854775809},
+     "'minimum' -9223372036854775813 is beyond"),            # llguidance had crashed the process
+    ({"type": "integer", "minimum": 1e19, "maximum": 1.1e19}, "'minimum' 1e\\+19 is beyond"),   # clamped: invalid
+    ({"type": "object", "properties": {"a": {"type": "number", "exclusiveMaximum": -2**63}}}, "'exclusiveMaximum'"),
+    ({"type": "string", "maxLength": 10**12}, "'maxLength' 1000000000000 is over the limit"),
+    ({"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(10_000)}, "$ref": "#/$defs/d0"},
+     "10001 \\$refs, over the limit of 10000"),
+])
+def test_schemas_past_llguidance_s_limits_are_refused_before_it_sees_them(schema, message):
+    with pytest.raises(GrammarError, match=message):
+        GrammarSpec.json_schema(schema)
+
+
+def test_a_deep_ref_chain_or_lark_nesting_compiles_on_a_deep_stack(compiler, tokenizer):
+    """A chain of about 2,500 $refs (or Lark rules 3,000 deep) overflowed llguidance's
+    stack on an 8 MiB thread: a segfault, the server gone. Compiled on a thread of its
+    own with a 256 MiB stack (on_big_stack), 4,000 each compile and walk."""
+    depth = 4_000
+    chain = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(depth)}, "$ref": "#/$defs/d0"}
+    chain["$defs"][f"d{depth}"] = {"type": "integer", "minimum": 0, "maximum": 9}
+    tokens, _ = walk(compiler.compile(GrammarSpec.json_schema(chain)), seed=0)
+    assert 0 <= json.loads(tokenizer.decode(tokens)) <= 9
+    lark = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(depth)) + f'r{depth}: "ok"\n'
+    tokens, _ = walk(compiler.compile(GrammarSpec.lark(lark)), seed=0)
+    assert tokenizer.decode(tokens) == "ok"

@@ -175,3 +175,17 @@ def test_a_compiling_grammar_never_holds_back_the_running_requests(make_engine, 
         outputs += engine.step()
     [final] = [o for o in outputs if o.finished]
     assert final.request_id == waiting.request_id and final.finish_reason is FinishReason.STOP
+
+
+def test_a_grammar_past_llguidance_s_parser_limits_fails_its_request_as_the_request_s_doing(engine):
+    """A helper's pass: 501 optional properties (or a right-recursive Lark rule after 2,000
+    tokens) outgrow llguidance's parser rows mid-reply; the request failed as a 500
+    saying only that a token was refused. Now a RequestError (a 400) with the reason."""
+    from ruvllm_cli.engine.outputs import RequestError
+
+    wide = GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                     for i in range(501)}})
+    [result] = engine.generate([PROMPT], constrained(wide, 0, 20))
+    assert result.finish_reason is FinishReason.ERROR and isinstance(result.error, RequestError)
+    assert "Current row has" in result.error and "max is 2000" in result.error
+    engine.check_integrity()
