@@ -36,8 +36,13 @@ class OutputProcessor:
         request.stop_matcher = StopMatcher(params.stop, params.stop_fence)
         # What _is_eos would end the reply on, held back until min_tokens, and while a
         # constraint waits out a reasoning block: ended there, the reply has no answer.
-        if params.min_tokens or (params.structured is not None and params.reasoning_block is not None):
-            ending = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        # Under a constraint with ignore_eos, EOS too, for as long as the grammar can go on
+        # (the grammar took a sampled EOS as its end: "[0-9]+" stopped after 9 of 50 tokens).
+        grammar_ignoring_eos = params.structured is not None and params.ignore_eos
+        if params.min_tokens or grammar_ignoring_eos or (params.structured is not None
+                                                         and params.reasoning_block is not None):
+            ending = set(params.stop_token_ids) | (
+                self.eos_token_ids if grammar_ignoring_eos or not params.ignore_eos else set())
             request.held_ids = tuple(sorted(ending))
         if params.seed is not None:
             request.generator = torch.Generator(device="cpu").manual_seed(params.seed)
@@ -72,14 +77,14 @@ class OutputProcessor:
         a grammar whose parser outgrows llguidance's limits ("Current row has 2399 items;
         max is 2000": 501 optional properties, a right-recursive Lark rule after 2,000
         tokens), which had been a 500 saying only that the token was refused."""
-        reason = request.grammar.error if request.grammar is not None else ""
-        if reason:
-            return RequestError(f"the grammar could not go on after {len(request.output_ids) - 1} tokens: "
-                                f"{reason}")
         if token in getattr(self.tokenizer, "added_tokens_decoder", {}):
             text = self.tokenizer.decode([token], skip_special_tokens=False)
             return RequestError(f"the constraint asks for the text {text!r}, which this model's tokenizer holds "
                                 f"as the added token {token}: constrained decoding cannot write it as text")
+        reason = request.grammar.error if request.grammar is not None else ""
+        if reason:
+            return RequestError(f"the grammar could not go on after {len(request.output_ids) - 1} tokens: "
+                                f"{reason}")
         return f"token {token} was not allowed by the request's grammar"
 
     def fail(self, request: Request, message: str) -> RequestOutput:

@@ -144,10 +144,13 @@ class Request:
 
     @property
     def holds_ids(self) -> bool:
-        """`held_ids` are still masked: fewer than `min_tokens` generated, or a constraint
-        waits for the reasoning block to end (the answer it constrains comes after it)."""
+        """`held_ids` are still masked: fewer than `min_tokens` generated, a constraint
+        waits for the reasoning block to end (the answer it constrains comes after it),
+        or a constraint with `ignore_eos` can go on (a finished grammar ends the reply
+        without a sampled EOS)."""
         return bool(self.held_ids) and (len(self.output_ids) < self.params.min_tokens
-                                        or (self.grammar is not None and self.thinking is not None))
+                                        or (self.grammar is not None and self.thinking is not None)
+                                        or (self.grammar is not None and self.params.ignore_eos))
 
     @property
     def prefix_salt(self) -> object:

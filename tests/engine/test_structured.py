@@ -189,3 +189,18 @@ def test_a_grammar_past_llguidance_s_parser_limits_fails_its_request_as_the_requ
     assert result.finish_reason is FinishReason.ERROR and isinstance(result.error, RequestError)
     assert "Current row has" in result.error and "max is 2000" in result.error
     engine.check_integrity()
+
+
+def test_ignore_eos_holds_eos_while_the_grammar_can_go_on(engine):
+    """A helper's pass: under a grammar the sampled EOS was taken as the grammar's end,
+    so ignore_eos changed nothing ("[0-9]+" stopped after 9 of 50 tokens); min_tokens was
+    honoured. A grammar that is finished still ends the reply."""
+    for seed in range(3):
+        free, done = engine.generate([PROMPT, PROMPT], [
+            SamplingParams(max_tokens=30, temperature=1.0, seed=seed, ignore_eos=True,
+                           structured=GrammarSpec.regex("[0-9]+")),
+            SamplingParams(max_tokens=30, temperature=1.0, seed=seed, ignore_eos=True,
+                           structured=GrammarSpec.regex("[0-9]{3}"))])
+        assert free.finish_reason is FinishReason.LENGTH and len(free.token_ids) == 30
+        assert re.fullmatch("[0-9]+", free.text)
+        assert done.finish_reason is FinishReason.STOP and re.fullmatch("[0-9]{3}", done.text)
