@@ -274,6 +274,7 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
 
 _TOKEN_IDS = re.compile(r"<\[(\^?)([0-9,-]+)\]>")  # Lark token-id sets: <[5]>, <[1,7-9]>, <[^3]>
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z][\w-]*\s*::=", re.MULTILINE)
 _LOCATION = re.compile(r"^at \d+\(\d+\): ")
 _NOISE = re.compile(r" \(in regex\)|; following special tokens are available: .*")
 
@@ -286,8 +287,12 @@ def grammar_error(spec: GrammarSpec, message: str) -> GrammarError:
         plural = "s" if len(names) > 1 else ""
         return GrammarError(f"unsupported JSON schema keyword{plural} " + ", ".join(repr(n) for n in names),
                             hint="constrained decoding cannot enforce it; remove it from the schema")
-    return GrammarError(f"invalid {_KIND_LABELS[spec.kind]}: {one_line(message, spec.kind != 'grammar')}",
-                        hint=_HINTS.get(spec.kind))
+    hint = _HINTS.get(spec.kind)
+    if spec.kind == "grammar" and _GBNF_RULE.search(spec.source):
+        # llama.cpp's (and so Ollama's) grammar format: users of it meet Lark's parse error
+        hint = ("this looks like GBNF, llama.cpp's format (`rule ::= ...`), which is not read here; write it in "
+                "llguidance's Lark syntax (`rule: ...`), or send a JSON schema")
+    return GrammarError(f"invalid {_KIND_LABELS[spec.kind]}: {one_line(message, spec.kind != 'grammar')}", hint=hint)
 
 
 def one_line(message: str, drop_location: bool = True) -> str:

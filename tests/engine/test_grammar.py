@@ -391,6 +391,17 @@ def test_rejected_grammars_give_one_line(compiler, spec, message):
     assert caught.value.message == message
 
 
+def test_a_gbnf_grammar_is_told_apart_from_lark(compiler):
+    """A helper's pass: llama.cpp's (Ollama's) grammar format met Lark's parse error and
+    a Lark hint, never saying GBNF is not read."""
+    with pytest.raises(GrammarError) as caught:
+        compiler.validate(GrammarSpec.lark('root ::= answer\nanswer ::= "yes" | "no"'))
+    assert "looks like GBNF" in (caught.value.hint or "")
+    with pytest.raises(GrammarError) as caught:
+        compiler.validate(GrammarSpec.lark("start: a"))
+    assert "GBNF" not in (caught.value.hint or "")
+
+
 def test_a_schema_that_allows_nothing_says_so_in_words(compiler):
     with pytest.raises(GrammarError) as caught:
         compiler.validate(GrammarSpec.json_schema({"$ref": "#"}))   # was "...: NoExtensionBias" alone
