@@ -139,7 +139,7 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
                          max_lora_rank=max_lora_rank, kernels=not no_compile, threads=threads)
     engine, loaded = opened.engine, opened.loaded
     check_fits(settings, engine.max_model_len)
-    compile_s = _compile_grammar(engine, structured) if structured is not None else None
+    compile_s = _compile_grammar(engine, structured, json_schema.path) if json_schema is not None else None
     monitor = LoadMonitor(torch.get_num_threads())
     with _progress(app, settings) as (on_tokens, on_phase, on_done):
         run = BenchmarkRunner(engine, settings, on_tokens).run(*_watched(monitor, on_phase, on_done))
@@ -188,7 +188,7 @@ def _watched(monitor: Any, on_phase: Any, on_done: Any) -> tuple[Any, Any]:
     return phase, done
 
 
-def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec") -> float:
+def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec", path: str) -> float:
     """Compile the schema for the loaded tokenizer before the run (GrammarError now, not
     mid-run); the seconds it took, building llguidance's tokenizer included."""
     import time
@@ -196,7 +196,7 @@ def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec") -> float:
     from ruvllm_cli.cli.schema_option import validate_structured
 
     start = time.perf_counter()
-    validate_structured(engine, spec)
+    validate_structured(engine, spec, path)
     return time.perf_counter() - start
 
 

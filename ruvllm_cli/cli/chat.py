@@ -95,7 +95,9 @@ def command(**options: Any) -> None:
       ruvllm chat qwen --lora sql=./sql-lora --adapter sql
     """
     app = app_context()
-    options["structured"] = structured_spec(options.pop("json_schema"), options.pop("json_object"))
+    schema_file = options.pop("json_schema")
+    options["schema_path"] = schema_file.path if schema_file is not None else None
+    options["structured"] = structured_spec(schema_file, options.pop("json_object"))
     options["adapter"] = starting_adapter(options["lora"], options["adapter"])
     interactive = sys.stdin.isatty()
     if interactive and not sys.stdout.isatty():   # the prompt's redraws would fill the file, none on screen
@@ -115,7 +117,7 @@ def command(**options: Any) -> None:
                          max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
                          kernels=not options["no_compile"], threads=options["threads"])
     if options["structured"] is not None:
-        validate_structured(opened.engine, options["structured"])
+        validate_structured(opened.engine, options["structured"], options["schema_path"])
     if interactive:   # while the prompt waits for the first message
         from ruvllm_cli.engine.tokenizer import warm_up
 

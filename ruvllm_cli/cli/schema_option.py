@@ -83,12 +83,13 @@ def precheck_grammar(spec: "GrammarSpec") -> None:
         raise grammar_error(spec, messages[0])
 
 
-def validate_structured(engine: "LLMEngine", spec: "GrammarSpec") -> None:
-    """Compile `spec` for the loaded tokenizer now (GrammarError, exit 2), not at the first reply."""
+def validate_structured(engine: "LLMEngine", spec: "GrammarSpec", path: str | None = None) -> None:
+    """Compile `spec` for the loaded tokenizer now (GrammarError, exit 2), not at the first
+    reply; `path`: the --json-schema FILE, named as the check before the load names it."""
     from ruvllm_cli.engine.grammar import GrammarError
 
     try:
         engine.grammar_compiler.validate(spec)
     except GrammarError as error:
         option = "--json" if spec.kind == "json_object" else "--json-schema"
-        raise GrammarError(f"{option}: {error.message}", error.hint) from None
+        raise GrammarError(f"{option}{f' {path}' if path else ''}: {error.message}", error.hint) from None

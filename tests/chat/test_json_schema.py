@@ -121,6 +121,9 @@ def test_the_engine_check_after_loading_names_the_option() -> None:
         validate_structured(Engine(), GrammarSpec.json_schema(PERSON))  # type: ignore[arg-type]
     assert caught.value.message == "--json-schema: invalid JSON schema: something only the tokenizer shows"
     assert caught.value.hint == "a hint" and caught.value.exit_code == 2
+    with pytest.raises(GrammarError) as caught:   # the file named, as the check before the load names it
+        validate_structured(Engine(), GrammarSpec.json_schema(PERSON), "person.json")  # type: ignore[arg-type]
+    assert caught.value.message.startswith("--json-schema person.json: invalid JSON schema")
 
 
 def test_the_session_constrains_every_reply_without_saving_it(template: Any) -> None:
