@@ -332,26 +332,37 @@ def completions(text: str, chats_dir: Path | None = None, adapters: Sequence[str
     command's values: parameter names after `/set `, `--clear` after `/system `, file
     names after `/save ` and `/load ` (and the saved chats' names in `chats_dir` after
     `/load `), `base` and the loaded `adapters` after `/adapter `. Each candidate
-    replaces that whole word."""
+    replaces that whole word (`completion_word`: a path, spaces and all)."""
     if not is_command(text):
         return []
     words = text.lstrip().split(" ")
     if len(words) == 1:
         return ["/" + n for n in command_names() if ("/" + n).startswith(words[0].lower())]
-    if len(words) != 2:
-        return []
-    command, word = lookup(words[0][1:]), words[1]
+    command, word = lookup(words[0][1:]), completion_word(text)
     name = command.name if command is not None else ""
+    if len(words) != 2 and name not in PATH_COMMANDS:
+        return []
     if name == "set":
         return [n for n in param_names() if n.startswith(word.lower())]
     if name == "system":
         return ["--clear"] if "--clear".startswith(word) and word else []
     if name == "adapter":
         return [n for n in (BASE_MODEL_WORDS[0], *adapters) if n.startswith(word)]
-    if name in ("save", "load"):
+    if name in PATH_COMMANDS:
         saved = saved_chats(chats_dir) if name == "load" and "/" not in word else []
         return [n for n in saved if n.startswith(word)] + file_names(word)
     return []
+
+
+PATH_COMMANDS = ("save", "load")   # their argument is the rest of the line: a path may hold spaces
+
+
+def completion_word(text: str) -> str:
+    """What a candidate replaces: the rest of the line after /save or /load (a path with
+    a space in it had stopped completing), else the last space-separated word."""
+    head, space, rest = text.lstrip().partition(" ")
+    command = lookup(head[1:]) if space and is_command(head) else None
+    return rest if command is not None and command.name in PATH_COMMANDS else text.split(" ")[-1]
 
 
 def saved_chats(chats_dir: Path | None) -> list[str]:

@@ -20,7 +20,7 @@ from prompt_toolkit.completion import CompleteEvent, Completer, Completion
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 
-from ruvllm_cli.chat.commands import Action, completions, is_command, run_command
+from ruvllm_cli.chat.commands import Action, completion_word, completions, is_command, run_command
 from ruvllm_cli.chat.conversation import Conversation
 from ruvllm_cli.errors import RuvllmError, UsageError
 
@@ -38,7 +38,7 @@ class SlashCompleter(Completer):
 
     def get_completions(self, document: Document, complete_event: CompleteEvent) -> Iterable[Completion]:
         text = document.text_before_cursor
-        word = text.split(" ")[-1]
+        word = completion_word(text)
         for candidate in completions(text, self.chats_dir, self.adapters):
             yield Completion(candidate, start_position=-len(word))
 

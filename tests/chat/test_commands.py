@@ -438,6 +438,13 @@ def test_completion_of_slash_command_values(tmp_path: Path, monkeypatch: pytest.
     found = list(SlashCompleter(chats).get_completions(Document("/load chat-20260102"),
                                                        CompleteEvent(completion_requested=True)))
     assert [(c.text, c.start_position) for c in found] == [("chat-20260102-090000.json", -13)]
+    # A path with a space: it had stopped completing at the space (the last word alone was matched)
+    (work / "my notes").mkdir()
+    (work / "my notes" / "day one.json").write_text("{}")
+    assert completions("/load my notes/da", chats) == ["my notes/day one.json"]
+    found = list(SlashCompleter(chats).get_completions(Document("/save my no"), CompleteEvent()))
+    assert [(c.text, c.start_position) for c in found] == [("my notes/", -5)]
+    assert completions("/set temperature 0.") == []   # other commands still complete one word
 
 
 def test_load_finds_a_saved_chat_by_its_name(conv: Conversation) -> None:
