@@ -7,13 +7,8 @@ turns into a cancel; Ctrl-D on an empty line (EOFError) says goodbye.
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion
@@ -22,6 +17,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 
 from ruvllm_cli.chat.commands import Action, completion_word, completions, is_command, run_command
 from ruvllm_cli.chat.conversation import Conversation
+from ruvllm_cli.chat.reply import terminal_restored_on_sigterm
 from ruvllm_cli.errors import RuvllmError, UsageError
 
 PROMPT = "You> "
@@ -66,32 +62,6 @@ def check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise UsageError("the input is not UTF-8 text", "set the terminal's encoding to UTF-8") from None
-
-
-@contextmanager
-def terminal_restored_on_sigterm() -> Iterator[None]:
-    """Killed at the prompt (prompt-toolkit keeps the terminal raw there), the terminal
-    gets its settings back before the process goes, as `reply.typed_ahead_unechoed`
-    does during a reply (it had been left without echo or Ctrl-C)."""
-    import termios
-
-    try:
-        fd = sys.stdin.fileno()
-        before = termios.tcgetattr(fd)
-    except (OSError, ValueError, termios.error):   # not a terminal
-        yield
-        return
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        termios.tcsetattr(fd, termios.TCSANOW, before)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def block_text(first: str, lines: list[str]) -> str:

@@ -133,6 +133,48 @@ def cancel_on_interrupt(stream: "RequestStream") -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+def _terminal() -> tuple[int, list[Any]] | None:
+    """stdin's terminal and its settings now, where the main thread (the one that may
+    handle signals) asks; None without one (Windows, stdin replaced, closed or a pipe)."""
+    try:
+        import termios
+    except ImportError:   # Windows: its console does not echo while no one reads
+        return None
+    try:
+        fd = sys.stdin.fileno()
+        before = termios.tcgetattr(fd) if sys.stdin.isatty() else None
+    except (AttributeError, ValueError, OSError, termios.error):   # replaced, closed, or no terminal
+        before = None
+    if before is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return fd, before
+
+
+@contextmanager
+def terminal_restored_on_sigterm() -> Iterator[None]:
+    """Killed (SIGTERM) inside this, the terminal gets its settings of now back before
+    the process goes: prompt-toolkit keeps it raw at the REPL's prompt, and a reply
+    turns its echo off (`typed_ahead_unechoed`); either had been left so."""
+    found = _terminal()
+    if found is None:
+        yield
+        return
+    import termios
+
+    fd, before = found
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        termios.tcsetattr(fd, termios.TCSANOW, before)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def typed_ahead_unechoed() -> Iterator[None]:
     """While a reply streams to a terminal, the terminal does not echo keys typed into
@@ -140,32 +182,18 @@ def typed_ahead_unechoed() -> Iterator[None]:
     a next question typed early. Those wait in the terminal's input, as a shell's
     typed-ahead line does, and the next prompt starts with them. Only the echo flags
     change (Ctrl-C still signals); they are put back as they were, the input kept."""
-    try:
-        import termios
-    except ImportError:   # Windows: its console does not echo while no one reads
+    found = _terminal()
+    if found is None:
         yield
         return
-    try:
-        fd = sys.stdin.fileno()
-        before = termios.tcgetattr(fd) if sys.stdin.isatty() else None
-    except (AttributeError, ValueError, OSError, termios.error):   # replaced, closed, or no terminal
-        before = None
-    if before is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    import termios
+
+    fd, before = found
     quiet = list(before)
     quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        # Killed mid-reply: the terminal gets its echo back before the process goes.
-        termios.tcsetattr(fd, termios.TCSANOW, before)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    termios.tcsetattr(fd, termios.TCSANOW, quiet)
-    try:
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSANOW, before)
-        signal.signal(signal.SIGTERM, previous)
+    with terminal_restored_on_sigterm():
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+        try:
+            yield
+        finally:
+            termios.tcsetattr(fd, termios.TCSANOW, before)
