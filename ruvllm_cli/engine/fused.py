@@ -57,14 +57,14 @@ class RopeTable:
 
     def __init__(self, rotary: nn.Module) -> None:
         self.rotary = rotary
-        self.tabled = isinstance(rotary, native.RotaryEmbedding) and rotary.long_inv_freq is None
+        self.ours = isinstance(rotary, native.RotaryEmbedding)
+        self.tabled = self.ours and rotary.long_inv_freq is None
         self.tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.tabled or last < 0:
             # each decode is a sequence of its own (longrope's choice is per sequence)
-            each = {"furthest": positions} if isinstance(self.rotary, native.RotaryEmbedding) else {}
-            cos, sin = self.rotary(x, positions, **each)
+            cos, sin = self.rotary(x, positions, positions) if self.ours else self.rotary(x, positions)
             return cos.contiguous(), sin.contiguous()
         table = self.tables.get(x.dtype)
         if table is None or table[0].shape[0] <= last:

@@ -372,7 +372,8 @@ class DecoderModel(nn.Module):
                 **_: Any) -> DecoderOutput:
         """input_ids, position_ids [1, T]: the step's packed tokens (engine/model_runner.py)."""
         hidden_states = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(hidden_states, position_ids, sequence_furthest(position_ids, ruvllm_step))
+        furthest = sequence_furthest(position_ids, ruvllm_step) if self.rotary_emb.long_inv_freq is not None else None
+        cos, sin = self.rotary_emb(hidden_states, position_ids, furthest)
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin, ruvllm_step)
         return DecoderOutput(self.norm(hidden_states))
