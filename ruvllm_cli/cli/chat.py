@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ruvllm_cli.chat.conversation import Conversation
     from ruvllm_cli.chat.session import ChatSettings
     from ruvllm_cli.cli.engine_setup import OpenedEngine
+    from ruvllm_cli.registry.locate import LocatedModel
     from ruvllm_cli.engine.grammar import GrammarSpec
 
 
@@ -115,7 +116,8 @@ def command(**options: Any) -> None:
                          enable_prefix_caching=prefix_caching(options["no_prefix_cache"]),
                          weight_cache=not options["no_weight_cache"], adapters=adapters,
                          max_loras=options["max_loras"], max_lora_rank=options["max_lora_rank"],
-                         kernels=not options["no_compile"], threads=options["threads"])
+                         kernels=not options["no_compile"], threads=options["threads"],
+                         before_load=lambda located: check_max_tokens_before_load(located, options["max_tokens"]))
     if options["structured"] is not None:
         validate_structured(opened.engine, options["structured"], options["schema_path"])
     if interactive:   # while the prompt waits for the first message
@@ -164,6 +166,26 @@ def starting_adapter(specs: Sequence[str], adapter: str | None) -> str | None:
         except UsageError as error:
             raise UsageError(f"--adapter: {error.message}") from None
     return chosen
+
+
+def check_max_tokens_before_load(located: "LocatedModel", max_tokens: int) -> None:
+    """--max-tokens past the context chat runs with, said before the load rather than
+    after it (a minute for a 7B model): the default context, or the model's
+    max_position_embeddings where config.json gives a shorter one. What this cannot
+    read (a GGUF file, a config.json the load will refuse) is checked after the load."""
+    from ruvllm_cli.chat.commands import check_fits_context
+    from ruvllm_cli.engine.config import DEFAULT_CONTEXT
+    from ruvllm_cli.registry.model_config import read_model_dir_config
+
+    limit = DEFAULT_CONTEXT
+    if located.path.is_dir():
+        try:
+            context = read_model_dir_config(located.path).get("max_position_embeddings")
+        except RuvllmError:
+            context = None
+        if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+            limit = min(limit, context)
+    check_fits_context(limit, max_tokens, "--max-tokens")
 
 
 def read_stdin_message() -> str:

@@ -194,7 +194,7 @@ def set_threads(app: AppContext, threads: int) -> None:
 def open_engine(app: AppContext, model: str, *, quantization: Quantization | None = None,
                 device: str = "auto", weight_cache: bool = True, adapters: Sequence[tuple[str, Path]] = (),
                 kernels: bool = True, skip_bad_adapters: bool = False, threads: int | None = None,
-                **engine_options: Any) -> OpenedEngine:
+                before_load: Callable[[LocatedModel], None] | None = None, **engine_options: Any) -> OpenedEngine:
     """Locate MODEL, load it with a spinner on stderr, and build the engine, serving
     the LoRA `adapters` ((name, directory) from `locate_adapters`); with
     `skip_bad_adapters` one that cannot be read or does not fit the model is left out
@@ -203,7 +203,9 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
 
     `engine_options` are EngineConfig fields (max_num_seqs, max_model_len, max_loras, ...);
     `kernels=False` (--no-compile) keeps ruvllm's C kernels out, for this process;
-    `threads` (--threads) sets torch's and the kernels' CPU threads, for this process."""
+    `threads` (--threads) sets torch's and the kernels' CPU threads, for this process;
+    `before_load` checks the located model before anything is loaded (what an option
+    asks of it that its config.json already rules out)."""
     if threads is not None:
         set_threads(app, threads)
     if not kernels:
@@ -211,6 +213,8 @@ def open_engine(app: AppContext, model: str, *, quantization: Quantization | Non
 
         turn_off()
     located = locate_model(model, app.cache_dir, quantization)
+    if before_load is not None:
+        before_load(located)
     out = app.output()
     with out.err.status(f"Loading {located.served_name} ..."):
         from ruvllm_cli.engine.config import EngineConfig

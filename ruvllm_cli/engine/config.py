@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from ruvllm_cli.quantization import Quantization
 
+# The context a model runs with when max_model_len is not given (chat, benchmark), or
+# the model's own where that is shorter: a chat needs its conversation, not 32k tokens.
+DEFAULT_CONTEXT = 4096
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -14,7 +18,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 16                   # --max-concurrent
     max_num_batched_tokens: int | None = None  # per-step token budget; device default when None
-    max_model_len: int | None = None         # prompt + output; min(model context, 4096) when None
+    max_model_len: int | None = None         # prompt + output; min(model context, DEFAULT_CONTEXT) when None
     kv_cache_memory: int | None = None       # bytes for the KV pool (--kv-cache-memory)
     kv_cache_fraction: float = 0.25          # else this share of free memory, capped by need
     enable_prefix_caching: bool = True

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ruvllm_cli.engine.block_manager import BlockManager, SwapSpace
-from ruvllm_cli.engine.config import EngineConfig
+from ruvllm_cli.engine.config import DEFAULT_CONTEXT, EngineConfig
 from ruvllm_cli.engine.grammar import CompiledGrammar, GrammarCompiler
 from ruvllm_cli.engine.loader import LoadedModel, free_memory, load_model
 from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, LoRAManager, read_adapter
@@ -38,7 +38,7 @@ class LLMEngine:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or 4096, loaded.max_context)
+        self.max_model_len = min(config.max_model_len or DEFAULT_CONTEXT, loaded.max_context)
         num_blocks = plan_num_blocks(loaded, config, self.max_model_len)
         # A pool smaller than one whole context caps the context: a longer request is
         # then a clear "too long" before it starts, not a failure once the pool runs out.

@@ -55,12 +55,24 @@ def test_a_seed_torch_cannot_take_is_refused_before_loading(ruvllm: Run, tiny_mo
 
 
 def test_max_tokens_beyond_the_context_is_refused_as_max_is(ruvllm: Run, tiny_model_dir: Path) -> None:
-    """--max-tokens past the context was taken silently, where /max refuses it."""
+    """--max-tokens past the context was taken silently, where /max refuses it; then it
+    was refused only after the model had loaded (a minute for a 7B model)."""
     result = ruvllm("chat", str(tiny_model_dir), "-q", "none", "--max-tokens", "5000", input="hi\n")
     assert result.returncode == 2 and result.stdout == ""
-    errors = [line for line in result.stderr.splitlines() if not line.startswith("Loaded")]
-    assert errors == ["Error: --max-tokens 5000 is beyond the model's 4096-token context",
-                      "Hint: a reply ends where the context does: give at most 4096"]
+    assert result.stderr.splitlines() == ["Error: --max-tokens 5000 is beyond the model's 4096-token context",
+                                          "Hint: a reply ends where the context does: give at most 4096"]
+
+
+def test_max_tokens_beyond_a_short_model_context_is_refused_before_loading(ruvllm: Run, tmp_path: Path) -> None:
+    from ruvllm_cli.testing.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "short", max_position_embeddings=256)
+    result = ruvllm("chat", str(model), "-q", "none", "--max-tokens", "300", input="hi\n")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["Error: --max-tokens 300 is beyond the model's 256-token context",
+                                          "Hint: a reply ends where the context does: give at most 256"]
+    result = ruvllm("chat", str(model), "-q", "none", "--max-tokens", "256", input="hi\n")
+    assert result.returncode == 0 and result.stdout.strip()
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", ""])   # stdin decoded strictly, or with surrogateescape
