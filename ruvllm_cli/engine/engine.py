@@ -86,6 +86,7 @@ class LLMEngine:
         params = params or SamplingParams()
         options = dataclasses.replace(options or RequestOptions(), **fields)
         prompt_ids = self.prepare_prompt(prompt)
+        check_param_ids(params, self._vocab_size)
         adapter = self.adapter(options.adapter) if options.adapter else None
         request = Request(prompt_ids=prompt_ids, params=params, cache_salt=options.cache_salt,
                           priority=int(options.priority), user=options.user, session_id=options.session_id,
@@ -331,6 +332,16 @@ def check_prompt_ids(prompt_ids: list[int], max_model_len: int, vocab_size: int)
         raise UsageError("prompt token ids must be integers")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise UsageError(f"prompt token ids must be in [0, {vocab_size})")
+
+
+def check_param_ids(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias's and stop_token_ids' ids among the model's logits (UsageError if not):
+    one outside had failed the whole batch's sampling step, and with it the engine."""
+    for name, ids in (("logit_bias", [token for token, _ in params.logit_bias]),
+                      ("stop_token_ids", list(params.stop_token_ids))):
+        outside = next((token for token in ids if not 0 <= token < vocab_size), None)
+        if outside is not None:
+            raise UsageError(f"{name}: token id {outside} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass

@@ -247,8 +247,11 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     rows: list[int] = []
     cols: list[int] = []
     values: list[float] = []
+    width = logits.shape[-1]
     for i, request in enumerate(requests):
         for token, bias in request.params.logit_bias:
+            if not 0 <= token < width:   # refused at add_request; never the whole batch's failure
+                continue
             rows.append(i)
             cols.append(token)
             values.append(bias)
@@ -271,9 +274,10 @@ def apply_thinking_budgets(logits: torch.Tensor, requests: Sequence[Request]) ->
 def apply_min_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """vLLM's `min_tokens`: EOS and the stop token ids masked off until a request has
     generated that many tokens."""
+    width = logits.shape[-1]
     for i, request in enumerate(requests):
-        if request.holds_ids:
-            logits[i, list(request.held_ids)] = float("-inf")
+        if request.holds_ids:   # an EOS id past the logits (a generation_config's) is no token to hold
+            logits[i, [token for token in request.held_ids if 0 <= token < width]] = float("-inf")
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -39,8 +39,11 @@ def check_constraints(engine: Any, sampling: SamplingFields) -> SamplingFields:
     """What needs the model to check: logit_bias ids in its vocabulary, and a grammar
     the library can enforce (compiled here, off the event loop and the engine thread).
     The sampling to use: without an optional grammar the library refused."""
-    check_token_ids("logit_bias", (token for token, _ in sampling.logit_bias), len(engine.tokenizer))
-    check_token_ids("stop_token_ids", sampling.stop_token_ids, len(engine.tokenizer))
+    # A tokenizer may hold more tokens than the model has logits (added tokens past the
+    # config's vocab_size): such an id is no token the model can produce.
+    known = min(len(engine.tokenizer), engine.vocab_size)
+    check_token_ids("logit_bias", (token for token, _ in sampling.logit_bias), known)
+    check_token_ids("stop_token_ids", sampling.stop_token_ids, known)
     structured = check_grammar(sampling.structured, engine)
     return sampling if structured is sampling.structured else replace(sampling, structured=structured)
 
