@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -85,7 +86,8 @@ class SamplingParams(SamplingKnobs):
         checks = [
             (self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be between 0 and max_tokens"),
-            (0.0 <= self.temperature <= 2.0, "temperature", "must be between 0 and 2"),
+            # Not capped at OpenAI's 2 (its routes are): Ollama's and vLLM's take more.
+            (0.0 <= self.temperature < math.inf, "temperature", "must be 0 or more"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be 0 (off) or positive"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be between 0 and 1"),
@@ -181,6 +183,8 @@ def gguf_sampling_defaults(metadata: dict[str, Any], source: str) -> dict[str, f
 def _usable(name: str, value: float | int, source: str) -> bool:
     try:
         SamplingParams(**{name: value})
+        if name == "temperature" and value > 2.0:   # what chat and the OpenAI routes take
+            raise ValueError(value)
     except (UsageError, TypeError, ValueError, OverflowError):
         log.warning("%s: %s %r is outside what ruvllm samples with; not used", source, name, value)
         return False

@@ -312,13 +312,29 @@ def test_load_and_unload_requests(pool_server, tiny_model_dir):
     assert client.chat(model="a", messages=HELLO, options=GREEDY).eval_count == 12 and loads.calls == {"a": 2}
 
 
+def test_values_ollama_takes_into_range_are_taken_as_it_does(client, server):
+    """Ollama's sampler clamps what OpenAI's API refuses, and clients send its defaults
+    (seed -1): each was a 400, and seed -1 fixed every reply to one text."""
+    greedy = client.chat(model=server.model, messages=HELLO, options=GREEDY).message.content
+    for options in ({"temperature": -1}, {"temperature": 1.0, "top_p": 0}, {"temperature": 1.0, "min_p": 1.5}):
+        assert client.chat(model=server.model, messages=HELLO, options={**GREEDY, **options}).message.content == greedy
+    hot = {"temperature": 5, "top_k": -1, "top_p": 1.5, "num_predict": 12}
+    assert client.chat(model=server.model, messages=HELLO, options=hot).eval_count == 12
+    unseeded = {"temperature": 1.0, "top_k": 0, "seed": -1, "num_predict": 12}
+    replies = {client.chat(model=server.model, messages=HELLO, options=unseeded).message.content for _ in range(3)}
+    assert len(replies) > 1
+    seeded = {**unseeded, "seed": 5}
+    assert len({client.chat(model=server.model, messages=HELLO, options=seeded).message.content
+                for _ in range(2)}) == 1
+
+
 @pytest.mark.parametrize(("body", "status", "words"), [
     ({"model": "nope", "messages": HELLO}, 404, "does not exist"),
     ({"messages": HELLO}, 400, "'model'"),
     ({"model": "tiny", "messages": "hi"}, 400, "messages"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, 400, "images"),
     ({"model": "tiny", "messages": HELLO, "format": "yaml"}, 400, "format"),
-    ({"model": "tiny", "messages": HELLO, "options": {"temperature": -1}}, 400, "options.temperature"),
+    ({"model": "tiny", "messages": HELLO, "options": {"temperature": "hot"}}, 400, "options.temperature"),
     ({"model": "tiny", "messages": HELLO, "options": {"num_predict": 0}}, 400, "num_predict"),
     ({"model": "tiny", "messages": HELLO, "think": "max"}, 400, "think"),
     ({"model": "tiny", "messages": HELLO, "keep_alive": "soon"}, 400, "keep_alive"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from ruvllm_cli.engine.grammar import GrammarSpec
 from ruvllm_cli.engine.tools import ToolRequest
@@ -129,14 +129,22 @@ def _sampling(values: dict[str, Any]) -> SamplingFields:
     options = values["options"] or {}
     structured = values["format"]
     predict = options.get("num_predict")
+    # Ollama's sampler: seed -1 (its default, which clients send) is no seed, top_k at
+    # or below 0 is off, and top_p 0 keeps the likeliest token alone.
+    seed = None if options.get("seed") == -1 else options.get("seed")
+    top_k = options.get("top_k")
+    top_k = 0 if top_k is not None and top_k < 0 else top_k
+    top_p = options.get("top_p")
+    if top_p == 0.0:
+        top_p, top_k = None, 1
     return SamplingFields(
         # An upper bound, as Ollama's: a reply stops where the context ends, whatever it asked.
         default_max_tokens=predict if predict is not None and predict > 0 else None,
         max_tokens_param="options.num_predict",
         stop=tuple(options.get("stop") or ()),
         # Unset, these five take the model's recommendation, else OLLAMA_SAMPLING (the route).
-        temperature=options.get("temperature"), top_p=options.get("top_p"), top_k=options.get("top_k"),
-        min_p=options.get("min_p"), seed=options.get("seed"), structured=structured, **_penalties(options))
+        temperature=options.get("temperature"), top_p=top_p, top_k=top_k,
+        min_p=options.get("min_p"), seed=seed, structured=structured, **_penalties(options))
 
 
 def _penalties(options: dict[str, Any]) -> dict[str, Any]:
@@ -260,6 +268,17 @@ def _stop(value: Any) -> tuple[str, ...]:
     return string_list(value, "options.stop", MAX_STOP)
 
 
+def _clamped(name: str, low: float, high: float | None = None) -> Callable[[float], float]:
+    """A number Ollama's sampler takes into its range rather than refusing (its
+    NewSampler: a negative temperature is greedy, top_p and min_p within [0, 1])."""
+    def parse(value: float) -> float:
+        if not math.isfinite(value):
+            raise invalid_value(f"options.{name}", "must be a finite number", value)
+        return max(low, value if high is None else min(value, high))
+
+    return parse
+
+
 def _whole(name: str, description: str, low: int, high: int | None = None) -> Field:
     """An integer option that also takes a whole float (8.0), as Ollama converts it."""
     def parse(value: Any) -> int:
@@ -285,19 +304,21 @@ def _options(fields: Fields) -> dict[str, Any]:
 
 
 _OPTION_FIELDS = (
-    Field("temperature", "number", "0: greedy; higher: more random (default: the model's generation_config.json "
-                                   "value, else Ollama's 0.8).", low=0.0, high=2.0),
-    Field("top_p", "number", "Nucleus sampling (default: the model's, else Ollama's 0.9).", low=0.0, high=1.0,
-          above_low=True),
-    _whole("top_k", "Sample from the k likeliest tokens; 0: off (default: the model's, else Ollama's 40).", 0),
-    Field("min_p", "number", "Drop tokens less likely than this times the likeliest one.", low=0.0, high=1.0),
+    Field("temperature", "number", "0 (or less): greedy; higher: more random (default: the model's "
+                                   "generation_config.json value, else Ollama's 0.8).", parse=_clamped("temperature", 0.0)),
+    Field("top_p", "number", "Nucleus sampling, taken into [0, 1] as Ollama does (0: the likeliest token alone; "
+                             "default: the model's, else Ollama's 0.9).", parse=_clamped("top_p", 0.0, 1.0)),
+    _whole("top_k", "Sample from the k likeliest tokens; 0 or less: off (default: the model's, else Ollama's 40).",
+           SEED_RANGE[0]),
+    Field("min_p", "number", "Drop tokens less likely than this times the likeliest one (taken into [0, 1]).",
+          parse=_clamped("min_p", 0.0, 1.0)),
     Field("repeat_penalty", "number", "Divides the logits of tokens seen in the last repeat_last_n (1: off; "
                                       "default: the model's, else off).", low=0.0, high=10.0, above_low=True),
     _whole("repeat_last_n", "How many of the last tokens (prompt and reply) the penalties look at; 0: no penalty, "
                             "-1: the whole context (default 64).", -1),
     Field("presence_penalty", "number", low=-2.0, high=2.0),
     Field("frequency_penalty", "number", low=-2.0, high=2.0),
-    _whole("seed", "Replays the same sampling.", *SEED_RANGE),
+    _whole("seed", "Replays the same sampling; -1: a random seed, as unset (Ollama's default).", *SEED_RANGE),
     _whole("num_predict", "Most tokens to generate, at most what the context leaves; -1 or -2: until the context is "
                           "full (default: the server's --max-tokens-default).", -2),
     Field("stop", None, "Text that ends the reply (not included in it).", parse=_stop,
