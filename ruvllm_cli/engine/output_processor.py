@@ -55,7 +55,10 @@ class OutputProcessor:
         reasoning = self._advance_reasoning(request, token)
         grammar_ok, grammar_done = (True, False) if reasoning else self._advance_grammar(request, token)
         is_eos = self._is_eos(request, token)
-        text, hit_stop = ("", False) if is_eos else self._text(request, token)
+        # A stop token's text stays out of the reply unless include_stop_str_in_output
+        # (vLLM's rule; an EOS, special, decodes to nothing where specials are skipped).
+        keep = not is_eos or request.params.include_stop_str_in_output
+        text, hit_stop = self._text(request, token) if keep else ("", False)
         reason = self._finish_reason(request, is_eos or hit_stop or grammar_done)
         if not grammar_ok:
             request.error = self._grammar_refusal(request, token)

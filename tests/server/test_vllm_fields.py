@@ -37,6 +37,13 @@ def test_stop_token_ids_end_the_reply(client, server):
                                       logit_bias={str(token): 100}, extra_body={"stop_token_ids": [token]})
     assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 1
     assert reply.choices[0].text == ""
+    # vLLM keeps the stop token's text with include_stop_str_in_output (its
+    # detokenizer leaves the token out only without it); it had been dropped either way
+    kept = client.completions.create(model=server.model, prompt="x", max_tokens=8, temperature=0,
+                                     logit_bias={str(token): 100},
+                                     extra_body={"stop_token_ids": [token], "include_stop_str_in_output": True})
+    assert kept.choices[0].finish_reason == "stop" and kept.usage.completion_tokens == 1
+    assert kept.choices[0].text == server.engine(lambda e: e.tokenizer.decode([token])) != ""
 
 
 def test_include_stop_str_in_output_streamed_or_not(client, server):
