@@ -313,14 +313,17 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]
                      and r.params.thinking_budget is None for r in requests):
         return greedy_tokens(logits), [None] * len(requests)   # the logits as they are: no float32 copy
     logits = logits.float()
+    apply_grammar_masks(logits, requests)
+    # Logprobs are the model's distribution over what the constraint allows (vLLM's
+    # default, raw_logprobs): before logit_bias, min_tokens and a thinking budget, as
+    # before temperature and the penalties. They had been taken after the first three.
+    want_logprobs = not plain and any(r.params.logprobs is not None for r in requests)
+    raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     apply_logit_bias(logits, requests)
     apply_min_tokens(logits, requests)
     apply_thinking_budgets(logits, requests)
-    apply_grammar_masks(logits, requests)
     if plain:
         return greedy_tokens(logits), [None] * len(requests)
-    want_logprobs = any(r.params.logprobs is not None for r in requests)
-    raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     tokens: list[int | SamplingFailure] = []
     logprobs: list[TokenLogprob | None] = []
     for i, request in enumerate(requests):

@@ -31,6 +31,24 @@ def test_min_tokens_holds_off_eos(client, server):
     assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
 
 
+def test_logprobs_are_the_models_before_logit_bias_and_min_tokens(client, server):
+    """They had been taken after logit_bias and min_tokens (and before temperature and
+    the penalties): two conventions in one figure."""
+    ask = dict(model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0,
+               logprobs=True, top_logprobs=5)
+    plain = client.chat.completions.create(**ask).choices[0].logprobs.content[0]
+    third = plain.top_logprobs[2]
+    token = server.engine(lambda e: e.tokenizer.convert_tokens_to_ids(third.token))
+    biased = client.chat.completions.create(**ask, logit_bias={str(token): 100}).choices[0].logprobs.content[0]
+    assert biased.token == third.token and biased.logprob == pytest.approx(third.logprob, abs=1e-5)
+    assert [t.logprob for t in biased.top_logprobs] == pytest.approx([t.logprob for t in plain.top_logprobs],
+                                                                     abs=1e-5)
+    held = client.chat.completions.create(**ask, extra_body={"min_tokens": 1, "temperature": 0.5,
+                                                             "repetition_penalty": 1.5}).choices[0].logprobs
+    assert [t.logprob for t in held.content[0].top_logprobs] == pytest.approx(
+        [t.logprob for t in plain.top_logprobs], abs=1e-5)
+
+
 def test_stop_token_ids_end_the_reply(client, server):
     token = server.engine(lambda e: e.tokenizer.encode("the")[0])
     reply = client.completions.create(model=server.model, prompt="x", max_tokens=8, temperature=0,
