@@ -204,7 +204,10 @@ class Scheduler:
         hits = self.blocks.match_prefix(request.all_token_ids, request.prefix_salt)
         swapped = request.swapped
         if swapped is not None:
-            hits = hits[:len(swapped.blocks)]
+            # Only the blocks it had filled: a partial last block that another request
+            # has since filled and cached is copied back, not taken, or the request's
+            # next chunk rewrites the rest of it under the requests that share it.
+            hits = hits[:swapped.num_computed_tokens // self.blocks.block_size]
         num_cached = len(hits) * self.blocks.block_size
         start = swapped.num_computed_tokens if swapped is not None else num_cached
         num_new = min(request.num_tokens - start, budget)
@@ -231,13 +234,17 @@ class Scheduler:
         request.swapped = None
 
     def _make_room(self, request: Request, out: SchedulerOutput) -> bool:
-        """Under "priority": preempt the worst running request if its effective priority
-        is at least PREEMPT_MARGIN worse than `request`'s."""
+        """Under "priority": preempt the worst running request if its priority is at
+        least PREEMPT_MARGIN worse than `request`'s and, aged, still worse. The margin
+        is between the priorities as given: between the aged ones, the running request,
+        which arrived first and so had aged more, was never a full level behind, and a
+        request one level better (high over normal) never preempted."""
         if self.config.policy != "priority" or not self.running or request.status is RequestStatus.FINISHED:
             return False
         now = self.clock()
         victim = max(self.running, key=lambda r: self.rank(r, now))
-        if self.rank(victim, now)[0] < self.rank(request, now)[0] + PREEMPT_MARGIN:
+        if victim.priority - request.priority < PREEMPT_MARGIN \
+                or self.rank(victim, now)[0] <= self.rank(request, now)[0]:
             return False
         self._preempt(victim, out, front=False)
         return True

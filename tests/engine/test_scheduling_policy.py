@@ -133,6 +133,26 @@ def test_a_waiting_request_of_higher_priority_preempts_a_worse_running_one():
     assert run_step(s).preempted == []
 
 
+def test_one_level_better_preempts_unless_the_running_one_has_aged_past_it():
+    """high over normal never preempted: the margin was taken between aged priorities,
+    and the running request, which arrived first, had always aged more."""
+    clock = Clock()
+    s = scheduler(seqs=1, clock=clock)
+    normal = make(4, 0, priority=0, arrival=clock.now)
+    s.add(normal)
+    run_step(s)
+    clock.now += 0.5
+    high = make(4, 100, priority=-1, arrival=clock.now)
+    s.add(high)
+    assert run_step(s).preempted == [normal] and s.running == [high]
+    s.finish(high, FinishReason.STOP)
+    run_step(s)
+    assert s.running == [normal]
+    clock.now += 20.0   # normal has aged two levels: -2 against a fresh high's -1
+    s.add(make(4, 200, priority=-1, arrival=clock.now))
+    assert run_step(s).preempted == [] and s.running == [normal]
+
+
 def test_aging_admits_a_starved_request_within_its_bound():
     """One slot and a stream of priority -1 requests that each arrive now: a priority 1
     request gains 0.5 levels per second and must get in once it has waited
