@@ -8,10 +8,11 @@ import tempfile
 from pathlib import Path
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Readers see the old file or the new one, never half of one: write a temp file
     in the same directory, fsync it, then os.replace. The temp file's name carries
-    the writer's pid, so the next write removes those of writers killed midway."""
+    the writer's pid, so the next write removes those of writers killed midway. The
+    file is private to its owner (mkstemp's 0600) unless `mode` says otherwise."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_writers_files(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
@@ -19,6 +20,8 @@ def write_text_atomic(path: Path, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
+            if mode is not None:
+                os.fchmod(handle.fileno(), mode)
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -52,3 +55,14 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True   # someone else's process (or no such pid on this platform): leave it
     return True
+
+
+def user_file_mode(path: Path) -> int:
+    """The mode a file the user names gets when it is written anew: the old file's, else
+    what the umask leaves of 0666, as open() would give it."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask

@@ -10,6 +10,7 @@ regression, whatever the threshold: it is shown, and warned about.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -111,7 +112,7 @@ def check_report(report: dict[str, Any], path: str | Path) -> None:
         raise UsageError(f"--compare: {path} is a report of schema version {version!r}; this ruvllm reads "
                          f"1 to {SCHEMA_VERSION}", hint)
     for section in {section for section, _ in COMPARABLE} | {"noise"}:
-        if report.get(section) is not None and not isinstance(report[section], dict):
+        if section in report and not isinstance(report[section], dict):   # null too: never written
             raise UsageError(f"--compare: {path}: `{section}` is not an object", hint)
     for name in (*GATED_HIGHER, *GATED_LOWER):
         value = report["metrics"].get(name)
@@ -123,13 +124,17 @@ def check_report(report: dict[str, Any], path: str | Path) -> None:
 
 
 def _numeric(value: Any) -> float | int | None:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A figure to compare: a finite number (NaN, which Python's JSON reads, compares
+    false with everything, and a NaN baseline had passed every gate)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
 
 
 def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[str, ...]:
     found = []
     for section, key in COMPARABLE:
-        before, after = old.get(section, {}).get(key), new.get(section, {}).get(key)
+        before, after = (old.get(section) or {}).get(key), (new.get(section) or {}).get(key)
         if before != after:
             found.append(f"{section}.{key}: {before} -> {after}")
     return tuple(found)

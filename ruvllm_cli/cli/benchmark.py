@@ -298,6 +298,19 @@ def _progress_bar(console: Any, settings: Any) -> Iterator[tuple[Any, Any]]:
         yield on_tokens, on_phase
 
 
+def write_output(path: Path, text: str) -> None:
+    """--output: a file is replaced whole (a full disk had left half a report in place
+    of the last one, which --compare then could not read); a FIFO or a device
+    (/dev/stdout) is written as it is."""
+    from ruvllm_cli.fsutil import user_file_mode, write_text_atomic
+
+    target = path.resolve() if path.is_symlink() else path
+    if target.exists() and not target.is_file():
+        target.write_text(text, encoding="utf-8")
+    else:
+        write_text_atomic(target, text, mode=user_file_mode(target))
+
+
 def emit(app: AppContext, report: dict[str, Any], fmt: str, output: str | None) -> None:
     """The report on stdout in `fmt` (data alone for json/csv), and to --output too."""
     from ruvllm_cli.bench.formatters import print_tables, to_csv, to_json, to_text
@@ -311,7 +324,7 @@ def emit(app: AppContext, report: dict[str, Any], fmt: str, output: str | None) 
         sys.stdout.flush()
     if output:
         try:
-            Path(output).write_text(text, encoding="utf-8")
+            write_output(Path(output), text)
         except OSError as error:
             raise RuvllmError(f"cannot write {output}: {error.strerror or error}") from None
         app.output().info(f"[dim]Wrote {output}[/dim]")

@@ -246,6 +246,37 @@ def test_compare_with_a_file_that_is_no_report_is_a_usage_error(tiny_model_dir, 
     assert done.stderr.startswith("Error: --compare:") and "is not a benchmark report" in done.stderr
 
 
+def test_a_failed_output_write_keeps_the_last_report_and_a_new_file_gets_the_umask(tmp_path, monkeypatch):
+    """--output was written in place: a full disk left half a report where the last
+    one had been."""
+    import errno
+    import os
+
+    from ruvllm_cli.cli.benchmark import write_output
+    from ruvllm_cli import fsutil
+
+    last = tmp_path / "run.json"
+    last.write_text('{"last": 1}')
+    last.chmod(0o640)
+    write_output(last, '{"new": 1}')
+    assert last.read_text() == '{"new": 1}' and last.stat().st_mode & 0o777 == 0o640
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsutil.os, "fsync", full)
+    with pytest.raises(OSError):
+        write_output(last, '{"newer": 1}' * 1000)
+    assert last.read_text() == '{"new": 1}' and os.listdir(tmp_path) == ["run.json"]
+    monkeypatch.undo()
+    umask = os.umask(0o022)
+    try:
+        write_output(tmp_path / "fresh.json", "{}")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "fresh.json").stat().st_mode & 0o777 == 0o644
+
+
 @pytest.mark.parametrize("args, message", [
     (["--threshold", "nan"], "'nan' is not a finite number"),
     (["--memory-bandwidth", "inf"], "'inf' is not a finite number"),

@@ -365,6 +365,9 @@ def test_compare_still_gates_a_change_beyond_the_noise():
     ({"schema_version": None}, "schema version None"),
     ({"model": "tiny"}, "`model` is not an object"),
     ({"noise": [1]}, "`noise` is not an object"),
+    ({"model": None}, "`model` is not an object"),   # had passed, then failed after the run
+    ({"metrics": {"decode_tokens_per_s": math.nan, "ttft_ms_p50": 2.0}}, "metrics.decode_tokens_per_s is nan"),
+    ({"metrics": {"decode_tokens_per_s": 10.0, "ttft_ms_p50": math.inf}}, "metrics.ttft_ms_p50 is inf"),
     ({"metrics": {"decode_tokens_per_s": "fast", "ttft_ms_p50": 2.0}}, "metrics.decode_tokens_per_s is 'fast'"),
     ({"metrics": {}}, "none of the figures the gate compares"),
 ])
