@@ -55,3 +55,21 @@ class ModelLoadError(RuvllmError):
 
 class CacheError(RuvllmError):
     """The cache directory cannot be used."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread where a command asks for it (`on_sigterm_raise`)
+    so that its cleanup runs and it ends with one line and 143, as Ctrl+C does with 130.
+    Not a KeyboardInterrupt: what stops at Ctrl+C and goes on (a chat reply) must not
+    take it for one."""
+
+
+def on_sigterm_raise() -> None:
+    """From now on SIGTERM raises Terminated in the main thread (the default action had
+    ended the process without a word)."""
+    import signal
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)

@@ -15,7 +15,7 @@ from ruvllm_cli.cli.context import AppContext, app_context, global_options
 from ruvllm_cli.cli.options import (FiniteFloatRange, device_option, load_quantization_option, lora_options,
                                     prefix_cache_option, prefix_caching, weight_cache_option, compile_option,
                                     threads_option)
-from ruvllm_cli.errors import RuvllmError, UsageError
+from ruvllm_cli.errors import RuvllmError, UsageError, on_sigterm_raise
 from ruvllm_cli.quantization import Quantization
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ def command(model: str, fmt: str, compare_file: str | None, **options: Any) -> N
     from ruvllm_cli.bench.noise import noise_warnings
 
     app = app_context()
+    on_sigterm_raise()
     previous = load_previous(compare_file) if compare_file else None
     _check_output_dir(options["output"])
     report = run_benchmark(app, model, fmt=fmt, compare_file=compare_file, **options)

@@ -16,7 +16,7 @@ import sys
 import click
 
 from ruvllm_cli.cli.context import AppContext, app_context, global_options
-from ruvllm_cli.errors import RuvllmError
+from ruvllm_cli.errors import RuvllmError, Terminated
 
 # name -> (module, aliases); each module defines `command`.
 COMMANDS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -100,6 +100,9 @@ def _handle_error(error: BaseException, app: AppContext) -> int:
     if isinstance(error, RuvllmError):
         out.error(error.message, error.hint)
         code = error.exit_code
+    elif isinstance(error, Terminated):
+        out.err.print("Terminated.")
+        return 143
     elif isinstance(error, click.exceptions.Abort) or isinstance(error, KeyboardInterrupt):
         out.err.print("Aborted.")
         return 130

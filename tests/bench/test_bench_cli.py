@@ -290,3 +290,33 @@ def test_values_that_would_spoil_the_run_are_refused_before_it(tiny_model_dir, h
     done = bench(tiny_model_dir, *SMALL, *args, home=home)
     assert done.returncode == 2 and done.stdout == ""
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sigterm_mid_run_ends_with_one_line_and_143(tiny_model_dir, home):
+    """The default action had ended the run without a word (rc -15 / 143 from the shell)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from tests.bench.run import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NO_COLOR": "1", "RUVLLM_CACHE_DIR": str(home / "cache"),
+           "RUVLLM_CONFIG_DIR": str(home / "config")}
+    output = home / "sigterm.json"
+    child = subprocess.Popen([sys.executable, "-m", "ruvllm_cli", "benchmark", str(tiny_model_dir), "-q", "none",
+                              "--prompt-length", "16", "--gen-length", "64", "--warmup", "0", "-i", "1000",
+                              "--format", "json", "--output", str(output)],
+                             env=env, cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + 90
+        while "iteration" not in seen and time.monotonic() < deadline:
+            seen += child.stderr.readline()
+        assert "iteration" in seen
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 143 and out == "" and not output.exists()
+    assert err.splitlines()[-1] == "Terminated." and "Traceback" not in err
