@@ -180,7 +180,7 @@ def print_comparison(comparison: Comparison, console: Console, previous_name: st
                         "decode_tokens_per_s and ttft_ms_p50)", title_justify="left", header_style="bold")
     for column, justify in (("metric", "left"), ("previous", "right"), ("now", "right"), ("change", "right"),
                             ("noise", "right")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for change in comparison.changes:
         noise = _noise_cell(change)
         table.add_row(change.name, number(change.old, 2), number(change.new, 2), _change_cell(change), noise)

@@ -59,7 +59,7 @@ def decimal_bytes(count: int) -> str:
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], numeric: bool = True) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold")
     for index, column in enumerate(columns):
-        table.add_column(column, justify="right" if index and numeric else "left")
+        table.add_column(column, justify="right" if index and numeric else "left", overflow="fold")
     for row in rows:
         table.add_row(*(escape(cell) for cell in row))
     return table

@@ -320,3 +320,22 @@ def test_sigterm_mid_run_ends_with_one_line_and_143(tiny_model_dir, home):
         child.kill()
     assert child.returncode == 143 and out == "" and not output.exists()
     assert err.splitlines()[-1] == "Terminated." and "Traceback" not in err
+
+
+def test_a_narrow_terminal_folds_figures_rather_than_cutting_them(json_run):
+    """Rich's default cut cells with an ellipsis: '2,720.…' at 60 columns."""
+    import re
+
+    from rich.console import Console
+
+    from ruvllm_cli.bench.compare import compare_reports, print_comparison
+    from ruvllm_cli.bench.formatters import print_tables
+
+    _, report = json_run
+    wide, narrow = io.StringIO(), io.StringIO()
+    print_tables(report, Console(file=wide, width=200, no_color=True))
+    print_tables(report, Console(file=narrow, width=40, no_color=True))
+    print_comparison(compare_reports(report, report, 5.0), Console(file=narrow, width=40, no_color=True), "run.json")
+    assert "…" not in narrow.getvalue() and "…" not in wide.getvalue()
+    digits = sorted(re.sub(r"\D", "", wide.getvalue()))   # every digit is still there, folded
+    assert digits and sorted(re.sub(r"\D", "", narrow.getvalue().split("Compared with")[0])) == digits
