@@ -177,17 +177,28 @@ def read_adapter(name: str, path: str | Path) -> Any:
 
 
 def _refuse_unsupported(name: str, config: Any) -> None:
+    """What peft's config says that changes the forward beyond x @ A^T @ B^T * scaling:
+    served from the weights alone, such an adapter gave other tokens than peft's with
+    nothing said (an activated LoRA applied to every token, replicated layers left out)."""
+    merge = "merge it into the model with peft's merge_and_unload() instead"
     checks = [
-        (getattr(config, "use_dora", False), "uses DoRA"),
-        (getattr(config, "modules_to_save", None), "trains whole modules (modules_to_save)"),
-        (getattr(config, "lora_bias", False), "trains a LoRA bias (lora_bias)"),
-        (getattr(config, "fan_in_fan_out", False), "targets Conv1D layers (fan_in_fan_out)"),
-        (getattr(config, "trainable_token_indices", None), "trains embedding rows (trainable_token_indices)"),
+        (getattr(config, "use_dora", False), "uses DoRA", merge),
+        (getattr(config, "modules_to_save", None), "trains whole modules (modules_to_save)", merge),
+        (getattr(config, "lora_bias", False), "trains a LoRA bias (lora_bias)", merge),
+        (getattr(config, "fan_in_fan_out", False), "targets Conv1D layers (fan_in_fan_out)", merge),
+        (getattr(config, "trainable_token_indices", None), "trains embedding rows (trainable_token_indices)", merge),
+        (getattr(config, "use_bdlora", False), "is a block-diagonal LoRA (use_bdlora)", merge),
+        (getattr(config, "use_qalora", False), "is a QA-LoRA (use_qalora), whose input is pooled by groups", merge),
+        (getattr(config, "layer_replication", None), "replicates the base model's layers (layer_replication)",
+         "serve the model peft builds with it, saved whole"),
+        (getattr(config, "alora_invocation_tokens", None),
+         "is an activated LoRA (alora_invocation_tokens), applied only from its invocation tokens on",
+         "use peft, or a LoRA trained to apply throughout"),
+        (getattr(config, "arrow_config", None), "routes between adapters (arrow_config)", "use peft"),
     ]
-    for present, what in checks:
+    for present, what, hint in checks:
         if present:
-            raise AdapterError(f"adapter {name} {what}, which ruvllm does not serve; merge it into "
-                               "the model with peft's merge_and_unload() instead")
+            raise AdapterError(f"adapter {name} {what}, which ruvllm does not serve; {hint}")
 
 
 def _modules(name: str, config: Any, weights: dict[str, torch.Tensor]) -> dict[str, LoRAModule]:
@@ -400,7 +411,11 @@ class LoRAManager:
         if not adapter.mixture and adapter.rank > self.max_rank:
             raise AdapterError(f"adapter {adapter.name} has rank {adapter.rank}, above --max-lora-rank "
                                f"{self.max_rank}; start with --max-lora-rank {adapter.rank}")
-        for name, module in adapter.modules.items():
+        # Every expert's modules: an X-LoRA's `modules` holds one expert's per layer, and
+        # an earlier expert made for another base had passed, then failed the engine.
+        pairs = ([(name, module) for expert in adapter.experts for name, module in expert.items()]
+                 if adapter.mixture else list(adapter.modules.items()))
+        for name, module in pairs:
             layer = self._target(name)
             if layer is None:
                 raise AdapterError(f"adapter {adapter.name} targets {name}, which this model does not "

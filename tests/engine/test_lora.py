@@ -205,6 +205,22 @@ def test_adapters_that_cannot_be_served_are_refused_with_the_reason(loaded, adap
     assert engine.lora.names() == []
 
 
+@pytest.mark.parametrize("change, reason", [
+    ({"alora_invocation_tokens": [5, 6]}, "is an activated LoRA"),
+    ({"layer_replication": [[0, 1], [0, 1]]}, "replicates the base model's layers"),
+    ({"use_qalora": True}, "is a QA-LoRA"),
+])
+def test_configs_that_change_the_forward_are_refused_not_served_from_the_weights(adapters, tmp_path, change, reason):
+    """Each loaded and was served as a plain LoRA: other tokens than peft's, with nothing said."""
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    config = json.loads((adapters["attn"] / "adapter_config.json").read_text())
+    (changed / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    (changed / "adapter_model.safetensors").write_bytes((adapters["attn"] / "adapter_model.safetensors").read_bytes())
+    with pytest.raises(AdapterError, match=reason):
+        read_adapter("changed", changed)
+
+
 def test_lora_spec_parsing():
     assert parse_lora_specs(["a=/x/y", "/models/b/"]) == [("a", "/x/y"), ("b", "/models/b/")]
     with pytest.raises(UsageError, match="given twice"):

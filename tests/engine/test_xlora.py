@@ -148,3 +148,23 @@ def test_an_xlora_that_would_fail_its_first_request_is_refused_at_load(loaded, x
     with pytest.raises(AdapterError, match=reason):
         engine.add_lora("bad", bad)
     assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
+def test_an_xlora_whose_first_expert_was_made_for_another_base_is_refused(loaded, experts, model_dir, tmp_path):
+    """Only the last expert's modules were checked: one made for a 128-wide model loaded,
+    and its first two requests stopped the engine (and so the server)."""
+    import json
+
+    from ruvllm_cli.engine.lora import AdapterError
+    from ruvllm_cli.testing.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "wider", hidden_size=128, intermediate_size=256)
+    stranger = build_lora_adapter(other, tmp_path / "stranger", rank=4, seed=1)
+    mixed = build_xlora_adapter(model_dir, tmp_path / "mixed", [experts[0], experts[2]], seed=0)   # both: every layer
+    config = json.loads((mixed / "adapter_config.json").read_text())
+    config["adapters"][next(iter(config["adapters"]))] = str(stranger)
+    (mixed / "adapter_config.json").write_text(json.dumps(config))
+    engine = LLMEngine(loaded, EngineConfig(device=TEST_DEVICE, quantization=Quantization.F32))
+    with pytest.raises(AdapterError, match=r"is 64x128|is 128x256|another base model"):
+        engine.add_lora("mixed", mixed)
+    assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids and not engine.lora.names()
