@@ -233,7 +233,9 @@ class LLMEngine:
         its tokens as computed, so no block it wrote joined the prefix cache; the rerun
         writes the same KV slots again; nothing was sampled, so seeded replies replay).
         A step whose every request fails alone, right after such a step, is the
-        engine's own failure (a device left broken, say): raised."""
+        engine's own failure (a device left broken, say): raised; unless every request
+        that failed ran on one LoRA adapter, whose requests alone it fails (an adapter
+        no check found wrong had stopped the engine at its second request)."""
         if self._failed_last_step:
             raise error
         by_request: dict[int, list[ScheduledChunk]] = {}
@@ -241,6 +243,7 @@ class LLMEngine:
             by_request.setdefault(id(chunk.request), []).append(chunk)
         outputs: list[RequestOutput] = []
         failed = 0
+        adapters: set[int] = set()
         for chunks in by_request.values():
             request = chunks[0].request
             if request.is_finished:
@@ -251,11 +254,13 @@ class LLMEngine:
                 logits, sampled = self.runner.execute(chunks)
             except Exception as alone:  # noqa: BLE001 - this request's own failure
                 failed += 1
+                adapters.add(request.adapter_uid)
                 message = f"the model failed on this request's step ({type(alone).__name__}: {alone})"
                 outputs.append(self.outputs.fail(request, message))
                 continue
             outputs += self._ran(SchedulerOutput(chunks=chunks), logits, sampled)
-        self._failed_last_step = failed == len(by_request)
+        one_adapter = len(adapters) == 1 and 0 not in adapters
+        self._failed_last_step = failed == len(by_request) and not one_adapter
         self.check_integrity()
         return outputs
 

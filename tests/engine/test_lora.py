@@ -18,6 +18,7 @@ from ruvllm_cli.engine.lora import (AdapterError, AdapterInUseError, AdapterNotF
 from ruvllm_cli.engine.int8 import int8_linear
 from ruvllm_cli.engine.quantize import (DynamicInt8Linear, Int4Linear, PackedLinear, int8_rows, int8_weights_here,
                                         packing_works)
+from ruvllm_cli.engine.request import FinishReason
 from ruvllm_cli.engine.sampling import SamplingParams
 from ruvllm_cli.errors import UsageError
 from ruvllm_cli.quantization import Quantization
@@ -326,3 +327,25 @@ def test_reading_an_adapter_leaves_bitsandbytes_out_and_importable(adapters):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["modules"] > 0 and result["bitsandbytes"] is False
     assert result["importable"] is (importlib.util.find_spec("bitsandbytes") is not None)
+
+
+def test_an_adapter_whose_every_request_fails_does_not_stop_the_engine(loaded, adapters, monkeypatch):
+    """Two steps in a row in which every request failed had been taken for the engine's
+    own failure, so one adapter that no check found wrong (an X-LoRA expert for another
+    base) stopped the server at its second request."""
+    engine = make_engine(loaded, adapters, names=("attn",))
+    bad = engine.adapter("attn").uid
+    execute = engine.runner.execute
+
+    def broken_for_the_adapter(chunks):
+        if any(chunk.request.adapter_uid == bad for chunk in chunks):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+        return execute(chunks)
+
+    monkeypatch.setattr(engine.runner, "execute", broken_for_the_adapter)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    for _ in range(3):
+        [failed] = engine.generate([[5, 6, 7]], params, adapters="attn")
+        assert failed.finish_reason is FinishReason.ERROR and "shapes cannot be multiplied" in failed.error
+    assert len(engine.generate([[5, 6, 7]], params)[0].token_ids) == 4
+    engine.check_integrity()
