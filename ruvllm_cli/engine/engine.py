@@ -152,6 +152,20 @@ class LLMEngine:
             self.runner.scaling_cache = None   # the last X-LoRA adapter gone: its KV pool too
         return removed
 
+    def replace_lora(self, name: str, adapter: Any) -> Any:
+        """Serve `adapter` (already read) in place of the one loaded as `name` (vLLM's
+        load_inplace: a trainer's new weights under the same name), with a new uid, so
+        no cached block of the old weights is reused; refused while a request uses the
+        old one, and the old one stays if the new one cannot be installed."""
+        old = self.adapter(name)
+        self.lora.check(adapter)
+        self.remove_lora(name)
+        try:
+            return self.add_lora(name, adapter)
+        except BaseException:
+            self.add_lora(name, old)
+            raise
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Built on first use (1-3 s for a 150k vocabulary); any thread may ask."""

@@ -41,7 +41,11 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         raise ApiError(400, "'lora_name' must not be blank.", param="lora_name", code="invalid_value")
     if name.endswith(LATEST):
         raise ApiError(400, f"'lora_name': {LATEST_RULE}.", param="lora_name", code="invalid_value")
-    if state.models.adapter_owner(name) is not None or name in state.models.adapters_loading:
+    if name in state.models.adapters_loading:
+        raise ApiError(400, f"The lora adapter '{name}' is being loaded.", param="lora_name", code="invalid_value")
+    if state.models.adapter_owner(name) is not None:
+        if values["load_inplace"]:
+            return await _replace(state, name, values["lora_path"])
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                        code="invalid_value")
     if name in state.models.all_names():
@@ -78,6 +82,42 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
         if installing is None:
             state.models.adapters_loading.discard(name)
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _replace(state: ServerState, name: str, path: str) -> web.Response:
+    """load_inplace on a loaded name: the new weights read, then swapped in on the engine
+    thread (Engine.replace_lora); its model is the one the adapter already adapts."""
+    entry = state.models.adapter_owner(name)
+    assert entry is not None
+    state.models.adapters_loading.add(name)
+    try:
+        located = await _off_loop(state, lambda: _locate(state, no_nul("lora_path", path)))
+        adapter = await _off_loop(state, lambda: read_adapter(name, located))
+        if entry.status not in (ModelStatus.UNLOADED, ModelStatus.FAILED):
+            async with state.model_for(name) as model:
+                client = model.client
+
+                async def swap() -> None:
+                    await _off_loop(state, lambda: client.call(lambda engine: engine.replace_lora(name, adapter)))
+                    state.models.keep_adapter(entry, name, located)
+
+                await asyncio.shield(asyncio.ensure_future(swap()))
+        else:   # an unloaded model's record: it reloads with the new files
+            state.models.keep_adapter(entry, name, located)
+    except ApiError:
+        raise
+    except AdapterInUseError as error:
+        raise ApiError(409, f"The lora adapter '{name}' is in use: {error.message}.", param="lora_name",
+                       code="adapter_in_use") from error
+    except (RepoUnavailableError, UsageError, ModelNotFoundError) as error:
+        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
+    except (DownloadError, CacheError) as error:
+        raise ApiError(503, error.message, param="lora_path", code="adapter_download_failed") from error
+    except RuvllmError as error:
+        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
+    finally:
+        state.models.adapters_loading.discard(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' replaced successfully.")
 
 
 def _locate(state: ServerState, path: str) -> Path:

@@ -312,6 +312,8 @@ LOAD_LORA_FIELDS = (
     Field("lora_path", "string", "A PEFT LoRA adapter directory on the server, or a hub id (owner/name).",
           required=True),
     Field("model", "string", "The base model it adapts, on a server with several (default: the first)."),
+    Field("load_inplace", "boolean", "Replace the weights of the adapter already loaded under lora_name "
+                                     "(vLLM's): refused with 409 while requests use it.", False),
 )
 UNLOAD_LORA_FIELDS = (Field("lora_name", "string", "The adapter to stop serving.", required=True),)
 

@@ -349,3 +349,20 @@ def test_an_adapter_whose_every_request_fails_does_not_stop_the_engine(loaded, a
         assert failed.finish_reason is FinishReason.ERROR and "shapes cannot be multiplied" in failed.error
     assert len(engine.generate([[5, 6, 7]], params)[0].token_ids) == 4
     engine.check_integrity()
+
+
+def test_replace_lora_swaps_weights_and_keeps_the_old_ones_when_it_cannot(loaded, adapters, tmp_path):
+    engine = make_engine(loaded, adapters, names=("attn",))
+    old_uid = engine.adapter("attn").uid
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=4), adapter="attn")
+    with pytest.raises(AdapterInUseError):
+        engine.replace_lora("attn", read_adapter("attn", adapters["mlp"]))
+    while engine.has_unfinished:
+        engine.step()
+    other = cached_tiny_model(tmp_path / "wide", hidden_size=96, num_heads=4, num_kv_heads=2)
+    with pytest.raises(AdapterError, match="another base model"):
+        engine.replace_lora("attn", read_adapter("attn", build_lora_adapter(other, tmp_path / "w", rank=2)))
+    assert engine.adapter("attn").uid == old_uid
+    engine.replace_lora("attn", read_adapter("attn", adapters["mlp"]))
+    assert engine.adapter("attn").uid != old_uid and engine.lora.names() == ["attn"]
+    engine.check_integrity()

@@ -171,6 +171,26 @@ def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
+def test_load_inplace_swaps_the_weights_under_the_same_name(lora_server, adapters, tmp_path):
+    """vLLM's load_inplace (a trainer's hot swap): it was ignored, and the name already
+    loaded answered 400."""
+    live = lora_server(names=(), allow_runtime_lora=True)
+    client, url = client_for(live), live.base_url
+    load = lambda name, path, **more: httpx.post(url + "/load_lora_adapter", timeout=60,  # noqa: E731
+                                                 json={"lora_name": name, "lora_path": str(path), **more})
+    assert load("swap", adapters["mlp"], load_inplace=True).status_code == 200   # a new name: a plain load
+    assert load("other", adapters["attn"]).status_code == 200
+    mlp_text, attn_text = greedy(client, "swap").choices[0].text, greedy(client, "other").choices[0].text
+    assert mlp_text != attn_text
+    replaced = load("swap", adapters["attn"], load_inplace=True)
+    assert replaced.status_code == 200 and "replaced" in replaced.text
+    assert greedy(client, "swap").choices[0].text == attn_text   # no KV of the old weights reused
+    broken = load("swap", tmp_path, load_inplace=True)
+    assert broken.status_code == 400 and broken.json()["error"]["param"] == "lora_path"
+    assert greedy(client, "swap").choices[0].text == attn_text   # the old weights stay
+    assert [m.id for m in client.models.list().data].count("swap") == 1
+
+
 def test_an_adapter_the_hub_cannot_give_is_a_503_not_a_client_error(lora_server, tmp_path, monkeypatch, free_port):
     """The hub out of reach is the server's trouble: 503 adapter_download_failed (it was a
     500 with code invalid_value)."""
