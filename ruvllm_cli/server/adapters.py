@@ -132,7 +132,7 @@ def _locate(state: ServerState, path: str) -> Path:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     state = _runtime_lora(request)
     values = read_fields(Fields(await read_json(request, state.config.max_body_size)), UNLOAD_LORA_FIELDS)
-    name = values["lora_name"]
+    name = values["lora_name"].strip()   # as the load takes it
     entry = state.models.adapter_owner(name)
     if entry is None:
         raise ApiError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="model_not_found")

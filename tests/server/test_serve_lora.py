@@ -163,7 +163,7 @@ def test_load_use_and_unload_at_run_time(lora_server, adapters, tmp_path):
         nul = httpx.post(url + "/load_lora_adapter", json={"lora_name": "nul", "lora_path": str(adapters["mlp"]),
                                                            field: value})
         assert nul.status_code == 400 and nul.json()["error"]["param"] == field, nul.text
-    done = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "fresh"})
+    done = httpx.post(url + "/unload_lora_adapter", json={"lora_name": " fresh "})   # trimmed, as the load trims
     assert done.status_code == 200 and "removed" in done.text
     with pytest.raises(openai.NotFoundError):
         greedy(client, "fresh")
