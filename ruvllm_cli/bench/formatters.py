@@ -160,7 +160,7 @@ def verdict(metrics: Mapping[str, Any], given_gb_s: float | None = None) -> str:
     """Decode speed against the memory-bandwidth bound, from measured figures only."""
     decode = metrics.get("decode_tokens_per_s")
     achieved = metrics.get("achieved_bandwidth_gb_s")
-    weights = metrics.get("weight_bytes")
+    weights = metrics.get("decode_weight_bytes", metrics.get("weight_bytes"))
     if decode is None or achieved is None or weights is None:
         return "Verdict: decode speed not measured (a generation of one token has no decode phase)."
     line = (f"Verdict: decode {decode:.2f} tok/s per stream × {decimal_bytes(weights)} of weights = "

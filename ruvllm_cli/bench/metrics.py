@@ -193,11 +193,12 @@ def spread(name: str, values: Sequence[float | None]) -> dict[str, float | None]
 
 
 def achieved_bandwidth_gb_s(weight_bytes: int, decode_tok_s: float | None) -> float | None:
-    """Weight bytes read per second, in GB/s (10^9 bytes).
+    """Weight bytes read per second, in GB/s (10^9 bytes), from the bytes a decode step
+    reads of the weights (`decode_weight_bytes`).
 
-    Each decode step reads every weight once and yields one token per running
-    stream, so the per-stream decode rate is the step rate at any concurrency.
-    KV-cache and activation traffic are not counted: this is a lower bound."""
+    Each decode step reads those once and yields one token per running stream, so the
+    per-stream decode rate is the step rate at any concurrency. KV-cache and
+    activation traffic are not counted: this is a lower bound."""
     if decode_tok_s is None:
         return None
     return weight_bytes * decode_tok_s / 1e9

@@ -15,7 +15,8 @@ from ruvllm_cli.bench.metrics import IterationSample
 from ruvllm_cli.bench.runner import BenchRun
 from ruvllm_cli.engine.request import FinishReason
 
-SCHEMA_VERSION = 3   # 2: config.kernels and config.weight_cache; 3: every latency's stdev, prefill's percentiles
+SCHEMA_VERSION = 4   # 2: config.kernels and config.weight_cache; 3: every latency's stdev, prefill's percentiles;
+#                      4: config.threads, metrics.decode_weight_bytes (the bandwidth's bytes)
 SECTIONS = ("model", "config", "system", "metrics")
 
 
@@ -25,6 +26,7 @@ class Measurements:
 
     load_time_s: float
     weight_bytes: int
+    decode_weight_bytes: int   # what a decode step reads of them (loader.decode_weight_bytes)
     peak_rss_mb: float | None
     cuda_max_allocated_mb: float | None
     grammar_compile_s: float | None = None   # --json-schema: its first compile, before the run
@@ -46,7 +48,7 @@ def model_section(located: Any, model_config: Any, argument: str) -> dict[str, A
 def metrics_section(run: BenchRun, measured: Measurements, memory_bandwidth_gb_s: float | None) -> dict[str, Any]:
     """Every metric, in the order the tables and the docs show them."""
     summary = m.summarize(run.iterations)
-    achieved = m.achieved_bandwidth_gb_s(measured.weight_bytes, summary["decode_tokens_per_s"])
+    achieved = m.achieved_bandwidth_gb_s(measured.decode_weight_bytes, summary["decode_tokens_per_s"])
     return {
         "load_time_s": measured.load_time_s,
         **summary,
@@ -54,6 +56,7 @@ def metrics_section(run: BenchRun, measured: Measurements, memory_bandwidth_gb_s
         "peak_rss_mb": measured.peak_rss_mb,
         "cuda_max_allocated_mb": measured.cuda_max_allocated_mb,
         "weight_bytes": measured.weight_bytes,
+        "decode_weight_bytes": measured.decode_weight_bytes,
         "achieved_bandwidth_gb_s": achieved,
         "bandwidth_utilization_pct": m.bandwidth_utilization_pct(achieved, memory_bandwidth_gb_s),
     }

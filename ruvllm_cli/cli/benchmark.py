@@ -127,6 +127,7 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     from ruvllm_cli.bench.runner import BenchmarkRunner, BenchSettings, check_fits
     from ruvllm_cli.bench.system import system_info
     from ruvllm_cli.cli.engine_setup import locate_adapters, open_engine
+    from ruvllm_cli.engine.loader import decode_weight_bytes
 
     adapters = locate_adapters(app, lora)
     structured = json_schema.spec if json_schema is not None else None
@@ -144,11 +145,11 @@ def run_benchmark(app: AppContext, model: str, *, warmup: int, iterations: int, 
     monitor = LoadMonitor(torch.get_num_threads())
     with _progress(app, settings) as (on_tokens, on_phase, on_done):
         run = BenchmarkRunner(engine, settings, on_tokens).run(*_watched(monitor, on_phase, on_done))
-    measured = Measurements(loaded.load_seconds, loaded.weight_bytes, peak_rss_mb(),
-                            cuda_max_allocated_mb(loaded.device), compile_s)
+    measured = Measurements(loaded.load_seconds, loaded.weight_bytes, decode_weight_bytes(loaded.model),
+                            peak_rss_mb(), cuda_max_allocated_mb(loaded.device), compile_s)
     config = _config_section(settings, engine, device=device,
                              json_schema=json_schema.path if json_schema is not None else None, lora=list(lora),
-                             kernels=not no_compile, weight_cache=not no_weight_cache, **rest)
+                             kernels=not no_compile, weight_cache=not no_weight_cache, threads=threads, **rest)
     return build_report(model_section(opened.located, loaded.config, model), config,
                         system_info(loaded), run, measured, noise_section(run.iterations, monitor.result()))
 
@@ -203,7 +204,8 @@ def _compile_grammar(engine: "LLMEngine", spec: "GrammarSpec", path: str) -> flo
 
 def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output: str | None,
                     compare_file: str | None, threshold: float, memory_bandwidth: float | None,
-                    json_schema: str | None, lora: list[str], kernels: bool, weight_cache: bool) -> dict[str, Any]:
+                    json_schema: str | None, lora: list[str], kernels: bool, weight_cache: bool,
+                    threads: int | None) -> dict[str, Any]:
     """Every option (quantization as in effect), plus the engine settings the run used."""
     return {
         "warmup": settings.warmup, "iterations": settings.iterations, "prompt_length": settings.prompt_length,
@@ -215,7 +217,7 @@ def _config_section(settings: Any, engine: Any, *, device: str, fmt: str, output
         "max_model_len": engine.max_model_len, "kv_cache_blocks": engine.block_manager.num_blocks,
         "block_size": engine.config.block_size, "json_schema": json_schema, "lora": lora,
         "max_loras": engine.config.max_loras, "max_lora_rank": engine.config.max_lora_rank,
-        "kernels": kernels, "weight_cache": weight_cache,
+        "kernels": kernels, "weight_cache": weight_cache, "threads": threads,
     }
 
 

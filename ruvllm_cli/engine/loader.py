@@ -630,6 +630,22 @@ def _bitsandbytes_options(quantization: Quantization, device: torch.device) -> d
     return {"quantization_config": config, "device_map": {"": device.index or 0}}
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: weight_bytes less the input embedding's
+    tensors that no other module reads (a step reads one row of those a token). A head
+    that shares the embedding's storage (q8, q4k, f16 tied) keeps it counted; a head of
+    its own beside it (float32's packed copy, an untied model) does not."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embedding is None:
+        return weight_bytes(model)
+    inside = {id(module) for module in embedding.modules()}
+    elsewhere = {tensor.data_ptr() for module in model.modules() if id(module) not in inside
+                 for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]}
+    own = {tensor.data_ptr(): tensor.numel() * tensor.element_size()
+           for tensor in [*embedding.parameters(), *embedding.buffers()] if tensor.data_ptr() not in elsewhere}
+    return weight_bytes(model) - sum(own.values()) - getattr(embedding, "quantized_nbytes", 0)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's parameters and buffers really take (tied weights once)."""
     seen: set[int] = set()

@@ -27,7 +27,7 @@ MODEL_FIELDS = ["name", "argument", "repo_id", "revision", "path", "architecture
 CONFIG_FIELDS = [
     "warmup", "iterations", "prompt_length", "gen_length", "concurrency", "quantization", "device", "seed",
     "format", "output", "compare", "threshold_pct", "memory_bandwidth_gb_s", "sampling", "prefix_caching",
-    "max_num_seqs", "max_model_len", "kv_cache_blocks", "block_size",
+    "max_num_seqs", "max_model_len", "kv_cache_blocks", "block_size", "threads",
 ]
 SYSTEM_FIELDS = [
     "cpu_model", "cpu_cores_physical", "cpu_cores_logical", "torch_threads", "ram_total_gb", "os",
@@ -42,6 +42,7 @@ METRIC_FIELDS = [
     "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p95", "e2e_ms_p99", "e2e_ms_stdev", "output_tokens_per_s",
     "requests_per_s", "generated_tokens_per_request", "prompt_tokens_per_request", "cached_prompt_tokens",
     "measured_requests", "preemptions", "peak_rss_mb", "cuda_max_allocated_mb", "weight_bytes",
+    "decode_weight_bytes",
     "achieved_bandwidth_gb_s", "bandwidth_utilization_pct",
 ]
 NOISE_FIELDS = ["iterations"] + [f"{figure}_{stat}" for figure in ("decode_tokens_per_s", "prefill_tokens_per_s",
@@ -74,6 +75,7 @@ def test_json_carries_every_documented_field(json_run):
     for section, fields in SECTIONS.items():
         assert set(fields) <= set(report[section]), f"{section}: missing {set(fields) - set(report[section])}"
     assert len(report["samples"]) == 3
+    assert report["config"]["threads"] == 1 and report["system"]["torch_threads"] == 1   # --threads 1
     for iteration in report["samples"]:
         assert list(iteration) == ITERATION_FIELDS
         for request in iteration["requests"]:
@@ -96,8 +98,10 @@ def test_json_values_are_measured_and_exact(json_run, tiny_model_dir):
     assert metrics["peak_rss_mb"] > 50
     assert metrics["cuda_max_allocated_mb"] is None      # the tests run on a CPU
     assert metrics["weight_bytes"] > 0
+    # float32 ties the head as a packed copy: a step reads it, not the embedding table beside it
+    assert metrics["decode_weight_bytes"] == metrics["weight_bytes"] - 512 * 64 * 4
     assert metrics["achieved_bandwidth_gb_s"] == pytest.approx(
-        metrics["weight_bytes"] * metrics["decode_tokens_per_s"] / 1e9)
+        metrics["decode_weight_bytes"] * metrics["decode_tokens_per_s"] / 1e9)
     assert metrics["bandwidth_utilization_pct"] is None  # no --memory-bandwidth given
     for iteration in report["samples"]:
         for request in iteration["requests"]:

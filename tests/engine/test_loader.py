@@ -246,3 +246,19 @@ def test_the_memory_check_sees_a_containers_memory_limit(tmp_path, monkeypatch):
     assert loader.cgroup_room(tmp_path / "none", tmp_path / "nothing") is None
     monkeypatch.setattr(loader, "cgroup_room", lambda: 123 << 20)
     assert loader.free_memory(torch.device("cpu")) == 123 << 20
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_decode_weight_bytes_leave_out_an_embedding_table_only_its_rows_are_read_of(make_tiny_model, tied):
+    """The benchmark's GB/s had counted every byte held, the embedding table beside a
+    head of its own among them (a third more on the tiny model), as read each step."""
+    from ruvllm_cli.engine.loader import decode_weight_bytes
+
+    model_dir = make_tiny_model(tie_word_embeddings=tied)
+    config = json.loads((model_dir / "config.json").read_text())
+    table = config["vocab_size"] * config["hidden_size"]
+    for quant, table_bytes, shared in ((Q.F32, 4 * table, False), (Q.F16, 2 * table, tied),
+                                       (Q.Q8_0, table, tied)):
+        loaded = load_model(model_dir, "cpu", quant)
+        expected = loaded.weight_bytes - (0 if shared else table_bytes)
+        assert decode_weight_bytes(loaded.model) == pytest.approx(expected, rel=0.02), quant
