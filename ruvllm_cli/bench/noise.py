@@ -46,7 +46,8 @@ class CpuContention:
         cores) and counts this run's own threads."""
         if self.other_cpu_cores is not None:
             return self.other_cpu_cores + self.threads > self.cores + 0.25
-        return self.load_average_max is not None and self.load_average_max > self.cores
+        # the load average is the whole machine's, whatever cores this process may use
+        return self.load_average_max is not None and self.load_average_max > (os.cpu_count() or self.cores)
 
 
 def usable_cores() -> int:
@@ -86,11 +87,19 @@ class LoadMonitor:
 
 
 def _cpu_clock() -> tuple[float, float, float]:
-    """(wall seconds, CPU seconds the whole system was busy, CPU seconds of this process)."""
+    """(wall seconds, CPU seconds the cores this process may use were busy, CPU seconds
+    of this process). Only those cores: under taskset or a cgroup's cpuset the whole
+    machine's had counted work on cores this run could not use ("other processes kept
+    1.59 cores busy" of one)."""
     import psutil
 
-    times = psutil.cpu_times()
-    busy = sum(getattr(times, name, 0.0) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+    per_cpu = psutil.cpu_times(percpu=True)
+    try:
+        usable = [per_cpu[i] for i in sorted(os.sched_getaffinity(0)) if i < len(per_cpu)]
+    except AttributeError:  # pragma: no cover - not Linux
+        usable = per_cpu
+    busy = sum(getattr(times, name, 0.0) for times in usable
+               for name in ("user", "nice", "system", "irq", "softirq", "steal"))
     own = psutil.Process().cpu_times()
     return time.monotonic(), busy, own.user + own.system
 
@@ -124,7 +133,7 @@ def noise_warnings(noise: dict[str, Any]) -> list[str]:
                      + ", ".join(parts) + "; compare runs only beyond that spread")
     if noise.get("busy"):
         load, other = noise.get("load_average_max"), noise.get("other_cpu_cores")
-        seen = [f"load average up to {load:.2f} on {noise['cpu_cores']} cores" if load is not None else "",
+        seen = [f"the machine's load average up to {load:.2f}" if load is not None else "",
                 f"other processes kept {other:.2f} cores busy" if other is not None else ""]
         hint = ""
         threads = noise.get("torch_threads")

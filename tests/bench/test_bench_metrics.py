@@ -7,6 +7,7 @@ import json
 import re
 import io
 import math
+import os
 import random
 from types import SimpleNamespace
 
@@ -294,7 +295,8 @@ def test_a_steady_run_on_a_quiet_machine_gets_no_warning():
     (2.6, 0.1, False), (2.6, None, True), (1.9, None, False),
     (None, None, False),
 ])
-def test_a_busy_cpu(load, other, busy):
+def test_a_busy_cpu(load, other, busy, monkeypatch):
+    monkeypatch.setattr(nz.os, "cpu_count", lambda: 2)   # the load average is the machine's
     contention = nz.CpuContention(cores=2, threads=2, load_average_max=load, other_cpu_cores=other)
     assert contention.busy is busy
 
@@ -303,12 +305,38 @@ def test_busy_warning_names_what_was_seen():
     noise = nz.noise_section([iteration(1, 0.01), iteration(2, 0.01)],
                              nz.CpuContention(cores=2, threads=2, load_average_max=4.96, other_cpu_cores=1.36))
     assert nz.noise_warnings(noise) == [
-        "other processes used the CPU during the run (load average up to 4.96 on 2 cores; other processes kept "
+        "other processes used the CPU during the run (the machine's load average up to 4.96; other processes kept "
         "1.36 cores busy): the figures are likely low and noisy; every step waits for the slowest of its 2 "
         "threads, so beside other work --threads 1 (or fewer) often runs faster"]
     alone = nz.noise_section([iteration(1, 0.01), iteration(2, 0.01)],
                              nz.CpuContention(cores=2, threads=1, load_average_max=None, other_cpu_cores=1.5))
     assert nz.noise_warnings(alone)[0].endswith("likely low and noisy")   # one thread: nothing fewer to suggest
+
+
+def test_other_processes_count_only_on_the_cores_this_one_may_use(monkeypatch):
+    """Under taskset the whole machine's busy time had counted: a process spinning on a
+    core this run could not use made it 'kept 1.59 cores busy' of one."""
+    import psutil
+    from collections import namedtuple
+
+    Times = namedtuple("Times", "user nice system idle")
+    clock = {"t": 0.0}
+
+    def per_cpu(percpu=False):
+        assert percpu
+        t = clock["t"]
+        return [Times(0.1 * t, 0, 0, 0.9 * t), Times(t, 0, 0, 0), Times(t, 0, 0, 0)]   # cores 1 and 2 spin
+
+    monkeypatch.setattr(psutil, "cpu_times", per_cpu)
+    monkeypatch.setattr(nz.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(nz.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(psutil.Process, "cpu_times", lambda self: Times(0, 0, 0, 0))
+    monitor = nz.LoadMonitor(threads=1)
+    monitor.start()
+    clock["t"] = 10.0
+    monitor.sample()
+    seen = monitor.result()
+    assert seen.cores == 1 and seen.other_cpu_cores == pytest.approx(0.1)
 
 
 def test_load_monitor_measures_this_machine():
