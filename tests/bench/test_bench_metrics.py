@@ -7,7 +7,6 @@ import json
 import re
 import io
 import math
-import os
 import random
 from types import SimpleNamespace
 
