@@ -78,15 +78,27 @@ class RemovalPlan:
     _prune: tuple[Path, ...] = field(default=(), repr=False)  # dirs removed if left empty
 
     def execute(self) -> None:
+        """Deletes the plan; raises CacheError naming a path that stays. The hub client only
+        logs a file it may not delete, so what is left on disk decides, not its silence."""
+        errors: list[OSError] = []
         if self._strategy is not None:
-            self._strategy.execute()
+            errors += _execute_strategy(self._strategy)
         for path in self._paths:
-            _remove_path(path)
+            errors += _remove_path(path)
         for directory in self._prune:
             try:
                 directory.rmdir()
             except OSError:
                 pass
+        left = _left_over(self._targets())
+        if left or errors:
+            raise _removal_error(self.repo_id, left, errors)
+
+    def _targets(self) -> list[Path]:
+        """Every path the plan deletes: the hub strategy's and ours."""
+        kinds = ("files", "repos", "snapshots", "refs", "blobs")   # getattr: `files` is not in every huggingface_hub
+        hub = [path for kind in kinds for path in getattr(self._strategy, kind, ())]
+        return [*hub, *self._paths]
 
 
 def repo_folder_name(repo_id: str) -> str:
@@ -401,10 +413,70 @@ def tree_bytes(folder: Path) -> int:
         if folder.is_dir() else 0
 
 
-def _remove_path(path: Path) -> None:
+def _remove_path(path: Path) -> list[OSError]:
+    """Deletes a file or tree; returns the error that stopped it (nothing: done)."""
     import shutil
 
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
+    try:
+        if path.is_symlink() or path.is_file():
+            path.unlink(missing_ok=True)
+        elif path.is_dir():
+            shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        return [error]
+    return []
+
+
+def _execute_strategy(strategy: Any) -> list[OSError]:
+    """Runs huggingface_hub's DeleteCacheStrategy, which logs (with a traceback) a path it
+    may not delete and goes on: its errors come back instead, and its log stays quiet."""
+    import logging
+
+    caught = _DeletionErrors()
+    logger = logging.getLogger("huggingface_hub.utils._cache_manager")
+    logger.addFilter(caught)
+    try:
+        strategy.execute()
+    except OSError as error:   # anything but a PermissionError ends it: a read-only file system
+        caught.errors.append(error)
+    finally:
+        logger.removeFilter(caught)
+    return caught.errors
+
+
+class _DeletionErrors:
+    """A logging filter that keeps the errors of the hub's "Couldn't delete" records and drops every record."""
+
+    def __init__(self) -> None:
+        self.errors: list[OSError] = []
+
+    def filter(self, record: Any) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, OSError):
+            self.errors.append(error)
+        return False
+
+
+def _exists(path: Path) -> bool:
+    return path.is_symlink() or path.exists()
+
+
+def _left_over(paths: Iterable[Path]) -> list[Path]:
+    """What stays of `paths`: the files under a directory, or the directory when it shows none."""
+    left: list[Path] = []
+    for path in (p for p in dict.fromkeys(paths) if _exists(p)):
+        tree = path.is_dir() and not path.is_symlink()
+        inside = sorted(p for p in path.rglob("*") if p.is_symlink() or not p.is_dir()) if tree else []
+        left += inside or [path]
+    return list(dict.fromkeys(left))
+
+
+def _removal_error(repo_id: str, left: list[Path], errors: list[OSError]) -> CacheError:
+    """Names the first path that stays (an rmtree error names a file relative to its dir only)."""
+    reason = (errors[0].strerror or type(errors[0]).__name__) if errors else "it is still there"
+    path = left[0] if left else Path(errors[0].filename or repo_id)
+    more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+    return CacheError(f"could not remove all of {repo_id}: {path}: {reason}{more}",
+                      f"make {path.parent} writable (or its file system), then run ruvllm rm again")

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,65 @@ def test_rm_without_confirmation_on_closed_stdin(ruvllm: Run, downloaded: Downlo
     assert [line for line in lines if line.startswith("Error:")] == ["Error: no confirmation (stdin is closed)"]
     assert lines[-1] == "Hint: pass -y to remove without asking"
     assert cache.find(downloaded.repo_id) == downloaded
+
+
+@contextmanager
+def undeletable(directory: Path) -> Iterator[None]:
+    """Nothing in `directory` can be deleted meanwhile: mode 0o555 for a user, the immutable
+    attribute for root, whom modes do not stop (skips where the file system has none)."""
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            yield
+        finally:
+            directory.chmod(0o755)
+        return
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode != 0:
+        pytest.skip("running as root on a file system without chattr +i: no directory root cannot write")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+def test_rm_that_cannot_delete_the_files_fails_naming_one(ruvllm: Run, downloaded: DownloadedModel,
+                                                          cache: ModelCache) -> None:
+    """The hub client only logs (with a traceback) a blob it may not delete: rm had said
+    "Removed ..." and exited 0 with every blob still on disk."""
+    blobs = cache.repo_dir(downloaded.repo_id) / "blobs"
+    with undeletable(blobs):
+        result = ruvllm("rm", downloaded.repo_id, "-y")
+        left = sorted(blobs.iterdir())
+    assert result.returncode == 1
+    assert result.stdout == "" and "Traceback" not in result.stderr and "Removed" not in result.stderr
+    error, hint = result.stderr.splitlines()
+    assert len(left) == 6
+    reason = "Permission denied" if os.geteuid() != 0 else "Operation not permitted"
+    assert error == f"Error: could not remove all of {downloaded.repo_id}: {left[0]}: {reason} (and 5 more)"
+    assert hint == f"Hint: make {blobs} writable (or its file system), then run ruvllm rm again"
+    assert cache.find(downloaded.repo_id) is None   # what could go is gone: no longer listed as complete
+    again = ruvllm("rm", downloaded.repo_id, "-y")
+    assert again.returncode == 0, again.stderr
+    assert not cache.repo_dir(downloaded.repo_id).exists()
+
+
+def test_a_removal_on_a_read_only_file_system_says_so(tmp_path: Path) -> None:
+    """EROFS is no PermissionError: the hub client raises it, and rm printed "OSError: [Errno 30] ... 'main'"."""
+    import errno
+
+    from ruvllm_cli.errors import CacheError
+    from ruvllm_cli.registry.cache import RemovalPlan
+
+    ref = tmp_path / "refs" / "main"
+
+    class ReadOnly:   # a DeleteCacheStrategy on a read-only mount, as far as execute() goes
+        def execute(self) -> None:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(ref))
+
+    with pytest.raises(CacheError) as raised:
+        RemovalPlan("org/x", ("c" * 40,), (), 0, ReadOnly()).execute()
+    assert raised.value.message == f"could not remove all of org/x: {ref}: Read-only file system"
+    assert raised.value.hint == f"make {ref.parent} writable (or its file system), then run ruvllm rm again"
 
 
 def read_stderr_until(process: subprocess.Popen, text: bytes, timeout: float = 60) -> bytes:
