@@ -10,6 +10,8 @@ import difflib
 import json
 import re
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -227,6 +229,17 @@ def validate_repo_id(repo_id: str) -> str:
     return repo_id
 
 
+@contextmanager
+def _user_file_locked(path: Path) -> Iterator[None]:
+    """Holds `path`'s lock across a read-modify-write: two `alias set` runs at once had each
+    written back the file they read, and the later one dropped the other's alias."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / f".{path.name}.lock")):
+        yield
+
+
 def _write_user_file(path: Path, aliases: dict[str, dict[str, Any]]) -> None:
     write_text_atomic(path, json.dumps({"version": 1, "aliases": aliases}, indent=2, sort_keys=True) + "\n")
 
@@ -264,24 +277,32 @@ def add_user_alias(alias: str, target: str, *, name: str | None = None,
         record["recommended_quantization"] = record["recommended_quantization"].value
     path = aliases_path(config_dir)
     entry = _entry_from_data({**record, "alias": alias}, user=True, where="the new alias")
-    aliases = _read_user_file(path)
-    aliases[alias] = record
-    _write_user_file(path, aliases)
+    with _user_file_locked(path):
+        aliases = _read_user_file(path)
+        aliases[alias] = record
+        _write_user_file(path, aliases)
     return entry
 
 
 def remove_user_alias(alias: str, config_dir: Path | None = None) -> ModelEntry:
     """Removes a user alias; returns what was removed."""
     path = aliases_path(config_dir)
-    aliases = _read_user_file(path)
-    if alias not in aliases:
-        if alias in builtin_entries():
-            raise UsageError(f"'{alias}' is a built-in alias and cannot be removed",
-                             "`ruvllm alias set` can shadow it with your own repo instead")
-        raise ModelNotFoundError(f"no user alias '{alias}'", "see `ruvllm alias list`")
-    removed = _entry_from_data({**aliases.pop(alias), "alias": alias}, user=True, where=str(path))
-    _write_user_file(path, aliases)
+    if alias not in _read_user_file(path):
+        _no_user_alias(alias)
+    with _user_file_locked(path):
+        aliases = _read_user_file(path)
+        if alias not in aliases:   # another run removed it meanwhile
+            _no_user_alias(alias)
+        removed = _entry_from_data({**aliases.pop(alias), "alias": alias}, user=True, where=str(path))
+        _write_user_file(path, aliases)
     return removed
+
+
+def _no_user_alias(alias: str) -> None:
+    if alias in builtin_entries():
+        raise UsageError(f"'{alias}' is a built-in alias and cannot be removed",
+                         "`ruvllm alias set` can shadow it with your own repo instead")
+    raise ModelNotFoundError(f"no user alias '{alias}'", "see `ruvllm alias list`")
 
 
 # ---------------------------------------------------------------- resolution

@@ -191,7 +191,8 @@ def test_add_and_resolve_user_alias(config_dir: Path) -> None:
     assert (ref.kind, ref.repo_id, ref.revision, ref.entry.alias) == ("registry", "someone/their-model", "dev", "mine")
     stored = json.loads(aliases_path().read_text())
     assert stored == {"version": 1, "aliases": {"mine": {"repo_id": "someone/their-model", "name": "Their model"}}}
-    assert sorted(p.name for p in config_dir.iterdir()) == ["aliases.json"]  # no temp file left
+    # no temp file left; the lock file stays (deleting it would race a writer that opened it)
+    assert sorted(p.name for p in config_dir.iterdir()) == [".aliases.json.lock", "aliases.json"]
 
 
 def make_model_dir(path: Path) -> Path:
@@ -280,6 +281,19 @@ def test_add_replaces_and_remove_keeps_others(config_dir: Path) -> None:
     remove_user_alias("a")
     registry = load_registry()
     assert "a" not in registry and registry["b"].repo_id == "org/two"
+
+
+def test_concurrent_alias_writes_keep_every_alias(config_dir: Path) -> None:
+    """Eight `alias set` at once had kept two to four: each wrote back the file it had read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [f"a{i}" for i in range(8)]
+    with ThreadPoolExecutor(len(names)) as pool:
+        list(pool.map(lambda name: add_user_alias(name, f"org/{name}"), names))
+    assert sorted(name for name, entry in load_registry().items() if entry.user) == names
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(remove_user_alias, names[:4]))
+    assert sorted(name for name, entry in load_registry().items() if entry.user) == names[4:]
 
 
 @pytest.mark.parametrize("alias", ["Bad", "-x", "a b", "a/b", "", "ü"])
