@@ -191,6 +191,7 @@ def command(**options: Any) -> None:
     options["cluster"] = cluster_options(options)
     options["api_key_from_flag"] = ctx.get_parameter_source("api_key") is ParameterSource.COMMANDLINE
     options["max_context_from_flag"] = ctx.get_parameter_source("max_context") is ParameterSource.COMMANDLINE
+    options["located"] = located
     asyncio.run(serve(app, options))
     exit_now()
 
@@ -228,12 +229,8 @@ def configure_logging(verbose: bool) -> None:
 
 async def serve(app: AppContext, options: dict[str, Any]) -> None:
     """Listen first (health 503), load, fill the engine slot, serve until a signal."""
-    from ruvllm_cli.server import attach_engine, create_app, start_server
-    from ruvllm_cli.server.models import in_daemon_thread
+    from ruvllm_cli.server import create_app, start_server
 
-    from rich.markup import escape
-
-    out = app.output()
     web_app = create_app(None, server_config(options, app.verbose, app.cache_dir))
     try:
         server = await start_server(web_app, options["host"], options["port"],
@@ -253,6 +250,25 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         from ruvllm_cli.cli.serve_models import serve_models
 
         return await serve_models(app, options, web_app, server, stop)
+    from ruvllm_cli.registry.in_use import register
+
+    # Before the load, which reads the files (a minute at 7B): `ruvllm rm` had removed them meanwhile.
+    unregister = register([options["located"][0].path], server.url, app.cache_dir)
+    try:
+        await serve_one(app, options, web_app, server, stop)
+    finally:
+        unregister()
+
+
+async def serve_one(app: AppContext, options: dict[str, Any], web_app: Any, server: Any,
+                    stop: asyncio.Event) -> None:
+    """Load the one model (or its replicas) while listening, then serve until a signal."""
+    from ruvllm_cli.server import attach_engine
+    from ruvllm_cli.server.models import in_daemon_thread
+
+    from rich.markup import escape
+
+    out = app.output()
     waiting_for = "the replicas" if options["cluster"] else "the model"
     out.info(f"[dim]Listening on {escape(server.url)}; loading {waiting_for} (/health answers 503 until it is "
              "ready)[/dim]")
@@ -269,9 +285,6 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         out.info("Stopped before the model finished loading.")
         return
     failures: list[BaseException] = []
-    from ruvllm_cli.registry.in_use import register
-
-    unregister = register([backend.located.path], server.url, app.cache_dir)   # `ruvllm rm` leaves it alone
     try:
         names = served_names(backend.located, options["model"], options["served_model_name"])
         attach_engine(web_app, backend.start(stop_on_failure(stop, failures)), names, backend.located.path)
@@ -287,7 +300,6 @@ async def serve(app: AppContext, options: dict[str, Any]) -> None:
         install_signal_handlers(lambda: end_now(server, out))
         await server.stop()
     finally:
-        unregister()
         backend.stop()
     if failures:
         # Exit non-zero, so a supervisor (systemd, Kubernetes) restarts the server.

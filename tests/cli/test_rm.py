@@ -341,6 +341,38 @@ def test_rm_refuses_a_model_a_running_server_uses(ruvllm: Run, downloaded: Downl
     assert not downloaded.path.exists() and not stale.exists()
 
 
+def test_rm_refuses_a_model_a_server_is_still_loading(ruvllm: Run, downloaded: DownloadedModel,
+                                                     cache: ModelCache, cli_env: dict[str, str]) -> None:
+    """The server recorded its model only once loaded: an `rm` during the load (a minute
+    at 7B) removed the files it was reading. The server is held still (SIGSTOP) right
+    after it says it is loading."""
+    import socket
+
+    from ruvllm_cli.registry.in_use import run_dir
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "ruvllm_cli", "serve", downloaded.repo_id, "--port", str(port),
+                                "-q", "none", "--device", "cpu", "--max-context", "128", "--kv-cache-memory", "4MiB"],
+                               env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        read_stderr_until(process, b"loading the model")
+        process.send_signal(signal.SIGSTOP)
+        refused = ruvllm("rm", downloaded.repo_id, "-y")
+        process.send_signal(signal.SIGCONT)
+        assert refused.returncode == 1, refused.stderr
+        assert f"in use by ruvllm serve (pid {process.pid} at http://127.0.0.1:{port})" in refused.stderr
+        assert cache.find(downloaded.repo_id) == downloaded
+        read_stderr_until(process, b"Press Ctrl+C")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+        process.wait()
+    assert not run_dir(cache.root).exists()
+
+
 def test_rm_force_removes_a_model_in_use(ruvllm: Run, downloaded: DownloadedModel, cache: ModelCache) -> None:
     from ruvllm_cli.registry.in_use import register
 
