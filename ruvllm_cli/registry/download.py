@@ -48,6 +48,8 @@ GGUF_PATTERNS: dict[Quantization, tuple[str, ...]] = {
     Quantization.F32: ("f32", "fp32"),
 }
 
+SPLIT_GGUF_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)   # llama.cpp's gguf-split names
+
 
 # -- which files ---------------------------------------------------------------------------
 def plan_files(repo_files: Iterable[str], quantization: Quantization | str,
@@ -94,15 +96,29 @@ def _safetensors_weights(files: set[str], safetensors: list[str],
 
 
 def choose_gguf(names: Sequence[str], quantization: Quantization) -> str:
-    """The one GGUF file whose name carries the quantization (case-insensitive)."""
+    """The one GGUF file whose name carries the quantization (case-insensitive). A model
+    split into several files (`-00001-of-00002.gguf`) is refused: the engine loads one
+    file, and the first part alone had been fetched and recorded as the whole model."""
     patterns = GGUF_PATTERNS[quantization]
-    matches = [name for name in names if any(_has_token(Path(name).name, p) for p in patterns)]
+    candidates = [name for name in names if any(_has_token(Path(name).name, p) for p in patterns)]
+    matches = [name for name in candidates if not SPLIT_GGUF_RE.search(name)]
+    if candidates and not matches:
+        raise _split_gguf_error(candidates, quantization)
     if not matches:
         available = ", ".join(Path(name).name for name in names)
         raise DownloadError(f"no {quantization.label} GGUF file in the repo (available: {available})",
                             "choose another --quantization")
     # Prefer a root-level, shortest name: split or variant files carry longer names.
     return min(matches, key=lambda name: (name.count("/"), len(name), name))
+
+
+def _split_gguf_error(parts: Sequence[str], quantization: Quantization) -> DownloadError:
+    first = min(parts)
+    count = int(SPLIT_GGUF_RE.search(first).group(2))   # type: ignore[union-attr]
+    return DownloadError(f"the repo's {quantization.label} GGUF is split into {count} files ({first} and the "
+                         "rest of its set), and ruvllm loads a model from one GGUF file",
+                         f"merge them with llama.cpp: llama-gguf-split --merge {Path(first).name} "
+                         "merged.gguf, and run merged.gguf; or choose another --quantization or repo")
 
 
 def _gguf_names(names: Iterable[str]) -> list[str]:

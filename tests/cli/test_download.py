@@ -351,6 +351,20 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
                               "tiny-Q8_0.gguf)", "choose another --quantization")
 
 
+def test_a_split_gguf_is_refused_naming_its_set(ruvllm: Run, fake_hub: FakeHub, isolated_env) -> None:
+    """Only the first part of a split GGUF had been fetched, and recorded as a complete model."""
+    repo_id = unique_repo("gguf-split")
+    parts = ["Q4_K_M/m-Q4_K_M-00001-of-00002.gguf", "Q4_K_M/m-Q4_K_M-00002-of-00002.gguf"]
+    fake_hub.add_repo(repo_id, {**{name: b"GGUF" + bytes(60) for name in parts}, "m-Q8_0.gguf": b"GGUF" + bytes(60)})
+    result = ruvllm("download", repo_id)
+    assert_one_error(result, f"the repo's Q4_K_M GGUF is split into 2 files ({parts[0]} and the rest of its set), "
+                             "and ruvllm loads a model from one GGUF file",
+                     "merge them with llama.cpp: llama-gguf-split --merge m-Q4_K_M-00001-of-00002.gguf merged.gguf, "
+                     "and run merged.gguf; or choose another --quantization or repo")
+    assert resolve_gets(fake_hub) == [] and ModelCache(isolated_env.cache_dir).find(repo_id) is None
+    assert ruvllm("download", repo_id, "-q", "q8").returncode == 0   # a whole file of the same repo
+
+
 def test_a_gguf_repo_downloaded_by_its_hub_id_is_what_chat_loads(ruvllm: Run, fake_hub: FakeHub,
                                                                   tiny_model_dir: Path, isolated_env,
                                                                   tmp_path: Path) -> None:

@@ -324,6 +324,10 @@ def test_plan_files(repo_files: list[str], quantization: str, shards: list[str] 
     (["config.json", "pytorch_model.bin"], "q4k", "only PyTorch pickle weights"),
     (["config.json", "README.md"], "q4k", "no model weights"),
     (["model.safetensors"], "q4k", "no config.json"),
+    # a split GGUF: the first part alone had been fetched and recorded as the model
+    (["Q4_K_M/m-Q4_K_M-00002-of-00002.gguf", "Q4_K_M/m-Q4_K_M-00001-of-00002.gguf", "m-Q8_0.gguf"], "q4k",
+     "the repo's Q4_K_M GGUF is split into 2 files (Q4_K_M/m-Q4_K_M-00001-of-00002.gguf and the rest of its "
+     "set), and ruvllm loads a model from one GGUF file"),
 ])
 def test_plan_files_errors(repo_files: list[str], quantization: str, message: str) -> None:
     with pytest.raises(DownloadError, match=re.escape(message)):
