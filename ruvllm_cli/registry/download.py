@@ -320,6 +320,10 @@ def map_hub_error(error: BaseException, repo_id: str, revision: str | None,
                                      "check the branch, tag or commit name")
     if isinstance(error, hf.HfHubHTTPError):
         return _http_error(error, repo_id, rev)
+    if isinstance(error, hf.LocalEntryNotFoundError) and isinstance(error.__cause__, hf.HfHubHTTPError):
+        # The client's "not in the local cache" after the hub answered an error (a 502, a 429):
+        # the hub's answer says what went wrong, not "cannot reach the hub".
+        return map_hub_error(error.__cause__, repo_id, revision, cache)
     if isinstance(error, hf.OfflineModeIsEnabled):
         return DownloadError("the hub cannot be reached: offline mode is on (HF_HUB_OFFLINE)",
                              "unset HF_HUB_OFFLINE to download")

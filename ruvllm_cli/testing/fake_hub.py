@@ -194,6 +194,7 @@ class FakeHub:
         self._tokens: set[str] = set()
         self._drops: dict[tuple[str, str], list[int]] = {}  # -> [after_bytes, times left]
         self._holds: dict[tuple[str, str], int] = {}  # -> after_bytes, for the next GET only
+        self._failures: dict[tuple[str, str], int] = {}  # -> the HTTP status every request of the file gets
         self._released = threading.Event()
         self._bytes_per_second: int | None = None
         self._log: list[RequestRecord] = []
@@ -293,6 +294,12 @@ class FakeHub:
         with self._lock:
             self._drops[(repo_id, filename)] = [after_bytes, times]
 
+    def fail(self, repo_id: str, filename: str, status: int) -> None:
+        """Answer every request of the file (HEAD and GET) with `status` until `reset()`:
+        a hub or proxy in trouble (502, 503) or rate limiting (429)."""
+        with self._lock:
+            self._failures[(repo_id, filename)] = status
+
     def hold(self, repo_id: str, filename: str, after_bytes: int) -> None:
         """Pause the body of the next GET of the file after `after_bytes` bytes until
         `release()` (or `reset()` / `stop()`): a client caught at a known point."""
@@ -321,6 +328,7 @@ class FakeHub:
             self._tokens.clear()
             self._drops.clear()
             self._holds.clear()
+            self._failures.clear()
             self._released.set()
             self._bytes_per_second = None
             self._log.clear()
@@ -433,6 +441,9 @@ class FakeHub:
         file = commit.files.get(filename)
         if file is None:
             raise HubError(404, "EntryNotFound", "Entry not found", commit.sha)
+        failure = self._failures.get((repo_id, filename))
+        if failure is not None:
+            raise HubError(failure, None, f"injected HTTP {failure}")
         headers = {
             "X-Repo-Commit": commit.sha,
             "ETag": f'"{file.etag}"',

@@ -508,6 +508,34 @@ def test_network_down(ruvllm: Run, cli_env: dict[str, str]) -> None:
                      "check your network connection (and HF_ENDPOINT)")
 
 
+@pytest.mark.slow   # the client retries a 5xx for about 25 s first
+def test_a_5xx_on_a_file_is_the_hubs_answer_not_no_network(ruvllm: Run, fake_hub: FakeHub, repo) -> None:
+    """The client wraps a file's 5xx in LocalEntryNotFoundError ("not in the local cache"),
+    which had read as "cannot reach the Hugging Face hub ... check your network"."""
+    repo_id, _ = repo
+    fake_hub.fail(repo_id, "model.safetensors", 502)
+    result = ruvllm("download", repo_id)
+    assert_one_error(result, f"the hub answered HTTP 502 for {repo_id}@main", "try again later")
+
+
+@pytest.mark.parametrize("status", [502, 429])
+def test_a_hub_answer_wrapped_as_not_in_the_local_cache_maps_to_it(tmp_path: Path, status: int) -> None:
+    """hf_hub_download's wrapping of a failed metadata request, as file_download.py raises it."""
+    import httpx2
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import hf_raise_for_status
+
+    response = httpx2.Response(status, request=httpx2.Request("HEAD", "http://hub/org/x/resolve/main/a"))
+    with pytest.raises(LocalEntryNotFoundError) as raised:
+        try:
+            hf_raise_for_status(response)
+        except Exception as error:
+            raise LocalEntryNotFoundError("An error happened while trying to locate the file") from error
+    mapped = map_hub_error(raised.value, "org/x", None, ModelCache(tmp_path))
+    assert mapped is not None
+    assert (mapped.message, mapped.hint) == (f"the hub answered HTTP {status} for org/x@main", "try again later")
+
+
 def test_disk_full_maps_to_one_line(tmp_path: Path) -> None:
     error = map_hub_error(OSError(errno.ENOSPC, "No space left on device"), "org/x", None, ModelCache(tmp_path))
     assert error is not None and error.message == f"disk full while downloading org/x into {tmp_path}"

@@ -225,6 +225,21 @@ def test_hold_pauses_one_body_at_a_byte_until_released(fake_hub: FakeHub) -> Non
         assert response.read() == body
 
 
+def test_fail_answers_every_request_of_one_file_until_reset(fake_hub: FakeHub) -> None:
+    fake_hub.add_repo("ruvllm-test/failing", {"a.bin": b"a", "b.bin": b"b"})
+    fake_hub.fail("ruvllm-test/failing", "a.bin", 503)
+    url = f"{fake_hub.url}/ruvllm-test/failing/resolve/main/"
+    for method in ("HEAD", "GET"):
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(urllib.request.Request(url + "a.bin", method=method))
+        assert failed.value.code == 503
+    with urllib.request.urlopen(url + "b.bin") as other:
+        assert other.read() == b"b"
+    fake_hub.reset()
+    with urllib.request.urlopen(url + "a.bin") as again:
+        assert again.read() == b"a"
+
+
 def test_stop_closes_the_port() -> None:
     with FakeHub() as hub:
         hub.add_repo("org/x", {"a.txt": b"a"})
