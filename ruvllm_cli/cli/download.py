@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @click.argument("model", shell_complete=complete_model)
 @quantization_option("Which GGUF file to fetch from a GGUF repo (or an alias's); safetensors are fetched "
                      "as they are, and -q on chat, serve and benchmark quantizes them when they load",
-                     "the alias's recommended one (ruvllm list), else q4k")
+                     "the alias's recommended one (ruvllm list), else q4k, else a GGUF repo's only file")
 @click.option("-f", "--force", is_flag=True, help="Fetch every file again, even if complete.")
 @click.option("--revision", metavar="REV",
               help="Branch, tag or commit (also MODEL@REV) of the repo fetched: an alias's GGUF repo, "
@@ -69,7 +69,7 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     revision = _merge_revision(ref.revision, revision)
     _quiet_hub_logs(app.verbose)
     progress = DownloadProgress(out.err, verbose=app.verbose)
-    variant = None if safetensors else gguf_variant(ref, quantization)
+    variant = None if safetensors or quantization is None else gguf_variant(ref, quantization)
     cache = ModelCache(app.cache_dir)
     if variant is not None:
         gguf_ref, file_name = variant
@@ -103,9 +103,10 @@ def _interrupt_note(out: Any) -> Iterator[None]:
         raise
 
 
-def download_default(ref: ModelRef) -> Quantization:
-    """The registry's recommended quantization for the model, else q4k (a GGUF repo's usual pick)."""
-    return ref.entry.recommended_quantization if ref.entry is not None else Quantization.Q4_K_M
+def download_default(ref: ModelRef) -> Quantization | None:
+    """The registry's recommended quantization for the model; None for another repo, whose
+    GGUF file is then its Q4_K_M one, else its only one (registry/download.choose_gguf)."""
+    return ref.entry.recommended_quantization if ref.entry is not None else None
 
 
 def _quiet_hub_logs(verbose: bool) -> None:

@@ -52,17 +52,17 @@ SPLIT_GGUF_RE = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)   # lla
 
 
 # -- which files ---------------------------------------------------------------------------
-def plan_files(repo_files: Iterable[str], quantization: Quantization | str,
+def plan_files(repo_files: Iterable[str], quantization: Quantization | str | None,
                index_shards: Iterable[str] | None = None) -> list[str]:
     """The files a model needs, chosen from the repo's real file list (sorted).
 
     Config, generation config, tokenizer and chat-template files where present, and the
     weights: safetensors (with `model.safetensors.index.json`, exactly the shards it names
     in `index_shards`; without `index_shards` the shards are all root-level safetensors),
-    else one GGUF file chosen by `quantization`. Never pickled weights.
+    else one GGUF file chosen by `quantization` (None: see `choose_gguf`). Never pickled weights.
     """
     files = set(repo_files)
-    quantization = parse_quantization(quantization)
+    quantization = _parse_optional(quantization)
     if ADAPTER_CONFIG in files and ADAPTER_SAFETENSORS in files:
         # A PEFT LoRA adapter (ruvllm serve --lora NAME=HUB_ID): its config and weights.
         return sorted([ADAPTER_CONFIG, ADAPTER_SAFETENSORS])
@@ -83,6 +83,10 @@ def plan_files(repo_files: Iterable[str], quantization: Quantization | str,
                         "check the model id")
 
 
+def _parse_optional(quantization: Quantization | str | None) -> Quantization | None:
+    return parse_quantization(quantization) if quantization is not None else None
+
+
 def _safetensors_weights(files: set[str], safetensors: list[str],
                          index_shards: Iterable[str] | None) -> list[str]:
     if SAFETENSORS_INDEX not in files:
@@ -95,27 +99,61 @@ def _safetensors_weights(files: set[str], safetensors: list[str],
     return [SAFETENSORS_INDEX, *shards]
 
 
-def choose_gguf(names: Sequence[str], quantization: Quantization) -> str:
-    """The one GGUF file whose name carries the quantization (case-insensitive). A model
-    split into several files (`-00001-of-00002.gguf`) is refused: the engine loads one
-    file, and the first part alone had been fetched and recorded as the whole model."""
-    patterns = GGUF_PATTERNS[quantization]
-    candidates = [name for name in names if any(_has_token(Path(name).name, p) for p in patterns)]
+def choose_gguf(names: Sequence[str], quantization: Quantization | None) -> str:
+    """The one GGUF file whose name carries the quantization (case-insensitive); with None
+    (no -q), the Q4_K_M file, else the repo's only GGUF file whatever its type (Q5_K_M,
+    IQ4_XS, a bare model.gguf), which no -q could name. A model split into several files
+    (`-00001-of-00002.gguf`) is refused: the engine loads one file, and the first part
+    alone had been fetched and recorded as the whole model."""
+    wanted = quantization or Quantization.Q4_K_M
+    candidates = [name for name in names if _named_for(name, wanted)]
     matches = [name for name in candidates if not SPLIT_GGUF_RE.search(name)]
-    if candidates and not matches:
-        raise _split_gguf_error(candidates, quantization)
-    if not matches:
-        available = ", ".join(Path(name).name for name in names)
-        raise DownloadError(f"no {quantization.label} GGUF file in the repo (available: {available})",
-                            "choose another --quantization")
-    # Prefer a root-level, shortest name: split or variant files carry longer names.
-    return min(matches, key=lambda name: (name.count("/"), len(name), name))
+    if matches:
+        # Prefer a root-level, shortest name: variant files carry longer names.
+        return min(matches, key=lambda name: (name.count("/"), len(name), name))
+    if quantization is None and len(names) == 1 and not SPLIT_GGUF_RE.search(names[0]):
+        return names[0]
+    if candidates:
+        raise _split_gguf_error(candidates, wanted)
+    if quantization is None and _one_split_set(names):
+        raise _split_gguf_error(names, None)
+    raise _no_gguf_error(names, quantization)
 
 
-def _split_gguf_error(parts: Sequence[str], quantization: Quantization) -> DownloadError:
+def _one_split_set(names: Sequence[str]) -> bool:
+    """Whether `names` are the parts of one split GGUF and nothing else."""
+    return all(SPLIT_GGUF_RE.search(name) for name in names) and len({SPLIT_GGUF_RE.sub("", n) for n in names}) == 1
+
+
+def _named_for(name: str, quantization: Quantization) -> bool:
+    return any(_has_token(Path(name).name, pattern) for pattern in GGUF_PATTERNS[quantization])
+
+
+def _no_gguf_error(names: Sequence[str], quantization: Quantization | None) -> DownloadError:
+    """Says which -q values the repo's files answer to, and plainly when none does."""
+    available = ", ".join(Path(name).name for name in names)
+    whole = [name for name in names if not SPLIT_GGUF_RE.search(name)]
+    named = [q.value for q in Quantization if any(_named_for(name, q) for name in whole)]
+    if quantization is not None:
+        message = f"no {quantization.label} GGUF file in the repo (available: {available})"
+    elif named:
+        message = f"no Q4_K_M GGUF file, the default, in the repo (available: {available})"
+    else:
+        message = (f"ruvllm cannot choose among the repo's GGUF files: none is named for a -q quantization "
+                   f"(q4k, q8, f16, none), and there is more than one (available: {available})")
+    if named:
+        return DownloadError(message, f"choose a --quantization the repo has: {', '.join(named)}")
+    if len(whole) == 1:
+        return DownloadError(message, f"leave out -q to take the repo's only GGUF file, {Path(whole[0]).name}")
+    return DownloadError(message, "pick another repo, or download the GGUF file you want yourself and run it "
+                                  "by its path (ruvllm chat ./FILE.gguf)")
+
+
+def _split_gguf_error(parts: Sequence[str], quantization: Quantization | None) -> DownloadError:
     first = min(parts)
     count = int(SPLIT_GGUF_RE.search(first).group(2))   # type: ignore[union-attr]
-    return DownloadError(f"the repo's {quantization.label} GGUF is split into {count} files ({first} and the "
+    what = f"{quantization.label} GGUF" if quantization is not None else "GGUF"
+    return DownloadError(f"the repo's {what} is split into {count} files ({first} and the "
                          "rest of its set), and ruvllm loads a model from one GGUF file",
                          f"merge them with llama.cpp: llama-gguf-split --merge {Path(first).name} "
                          "merged.gguf, and run merged.gguf; or choose another --quantization or repo")
@@ -135,10 +173,11 @@ def _is_root(name: str) -> bool:
 
 
 # -- the download --------------------------------------------------------------------------
-def download_model(ref: ModelRef, quantization: Quantization | str, cache: ModelCache, *, force: bool = False,
-                   revision: str | None = None, token: str | None = None,
+def download_model(ref: ModelRef, quantization: Quantization | str | None, cache: ModelCache, *,
+                   force: bool = False, revision: str | None = None, token: str | None = None,
                    progress: DownloadObserver | None = None, file_name: str | None = None) -> DownloadedModel:
-    """Downloads `ref` (a registry.ModelRef of kind "registry" or "hub") into `cache`.
+    """Downloads `ref` (a registry.ModelRef of kind "registry" or "hub") into `cache`;
+    `quantization` picks a GGUF repo's file (None: no -q, see `choose_gguf`).
 
     Skips everything, without touching the network, when the revision is already
     complete (unless `force`). `file_name` fetches exactly that one file (a GGUF
@@ -147,7 +186,7 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
     """
     if ref.kind == "local" or ref.repo_id is None:
         raise UsageError(f"{ref.local_path} is a local model; there is nothing to download")
-    quantization = parse_quantization(quantization)
+    quantization = _parse_optional(quantization)
     repo_id, revision = ref.repo_id, revision or ref.revision
     progress = progress or DownloadObserver()
     existing = cache.find(repo_id, revision)
@@ -163,13 +202,16 @@ def download_model(ref: ModelRef, quantization: Quantization | str, cache: Model
                       file_name=file_name)
 
 
-def _has_quantization(model: DownloadedModel, quantization: Quantization) -> bool:
-    """A GGUF download holds one quantization; safetensors are quantized at load time."""
+def _has_quantization(model: DownloadedModel, quantization: Quantization | None) -> bool:
+    """A GGUF download holds one quantization; safetensors are quantized at load time.
+    None (no -q) is the Q4_K_M file, or a repo's only file, named for no -q."""
     ggufs = _gguf_names(f.name for f in model.files)
-    return not ggufs or any(_has_token(Path(n).name, p) for n in ggufs for p in GGUF_PATTERNS[quantization])
+    if quantization is None and len(ggufs) == 1 and not any(_named_for(ggufs[0], q) for q in Quantization):
+        return True
+    return not ggufs or any(_named_for(name, quantization or Quantization.Q4_K_M) for name in ggufs)
 
 
-def _fetch(repo_id: str, revision: str | None, quantization: Quantization, cache: ModelCache, *,
+def _fetch(repo_id: str, revision: str | None, quantization: Quantization | None, cache: ModelCache, *,
            force: bool, token: str | None, progress: DownloadObserver,
            file_name: str | None = None) -> DownloadedModel:
     from huggingface_hub import HfApi

@@ -199,7 +199,8 @@ def test_labels_say_what_the_files_are_and_q_applies_at_load(ruvllm: Run, fake_h
 
 
 def test_each_command_help_shows_its_quantization_default(ruvllm: Run, cli_env: dict[str, str]) -> None:
-    for command, default in (("download", "[default: the alias's recommended one (ruvllm list), else q4k]"),
+    for command, default in (("download", "[default: the alias's recommended one (ruvllm list), else q4k, "
+                                          "else a GGUF repo's only file]"),
                              ("chat", "[default: what the files are: a GGUF file keeps its type "
                                       "(Q4_K_M as q4k, Q8_0 as q8, F16 as none);"),
                              ("serve", "[default: what the files are"), ("benchmark", "[default: what the files are")):
@@ -348,7 +349,40 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
     assert again.returncode == 0 and "already downloaded" in again.stderr and fake_hub.requests == []
     missing = ruvllm("download", repo_id, "-q", "none")
     assert_one_error(missing, "no F32 GGUF file in the repo (available: tiny-F16.gguf, tiny-Q4_K_M.gguf, "
-                              "tiny-Q8_0.gguf)", "choose another --quantization")
+                              "tiny-Q8_0.gguf)", "choose a --quantization the repo has: q4k, q8, f16")
+
+
+def test_a_gguf_repo_of_one_file_named_for_no_q_downloads_and_loads_as_its_type(
+        ruvllm: Run, fake_hub: FakeHub, tiny_model_dir: Path, isolated_env, tmp_path: Path) -> None:
+    """A repo of one `model.gguf` (or only a Q5_K_M file) could not be downloaded with any
+    -q, and the hint ("choose another --quantization") led nowhere. Without -q its only
+    file is taken, and chat loads it as the file is."""
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    repo_id = unique_repo("gguf-one")
+    tiny = write_gguf(tiny_model_dir, tmp_path / "tiny.gguf").read_bytes()
+    commit = fake_hub.add_repo(repo_id, {"model.gguf": tiny, "README.md": b"# x"})
+    asked = ruvllm("download", repo_id, "-q", "q8")
+    assert_one_error(asked, "no Q8_0 GGUF file in the repo (available: model.gguf)",
+                     "leave out -q to take the repo's only GGUF file, model.gguf")
+    result = ruvllm("download", repo_id)
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in snapshot_of(isolated_env.cache_dir, repo_id, commit).iterdir()] == ["model.gguf"]
+    fake_hub.reset()
+    again = ruvllm("download", repo_id)
+    assert again.returncode == 0 and "already downloaded" in again.stderr and fake_hub.requests == []
+    chat = ruvllm("chat", repo_id, "--max-tokens", "3", input="hello\n")
+    assert chat.returncode == 0 and "model.gguf" in chat.stderr, chat.stderr
+
+
+def test_a_gguf_repo_with_no_file_we_can_choose_says_so(ruvllm: Run, fake_hub: FakeHub) -> None:
+    repo_id = unique_repo("gguf-none")
+    fake_hub.add_repo(repo_id, {"m-IQ4_XS.gguf": b"GGUF" + bytes(60), "m-Q5_K_M.gguf": b"GGUF" + bytes(60)})
+    assert_one_error(ruvllm("download", repo_id),
+                     "ruvllm cannot choose among the repo's GGUF files: none is named for a -q quantization (q4k, "
+                     "q8, f16, none), and there is more than one (available: m-IQ4_XS.gguf, m-Q5_K_M.gguf)",
+                     "pick another repo, or download the GGUF file you want yourself and run it by its path "
+                     "(ruvllm chat ./FILE.gguf)")
 
 
 def test_a_split_gguf_is_refused_naming_its_set(ruvllm: Run, fake_hub: FakeHub, isolated_env) -> None:

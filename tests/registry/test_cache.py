@@ -313,6 +313,10 @@ BASE = ["config.json", "generation_config.json", *TOKENIZER]
     (["a-Q4_K_M.gguf", "a-Q8_0.gguf", "a-F16.gguf"], "fp16", None, ["a-F16.gguf"]),
     (["config.json", "x.Q4_K_M.gguf", "big/x.Q4_K_M-00001-of-00002.gguf"], "q4k", None,
      ["config.json", "x.Q4_K_M.gguf"]),
+    # no -q: the Q4_K_M file, else the repo's only GGUF file, whatever its type
+    (["a-Q4_K_M.gguf", "a-Q8_0.gguf"], None, None, ["a-Q4_K_M.gguf"]),
+    (["README.md", "model.gguf"], None, None, ["model.gguf"]),
+    (["m-Q5_K_M.gguf"], None, None, ["m-Q5_K_M.gguf"]),
 ])
 def test_plan_files(repo_files: list[str], quantization: str, shards: list[str] | None,
                     expected: list[str]) -> None:
@@ -332,6 +336,27 @@ def test_plan_files(repo_files: list[str], quantization: str, shards: list[str] 
 def test_plan_files_errors(repo_files: list[str], quantization: str, message: str) -> None:
     with pytest.raises(DownloadError, match=re.escape(message)):
         plan_files(repo_files, quantization)
+
+
+@pytest.mark.parametrize("repo_files, quantization, message, hint", [
+    (["a-Q8_0.gguf", "a-Q5_K_M.gguf"], None, "no Q4_K_M GGUF file, the default, in the repo (available: "
+     "a-Q5_K_M.gguf, a-Q8_0.gguf)", "choose a --quantization the repo has: q8"),
+    (["model.gguf"], "q4k", "no Q4_K_M GGUF file in the repo (available: model.gguf)",
+     "leave out -q to take the repo's only GGUF file, model.gguf"),
+    (["m-IQ4_XS.gguf", "m-Q5_K_M.gguf"], "q4k", "no Q4_K_M GGUF file in the repo (available: m-IQ4_XS.gguf, "
+     "m-Q5_K_M.gguf)", "pick another repo, or download the GGUF file you want yourself and run it by its path "
+     "(ruvllm chat ./FILE.gguf)"),
+    # one split set and nothing else: the split is what stops it
+    (["m-00001-of-00002.gguf", "m-00002-of-00002.gguf"], None, "the repo's GGUF is split into 2 files "
+     "(m-00001-of-00002.gguf and the rest of its set), and ruvllm loads a model from one GGUF file",
+     "merge them with llama.cpp: llama-gguf-split --merge m-00001-of-00002.gguf merged.gguf, and run merged.gguf; "
+     "or choose another --quantization or repo"),
+])
+def test_a_gguf_choice_that_fails_says_what_the_repo_has(repo_files: list[str], quantization: str | None,
+                                                          message: str, hint: str) -> None:
+    with pytest.raises(DownloadError) as raised:
+        plan_files(repo_files, quantization)
+    assert (raised.value.message, raised.value.hint) == (message, hint)
 
 
 def test_plan_files_index_naming_missing_shard() -> None:
