@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,31 @@ def make_tiny_model(_tiny_models_root: Path) -> Callable[..., Path]:
 def tiny_model_dir(make_tiny_model: Callable[..., Path]) -> Path:
     """The default float32 tiny model (shared: copy it before changing it)."""
     return make_tiny_model()
+
+
+@contextmanager
+def _unwritable(directory: Path) -> Iterator[None]:
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        try:
+            yield
+        finally:
+            directory.chmod(0o755)
+        return
+    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode != 0:
+        pytest.skip("running as root on a file system without chattr +i: no directory root cannot write")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+
+
+@pytest.fixture
+def unwritable() -> Callable[[Path], Any]:
+    """`with unwritable(directory):` nothing in it can be created, renamed or deleted meanwhile:
+    mode 0o555 for a user, the immutable attribute for root, whom modes do not stop (the
+    test skips on a file system without it)."""
+    return _unwritable
 
 
 @dataclass(frozen=True)

@@ -235,13 +235,29 @@ def _user_file_locked(path: Path) -> Iterator[None]:
     written back the file they read, and the later one dropped the other's alias."""
     from filelock import FileLock
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.parent / f".{path.name}.lock")):
+    lock = FileLock(str(path.parent / f".{path.name}.lock"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as error:
+        raise _unwritable(path, error) from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def _write_user_file(path: Path, aliases: dict[str, dict[str, Any]]) -> None:
-    write_text_atomic(path, json.dumps({"version": 1, "aliases": aliases}, indent=2, sort_keys=True) + "\n")
+    try:
+        write_text_atomic(path, json.dumps({"version": 1, "aliases": aliases}, indent=2, sort_keys=True) + "\n")
+    except OSError as error:
+        raise _unwritable(path, error) from None
+
+
+def _unwritable(path: Path, error: OSError) -> CacheError:
+    """The aliases file by name: the OSError names a temp or lock file beside it."""
+    return CacheError(f"cannot write the user aliases file {path} ({error.strerror or error})",
+                      f"make {path.parent} writable, or point RUVLLM_CONFIG_DIR at a directory that is")
 
 
 def add_user_alias(alias: str, target: str, *, name: str | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -519,6 +520,21 @@ def test_alias_errors(ruvllm: Run, args: list[str], code: int, message: str) -> 
     assert result.returncode == code
     assert error_lines(result.stderr) == [message]
     assert "Traceback" not in result.stderr
+
+
+def test_an_aliases_file_that_cannot_be_written_is_one_error(ruvllm: Run, isolated_env: Any, unwritable) -> None:
+    """It had been "Error: PermissionError: ... .aliases.json.1234.abc.tmp", naming a temp file."""
+    assert ruvllm("alias", "set", "kept", "org/kept").returncode == 0
+    path = isolated_env.config_dir / "aliases.json"
+    reason = "Permission denied" if os.geteuid() != 0 else "Operation not permitted"
+    with unwritable(isolated_env.config_dir):
+        for args in (["alias", "set", "new", "org/new"], ["alias", "rm", "kept"]):
+            result = ruvllm(*args)
+            assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+            assert result.stderr.splitlines() == [
+                f"Error: cannot write the user aliases file {path} ({reason})",
+                f"Hint: make {isolated_env.config_dir} writable, or point RUVLLM_CONFIG_DIR at a directory that is"]
+    assert json.loads(path.read_text())["aliases"] == {"kept": {"repo_id": "org/kept"}}
 
 
 def test_corrupt_alias_file_is_one_error(ruvllm: Run, isolated_env: Any) -> None:

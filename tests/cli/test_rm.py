@@ -10,8 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -103,31 +102,12 @@ def test_rm_without_confirmation_on_closed_stdin(ruvllm: Run, downloaded: Downlo
     assert cache.find(downloaded.repo_id) == downloaded
 
 
-@contextmanager
-def undeletable(directory: Path) -> Iterator[None]:
-    """Nothing in `directory` can be deleted meanwhile: mode 0o555 for a user, the immutable
-    attribute for root, whom modes do not stop (skips where the file system has none)."""
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        try:
-            yield
-        finally:
-            directory.chmod(0o755)
-        return
-    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode != 0:
-        pytest.skip("running as root on a file system without chattr +i: no directory root cannot write")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(directory)], check=True)
-
-
 def test_rm_that_cannot_delete_the_files_fails_naming_one(ruvllm: Run, downloaded: DownloadedModel,
-                                                          cache: ModelCache) -> None:
+                                                          cache: ModelCache, unwritable) -> None:
     """The hub client only logs (with a traceback) a blob it may not delete: rm had said
     "Removed ..." and exited 0 with every blob still on disk."""
     blobs = cache.repo_dir(downloaded.repo_id) / "blobs"
-    with undeletable(blobs):
+    with unwritable(blobs):
         result = ruvllm("rm", downloaded.repo_id, "-y")
         left = sorted(blobs.iterdir())
     assert result.returncode == 1
