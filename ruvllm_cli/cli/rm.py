@@ -79,6 +79,8 @@ def _describe(plan: RemovalPlan) -> str:
 
 
 def _confirm(question: str) -> bool:
+    if sys.stdin is None or sys.stdin.closed:   # started with stdin closed (`<&-`): input() raised RuntimeError
+        raise _no_confirmation()
     try:
         return click.confirm(question, default=False, err=True)
     except click.exceptions.Abort as abort:
@@ -86,5 +88,9 @@ def _confirm(question: str) -> bool:
         # click raises Abort for Ctrl-C too: that one ends as every command's does ("Aborted.", 130).
         if not isinstance(abort.__context__, EOFError):
             raise
-        # stdin closed (a script): refuse rather than guess.
-        raise RuvllmError("no confirmation (stdin is closed)", "pass -y to remove without asking") from None
+        # stdin at its end (a script): refuse rather than guess.
+        raise _no_confirmation() from None
+
+
+def _no_confirmation() -> RuvllmError:
+    return RuvllmError("no confirmation (stdin is closed)", "pass -y to remove without asking")

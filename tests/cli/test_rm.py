@@ -91,9 +91,16 @@ def test_rm_asks_first(ruvllm: Run, downloaded: DownloadedModel, cache: ModelCac
     assert cache.find(downloaded.repo_id) is None
 
 
-def test_rm_without_confirmation_on_closed_stdin(ruvllm: Run, downloaded: DownloadedModel,
-                                                 cache: ModelCache) -> None:
-    result = ruvllm("rm", downloaded.repo_id, input="")
+@pytest.mark.parametrize("stdin", ["at its end", "closed"])
+def test_rm_without_confirmation_on_closed_stdin(ruvllm: Run, downloaded: DownloadedModel, cache: ModelCache,
+                                                 cli_env: dict[str, str], stdin: str) -> None:
+    """A closed stdin (`<&-`: Python's sys.stdin is None) had given "RuntimeError: input():
+    lost sys.stdin"; one at its end (`</dev/null`) refused already."""
+    if stdin == "closed":
+        result = subprocess.run([sys.executable, "-m", "ruvllm_cli", "rm", downloaded.repo_id], env=cli_env,
+                                capture_output=True, text=True, timeout=60, preexec_fn=lambda: os.close(0))
+    else:
+        result = ruvllm("rm", downloaded.repo_id, input="")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
