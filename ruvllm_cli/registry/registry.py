@@ -27,6 +27,9 @@ ALIAS_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 # Hugging Face repo names: letters, digits, '-', '_', '.'; no '--' or '..'; 96 chars at most.
 _REPO_PART_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?$")
 _REVISION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+WHOLE_NUMBER_FIELDS = ("context_length", "params", "num_layers", "num_kv_heads", "head_dim", "hidden_size",
+                       "vocab_size")
+NUMBER_FIELDS = ("params_b",)
 USER_FIELDS = {"architecture", "params", "params_b", "context_length", "use_case", "recommended_quantization",
                "notes", "sampling", "gguf_repo", "gguf_files"}
 
@@ -133,6 +136,7 @@ class ModelRef:
 # ---------------------------------------------------------------- loading
 
 def _entry_from_data(data: dict[str, Any], *, user: bool, where: str) -> ModelEntry:
+    _check_numbers(data, where)
     try:
         sampling = Sampling(**data.get("sampling", {}))
         quant = parse_quantization(data.get("recommended_quantization", "q4k"))
@@ -154,6 +158,21 @@ def _entry_from_data(data: dict[str, Any], *, user: bool, where: str) -> ModelEn
     except (KeyError, TypeError, AttributeError, UsageError) as error:
         raise CacheError(f"invalid model entry in {where}: {error}",
                          "fix or delete that entry") from None
+
+
+def _check_numbers(data: dict[str, Any], where: str) -> None:
+    """A hand-edited `"params_b": "big"` had passed here and failed later as a TypeError."""
+    sampling = data.get("sampling")
+    numbers = [*((name, data.get(name), int) for name in WHOLE_NUMBER_FIELDS),
+               *((name, data.get(name), float) for name in NUMBER_FIELDS),
+               *((f"sampling.{name}", value, float) for name, value in
+                 (sampling.items() if isinstance(sampling, dict) else ()))]
+    for name, value, kind in numbers:
+        allowed = (int,) if kind is int else (int, float)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
+            wanted = "a whole number" if kind is int else "a number"
+            raise CacheError(f"invalid model entry in {where}: {data.get('alias')}'s {name} is {value!r}, "
+                             f"not {wanted}", "fix or delete that entry")
 
 
 def _builtin_data() -> list[dict[str, Any]]:

@@ -337,6 +337,31 @@ def test_user_entry_missing_repo_is_a_clear_error(config_dir: Path) -> None:
         load_registry()
 
 
+@pytest.mark.parametrize("fields, complaint", [
+    ({"params_b": "big"}, "x's params_b is 'big', not a number"),
+    ({"context_length": 4096.5}, "x's context_length is 4096.5, not a whole number"),
+    ({"num_layers": True}, "x's num_layers is True, not a whole number"),
+    ({"sampling": {"temperature": "hot"}}, "x's sampling.temperature is 'hot', not a number"),
+])
+def test_a_number_field_that_is_no_number_is_a_clear_error(config_dir: Path, fields: dict, complaint: str) -> None:
+    """`"params_b": "big"` had failed `ruvllm list` with a TypeError."""
+    config_dir.mkdir()
+    path = config_dir / "aliases.json"
+    path.write_text(json.dumps({"aliases": {"x": {"repo_id": "org/x", **fields}}}))
+    with pytest.raises(CacheError) as caught:
+        load_registry()
+    assert (caught.value.message, caught.value.hint) == (f"invalid model entry in {path}: {complaint}",
+                                                         "fix or delete that entry")
+
+
+def test_number_fields_take_ints_and_floats(config_dir: Path) -> None:
+    config_dir.mkdir()
+    (config_dir / "aliases.json").write_text(json.dumps({"aliases": {"x": {
+        "repo_id": "org/x", "params_b": 7, "context_length": 32768, "sampling": {"temperature": 1, "top_p": 0.9}}}}))
+    entry = load_registry()["x"]
+    assert (entry.params, entry.context_length, entry.sampling.temperature) == (7_000_000_000, 32768, 1)
+
+
 def test_explicit_config_dir_argument(tmp_path: Path) -> None:
     add_user_alias("elsewhere", "org/model", config_dir=tmp_path)
     assert load_registry(tmp_path)["elsewhere"].repo_id == "org/model"
