@@ -231,6 +231,10 @@ def validate_alias(alias: str) -> str:
     if not ALIAS_RE.match(alias or ""):
         raise UsageError(f"invalid alias name '{alias}'",
                          "use lowercase letters, digits, '.', '_' and '-', starting with a letter or digit")
+    if alias.endswith(".gguf"):   # resolve_model reads such a name as a path: the alias was never reached
+        stem = alias[:-len(".gguf")].rstrip(".")
+        raise UsageError(f"invalid alias name '{alias}': a name ending in .gguf is read as a GGUF file's path",
+                         f"choose a name without the .gguf ending{f', e.g. {stem}' if stem else ''}")
     return alias
 
 

@@ -512,6 +512,8 @@ def test_alias_shadowing_a_builtin(ruvllm: Run) -> None:
 @pytest.mark.parametrize("args,code,message", [
     (["alias", "set", "Bad", "org/x"], 2, "Error: invalid alias name 'Bad'"),
     (["alias", "set", "ok", "not-a-repo"], 2, "Error: invalid Hugging Face model id 'not-a-repo'"),
+    (["alias", "set", "my.gguf", "org/x"], 2,
+     "Error: invalid alias name 'my.gguf': a name ending in .gguf is read as a GGUF file's path"),
     (["alias", "rm", "ghost"], 1, "Error: no user alias 'ghost'"),
     (["alias", "rm", "llama"], 2, "Error: 'llama' is a built-in alias and cannot be removed"),
 ])

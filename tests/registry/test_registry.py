@@ -303,6 +303,17 @@ def test_invalid_alias_names(config_dir: Path, alias: str) -> None:
     assert not aliases_path().exists()
 
 
+def test_an_alias_ending_in_gguf_is_refused(config_dir: Path) -> None:
+    """`alias set my.gguf org/x` was stored, and then every use of `my.gguf` looked for a file."""
+    with pytest.raises(UsageError) as refused:
+        add_user_alias("my.gguf", "org/x")
+    assert (refused.value.message, refused.value.hint) == (
+        "invalid alias name 'my.gguf': a name ending in .gguf is read as a GGUF file's path",
+        "choose a name without the .gguf ending, e.g. my")
+    assert not aliases_path().exists()
+    assert add_user_alias("my-gguf", "org/x").alias == "my-gguf"   # the word elsewhere is fine
+
+
 def test_invalid_repo_and_fields(config_dir: Path) -> None:
     with pytest.raises(UsageError, match="invalid Hugging Face model id 'nope'"):
         add_user_alias("x", "nope")
