@@ -87,15 +87,21 @@ def _config_dir(ref: ModelRef, downloads: list[DownloadedModel]) -> Path | None:
     return next((c for c in candidates if (c / "config.json").is_file()), None)
 
 
-def parameter_count(ref: ModelRef, shape: ModelShape | None, directory: Path | None) -> tuple[int | None, str | None]:
+def counted_parameters(directory: Path | None) -> tuple[int | None, str | None]:
+    """The safetensors headers' parameter count, or why they cannot be read (a load would
+    fail on them the same way: `info` says so, where it had shown the config's figure alone)."""
+    if directory is None:
+        return None, None
+    try:
+        return count_parameters_from_safetensors(directory), None
+    except ModelLoadError as error:
+        return None, error.message
+
+
+def parameter_count(ref: ModelRef, shape: ModelShape | None, counted: int | None) -> tuple[int | None, str | None]:
     """Safetensors headers beat the config's shape, which beats the registry's figure."""
-    if directory is not None:
-        try:
-            counted = count_parameters_from_safetensors(directory)
-        except ModelLoadError:
-            counted = None
-        if counted:
-            return counted, "safetensors headers"
+    if counted:
+        return counted, "safetensors headers"
     if shape is not None:
         return count_parameters(shape), "config.json shape"
     if ref.entry and ref.entry.params is not None:
@@ -227,7 +233,8 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
             shape = read_model_config(directory)
         except ModelLoadError as error:  # show what else is known rather than nothing
             config_error = error.message
-    params, source = parameter_count(ref, shape, directory)
+    counted, weights_error = counted_parameters(directory)
+    params, source = parameter_count(ref, shape, counted)
     kv_shape = shape or (ref.entry.kv_shape if ref.entry else None)
     ggufs = {path: read_gguf(path) for path in _gguf_files(ref, downloads)}
     from_gguf = frozenset(q for q in Quantization if loads_gguf(ref, q, cache))
@@ -249,6 +256,7 @@ def describe(name: str, ref: ModelRef, cache: ModelCache) -> dict[str, Any]:
         "config": shape.to_dict() if shape else None,
         "config_path": str(directory / "config.json") if directory else None,
         "config_error": config_error,
+        "weights_error": weights_error,   # a safetensors header that cannot be read
         # what serve's requests (and chat, for a model not in the registry) sample with unless they say
         "sampling_defaults": (model_sampling_defaults(directory) if directory
                               else next((r["sampling_defaults"] for r in gguf_records if "error" not in r), {})),
@@ -372,13 +380,16 @@ def _render_gguf(out: Output, record: dict[str, Any], unreadable: str | None) ->
 
 
 def unreadable(data: dict[str, Any]) -> str | None:
-    """Why the model itself cannot be read, where it cannot: its config.json, or its only GGUF files.
+    """Why the model itself cannot be read, where it cannot: its config.json, its safetensors
+    headers, or its only GGUF files.
 
     `info` still shows what else it knows (path, files, sizes), then says this as its error and exits 1,
     as serve and chat would fail to load it: a script checking a model with `info` learns it is broken.
     """
     if data["config_error"]:
         return f"config.json could not be read: {data['config_error']}"
+    if data["weights_error"]:
+        return f"the weights could not be read: {data['weights_error']}"
     errors = [record["error"] for record in data["gguf"] if "error" in record]
     if data["config"] is None and errors and len(errors) == len(data["gguf"]):
         return errors[0]

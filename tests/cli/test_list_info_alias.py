@@ -550,6 +550,24 @@ def test_corrupt_alias_file_is_one_error(ruvllm: Run, isolated_env: Any) -> None
         assert line.startswith(f"Error: cannot read user aliases file {path}")
 
 
+def test_info_with_a_corrupt_safetensors_header_shows_the_rest_and_fails(ruvllm: Run, tiny_model_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """It had exited 0 without a word, counting parameters from config.json instead."""
+    model = tmp_path / "corrupt"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes((16).to_bytes(8, "little") + b"{not json at all" + bytes(64))
+    result = ruvllm("info", str(model), "--json")
+    assert result.returncode == 1
+    data = json.loads(result.stdout)
+    assert data["weights_error"] == f"{weights} has a corrupt safetensors header"
+    assert data["parameter_source"] == "config.json shape" and data["memory"] is not None
+    table = ruvllm("info", str(model))
+    assert table.returncode == 1 and "Path" in table.stdout
+    assert error_lines(table.stderr) == [f"Error: the weights could not be read: {weights} has a corrupt "
+                                         "safetensors header"]
+
+
 def test_info_with_an_unreadable_config_shows_the_rest_and_fails(ruvllm: Run, tmp_path: Path) -> None:
     model = tmp_path / "broken"
     model.mkdir()
