@@ -302,13 +302,18 @@ class ModelCache:
         manifest_dir, repo_dir = self._manifest_dir(repo_id), self.repo_dir(repo_id)
         manifests = tuple(sorted(manifest_dir.glob("*.json")))
         commits = {p.stem for p in manifests}
-        strategy, entries, size = None, (), 0
+        partial = tuple(self.orphaned_incomplete_files(repo_id))
+        strategy = None
         if hub_repo is not None and hub_repo.revisions:
             commits |= {rev.commit_hash for rev in hub_repo.revisions}
             strategy = scan.delete_revisions(*(rev.commit_hash for rev in hub_repo.revisions))
-            entries, size = _snapshot_entries(hub_repo.revisions), strategy.expected_freed_size
-        partial = tuple(self.orphaned_incomplete_files(repo_id))
-        size += sum(file_size(p) for p in partial)
+            entries = _snapshot_entries(hub_repo.revisions)
+            size = strategy.expected_freed_size + sum(file_size(p) for p in partial)
+        else:
+            # A repo the scan skipped (a snapshot link to a blob since deleted) or never
+            # listed (a killed first download) goes whole with the dirs below: count what
+            # is in it, where the plan had said "1 files, 0 bytes".
+            entries, size = _snapshot_links(repo_dir), tree_bytes(repo_dir)
         # We also remove the dirs ourselves: a killed first download leaves a repo dir
         # with only partial blobs, which scan_cache_dir does not report.
         locks = self.hub_dir / ".locks" / repo_folder_name(repo_id)
@@ -367,6 +372,13 @@ def _model_from_manifest(data: dict[str, Any], snapshot: Path) -> DownloadedMode
 
 def _snapshot_entries(revisions: Iterable[Any]) -> tuple[Path, ...]:
     return tuple(sorted(f.file_path for rev in revisions for f in rev.files))
+
+
+def _snapshot_links(repo_dir: Path) -> tuple[Path, ...]:
+    """The entries of a repo's snapshot dirs as they are on disk, dangling links included."""
+    snapshots = repo_dir / "snapshots"
+    found = snapshots.rglob("*") if snapshots.is_dir() else ()
+    return tuple(sorted(p for p in found if p.is_symlink() or p.is_file()))
 
 
 def _lock_held(lock_path: Path) -> bool:

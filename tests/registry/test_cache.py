@@ -275,6 +275,19 @@ def test_plan_removal_of_partial_download(cache: ModelCache) -> None:
     assert not cache.repo_dir(REPO).exists()
 
 
+def test_plan_removal_of_a_repo_the_scan_skips_counts_what_is_there(cache: ModelCache) -> None:
+    """A blob deleted under a snapshot link makes scan_cache_dir skip the repo: the plan had
+    said "1 files, 0 bytes" (the manifest) and then removed the whole repo dir."""
+    model = record(cache, C1)
+    (model.path / "tokenizer.json").resolve().unlink()
+    plan = cache.plan_removal(REPO)
+    assert plan.commits == (C1,)
+    assert plan.files == (*(model.path / name for name in sorted(FILES)), cache.manifest_path(REPO, C1))
+    assert plan.bytes == 1000 + 8 + 40   # the blobs left (model.safetensors, config.json) and refs/main
+    plan.execute()
+    assert not cache.repo_dir(REPO).exists()
+
+
 def test_plan_removal_of_missing_model_raises(cache: ModelCache) -> None:
     with pytest.raises(NotDownloadedError):
         cache.plan_removal(REPO)
