@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 @quantization_option("Which GGUF file to fetch from a GGUF repo (or an alias's); safetensors are fetched "
                      "as they are, and -q on chat, serve and benchmark quantizes them when they load",
                      "the alias's recommended one (ruvllm list), else q4k, else a GGUF repo's only file")
-@click.option("-f", "--force", is_flag=True, help="Fetch every file again, even if complete.")
+@click.option("-f", "--force", is_flag=True,
+              help="Fetch every file of the revision again from the hub, even if complete (to repair "
+                   "damaged files). Not needed for a branch that moved: a plain download fetches its new "
+                   "commit's changed files.")
 @click.option("--revision", metavar="REV",
               help="Branch, tag or commit (also MODEL@REV) of the repo fetched: an alias's GGUF repo, "
                    "unless --safetensors.")
@@ -34,7 +37,11 @@ def command(model: str, quantization: Quantization | None, force: bool, revision
     """Download MODEL (an alias, or a Hugging Face id org/name) into the cache.
 
     Fetches only the files the model needs, shows progress on stderr, skips a model
-    that is already complete, and keeps revisions apart. For an alias whose registry
+    that is already complete, and keeps revisions apart. For a branch or tag it first
+    asks the hub which commit that is now: a branch that moved gets its new commit,
+    linking the files that did not change (the old commit stays until ruvllm rm
+    ID@COMMIT); offline (HF_HUB_OFFLINE) or without network, the complete download
+    is used, with a note. For an alias whose registry
     entry names a GGUF file of the chosen quantization (by default the one `ruvllm
     list` recommends), that one file is fetched; --safetensors fetches the
     full-precision weights instead. A revision (--revision, MODEL@REV) is one of the

@@ -88,8 +88,11 @@ def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel], cache:
     }
 
 
-def downloaded_record(model: DownloadedModel, aliases: dict[str, list[str]]) -> dict[str, Any]:
-    return {**model.to_json(), "aliases": aliases.get(model.repo_id.lower(), [])}
+def downloaded_record(model: DownloadedModel, aliases: dict[str, list[str]], cache: ModelCache) -> dict[str, Any]:
+    """A download as `list -d` shows it; `current` is false for an older commit of a
+    branch that moved on (chat loads the newer one; `rm ID@COMMIT` frees this)."""
+    return {**model.to_json(), "aliases": aliases.get(model.repo_id.lower(), []),
+            "current": cache.is_current(model)}
 
 
 def _aliases_by_repo(registry: dict[str, ModelEntry]) -> dict[str, list[str]]:
@@ -188,12 +191,22 @@ def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) ->
     rows = []
     for r in records:
         name = r["repo_id"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
-        revision = r["revision"] if r["revision"] == r["commit"] else f"{r['revision']} ({r['commit'][:7]})"
+        revision = _revision_cell(r)
         path = r["path"] + ("\n" + "\n".join(f["name"] for f in r["files"]) if long else "")
         rows.append((escape(name), escape(revision), escape(r["stored_as"]),
                      _size_cell(r), escape(path)))
     out.table(["Model", "Revision", "Stored as", "Size", "Path"], rows, title="Downloaded models",
               caption=_total_line(records))
+    if not all(r["current"] for r in records):
+        out.info("A commit marked \"was REV\" is an older one of a branch or tag that moved on: chat and serve "
+                 "load the newer one. Free it with ruvllm rm ID@COMMIT.")
+
+
+def _revision_cell(record: dict[str, Any]) -> str:
+    revision, commit = record["revision"], record["commit"]
+    if revision == commit:
+        return revision
+    return f"{revision} ({commit[:7]})" if record["current"] else f"{commit[:7]} (was {revision})"
 
 
 @click.command("list")
@@ -218,7 +231,7 @@ def command(downloaded: bool, long_: bool, as_json: bool) -> None:
     cached = cache.downloaded()
     if downloaded:
         index = _aliases_by_repo(registry)
-        records = [downloaded_record(model, index) for model in cached]
+        records = [downloaded_record(model, index, cache) for model in cached]
         unfinished = cache.unfinished(cached)
         if as_json:
             out.json({"models": records, "count": len(records),

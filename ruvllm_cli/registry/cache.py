@@ -165,7 +165,24 @@ class ModelCache:
         commit = self.resolve_commit(repo_id, revision)
         if commit is None:
             return None
-        return self._load(self.manifest_path(repo_id, commit))
+        found = self._load(self.manifest_path(repo_id, commit))
+        if found is None and not is_commit(revision or DEFAULT_REVISION):
+            # The branch moved to a commit whose download did not finish (disk full
+            # before its manifest, files damaged since): its newest complete one serves.
+            found = self._newest_complete(repo_id, revision or DEFAULT_REVISION)
+        return found
+
+    def _newest_complete(self, repo_id: str, revision: str) -> DownloadedModel | None:
+        loaded = (self._load(self.manifest_path(repo_id, str(m["commit"])))
+                  for m in self._manifests(repo_id) if m.get("revision") == revision and "commit" in m)
+        complete = [model for model in loaded if model is not None]
+        return max(complete, key=lambda m: m.downloaded_at) if complete else None
+
+    def is_current(self, model: DownloadedModel) -> bool:
+        """Whether `model` is what its branch or tag names locally now, not an older
+        commit of a branch that moved (kept until `rm ID@COMMIT`)."""
+        found = self.find(model.repo_id, model.revision)
+        return found is None or found.commit == model.commit
 
     def resolve_commit(self, repo_id: str, revision: str | None = None) -> str | None:
         """The commit a revision names locally (refs, then manifests), without the network."""

@@ -26,7 +26,8 @@ from rich.filesize import decimal as format_size
 from ruvllm_cli.errors import (CacheError, DownloadError, RepoUnavailableError, RevisionNotFoundError, RuvllmError,
                                UsageError)
 from ruvllm_cli.quantization import Quantization, parse_quantization
-from ruvllm_cli.registry.cache import DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache, file_size
+from ruvllm_cli.registry.cache import (DEFAULT_REVISION, DownloadedModel, FileRecord, ModelCache, file_size,
+                                      is_commit)
 from ruvllm_cli.registry.progress import DownloadObserver
 
 if TYPE_CHECKING:
@@ -179,10 +180,15 @@ def download_model(ref: ModelRef, quantization: Quantization | str | None, cache
     """Downloads `ref` (a registry.ModelRef of kind "registry" or "hub") into `cache`;
     `quantization` picks a GGUF repo's file (None: no -q, see `choose_gguf`).
 
-    Skips everything, without touching the network, when the revision is already
-    complete (unless `force`). `file_name` fetches exactly that one file (a GGUF
-    variant the registry names) instead of planning from the repo's file list. Raises DownloadError (one line plus a hint) on failure;
-    Ctrl-C propagates as KeyboardInterrupt and leaves the cache consistent.
+    A branch or tag complete in the cache is checked against the hub first (one
+    metadata request): skipped when it still names a complete commit, else its new
+    commit is fetched, linking the blobs that did not change. Offline
+    (HF_HUB_OFFLINE) or with the hub out of reach, the complete download is used
+    with a note; a full commit hash never asks. `force` fetches every file again.
+    `file_name` fetches exactly that one file (a GGUF variant the registry names)
+    instead of planning from the repo's file list. Raises DownloadError (one line
+    plus a hint) on failure; Ctrl-C propagates as KeyboardInterrupt and leaves the
+    cache consistent.
     """
     if ref.kind == "local" or ref.repo_id is None:
         raise UsageError(f"{ref.local_path} is a local model; there is nothing to download")
@@ -190,16 +196,53 @@ def download_model(ref: ModelRef, quantization: Quantization | str | None, cache
     repo_id, revision = ref.repo_id, revision or ref.revision
     progress = progress or DownloadObserver()
     existing = cache.find(repo_id, revision)
-    if existing is not None and not force and _has_quantization(existing, quantization) and (
-            file_name is None or any(f.name == file_name for f in existing.files)):
-        progress.already_downloaded(existing)
-        return existing
+    commit = None
+    if existing is not None and not force and _holds(existing, quantization, file_name):
+        commit = _hub_commit(repo_id, revision, existing, token, cache, progress)
+        current = existing if commit is None else cache.find(repo_id, commit)
+        if current is not None and _holds(current, quantization, file_name):
+            if current.commit != existing.commit:   # fetched before by its hash, say
+                cache.write_ref(repo_id, revision or DEFAULT_REVISION, current.commit)
+            progress.already_downloaded(current)
+            return current
     _make_cache_dir(cache)
     lost = sum(file_size(path) for path in cache.orphaned_incomplete_files(repo_id))
     progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id), lost)
     with hub_errors(repo_id, revision, cache):
         return _fetch(repo_id, revision, quantization, cache, force=force, token=token, progress=progress,
-                      file_name=file_name)
+                      file_name=file_name, commit=commit)
+
+
+def _holds(model: DownloadedModel, quantization: Quantization | None, file_name: str | None) -> bool:
+    """Whether a complete download has what this one asks for."""
+    return _has_quantization(model, quantization) and (
+        file_name is None or any(f.name == file_name for f in model.files))
+
+
+def _hub_commit(repo_id: str, revision: str | None, existing: DownloadedModel, token: str | None,
+                cache: ModelCache, progress: DownloadObserver) -> str | None:
+    """The commit the hub names `revision` now (a full hash: itself, without asking), or
+    None, with a note, when it cannot be asked: the complete download is used then, as
+    `huggingface-cli download` does offline."""
+    if revision is not None and is_commit(revision):
+        return revision
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        progress.not_checked(existing, "offline mode is on (HF_HUB_OFFLINE)")
+        return None
+    try:
+        info = HfApi(token=token).repo_info(repo_id, revision=revision, repo_type="model",
+                                            timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except (RuvllmError, KeyboardInterrupt):
+        raise
+    except Exception as error:  # noqa: BLE001 - mapped below, re-raised when unknown
+        mapped = map_hub_error(error, repo_id, revision, cache)
+        if mapped is None:
+            raise
+        progress.not_checked(existing, mapped.message)
+        return None
+    return info.sha or None
 
 
 def _has_quantization(model: DownloadedModel, quantization: Quantization | None) -> bool:
@@ -213,12 +256,13 @@ def _has_quantization(model: DownloadedModel, quantization: Quantization | None)
 
 def _fetch(repo_id: str, revision: str | None, quantization: Quantization | None, cache: ModelCache, *,
            force: bool, token: str | None, progress: DownloadObserver,
-           file_name: str | None = None) -> DownloadedModel:
+           file_name: str | None = None, commit: str | None = None) -> DownloadedModel:
+    """Fetches `commit` (None: the one the hub names `revision` now) and records it."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
     api = HfApi(token=token)
-    commit = api.repo_info(repo_id, revision=revision, repo_type="model").sha
+    commit = commit or api.repo_info(repo_id, revision=revision, repo_type="model").sha
     if not commit:
         raise DownloadError(f"the hub did not say which commit {repo_id}@{revision or DEFAULT_REVISION} is")
     tree = api.list_repo_tree(repo_id, revision=commit, recursive=True, repo_type="model")

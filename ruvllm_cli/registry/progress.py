@@ -31,6 +31,7 @@ class DownloadObserver:
     """Receives a download's events. This base shows nothing (library use, tests)."""
 
     def already_downloaded(self, model: DownloadedModel) -> None: ...
+    def not_checked(self, model: DownloadedModel, reason: str) -> None: ...   # the hub could not be asked
     def removed_orphans(self, paths: Sequence[Path], size: int = 0) -> None: ...
     def started(self, repo_id: str, commit: str, files: Sequence[FileRecord],
                 pending: Sequence[FileRecord]) -> None: ...
@@ -129,6 +130,10 @@ class DownloadProgress(DownloadObserver):
         self.console.print(f"{escape(_label(model))} is already downloaded: {escape(str(model.path))} "
                            f"({format_size(model.total_bytes)}, {_files(len(model.files))})")
         self.console.print("[dim]Nothing fetched; use --force to fetch it again.[/dim]")
+
+    def not_checked(self, model: DownloadedModel, reason: str) -> None:
+        self.console.print(f"Could not check the hub for a newer commit of {escape(model.repo_id)}@"
+                           f"{escape(model.revision)}: {escape(reason)}; using the downloaded one.")
 
     def removed_orphans(self, paths: Sequence[Path], size: int = 0) -> None:
         if paths:

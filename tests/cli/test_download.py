@@ -66,6 +66,17 @@ def assert_same_files(snapshot: Path, source: Path, names: list[str]) -> None:
         assert (snapshot / name).read_bytes() == (source / name).read_bytes(), name
 
 
+def hub_asks(hub: FakeHub) -> list[str]:
+    """The requests a run made (method and path), less the client's once-a-process registry fetch."""
+    return [f"{r.method} {r.path}" for r in hub.requests if r.path != "/api/agent-harnesses"]
+
+
+def only_which_commit(repo_id: str, revision: str | None = None) -> list[str]:
+    """What a run asks of the hub for a branch complete in the cache: which commit it is
+    now (the default branch without a revision)."""
+    return [f"GET /api/models/{repo_id}" + (f"/revision/{revision}" if revision else "")]
+
+
 def resolve_gets(hub: FakeHub) -> list[str]:
     return [r.path.rsplit("/", 1)[-1] for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
 
@@ -208,15 +219,18 @@ def test_each_command_help_shows_its_quantization_default(ruvllm: Run, cli_env: 
         assert default in text, (command, text)
 
 
-def test_download_by_id_then_skips_without_network(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
-                                                  isolated_env) -> None:
+def test_download_by_id_then_skips_after_asking_only_for_the_commit(ruvllm: Run, fake_hub: FakeHub, repo,
+                                                                    tiny_model_dir: Path, isolated_env) -> None:
     repo_id, commit = repo
     assert ruvllm("dl", repo_id, "-q", "q8").returncode == 0
     fake_hub.reset()
     again = ruvllm("download", repo_id)
     assert again.returncode == 0, again.stderr
     assert again.stderr.splitlines() == already_downloaded(repo_id, commit, isolated_env.cache_dir, tiny_model_dir)
-    assert fake_hub.requests == []  # not a single request, so no resolve GET either
+    assert hub_asks(fake_hub) == only_which_commit(repo_id)   # whether main moved; no file request
+    fake_hub.reset()
+    by_hash = ruvllm("download", f"{repo_id}@{commit}")   # a commit cannot move: nothing asked
+    assert by_hash.returncode == 0 and "is already downloaded" in by_hash.stderr and hub_asks(fake_hub) == []
 
 
 def test_force_fetches_every_file_again(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
@@ -251,7 +265,7 @@ def test_revisions_are_kept_apart(ruvllm: Run, fake_hub: FakeHub, repo, tiny_mod
     assert resolve_gets(fake_hub) == ["config.json"]
     fake_hub.reset()
     assert "is already downloaded" in ruvllm("download", f"{repo_id}@v2").stderr
-    assert fake_hub.requests == []
+    assert hub_asks(fake_hub) == only_which_commit(repo_id, "v2")
 
     cache = ModelCache(isolated_env.cache_dir)
     found_main, found_v2 = cache.find(repo_id), cache.find(repo_id, "v2")
@@ -261,6 +275,73 @@ def test_revisions_are_kept_apart(ruvllm: Run, fake_hub: FakeHub, repo, tiny_mod
     assert (found_main.path / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
     manifests = sorted(p.name for p in (isolated_env.cache_dir / "manifests" / repo_id.replace("/", "--")).iterdir())
     assert manifests == sorted([f"{main}.json", f"{v2}.json"])
+
+
+def commit_changed_config(hub: FakeHub, repo_id: str, source: Path, tmp_path: Path) -> str:
+    """A new commit on main: the model's files with config.json changed (a key added)."""
+    changed = tmp_path / "moved"
+    shutil.copytree(source, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "ruvllm_test_moved": True}))
+    return hub.add_model_dir(repo_id, changed)
+
+
+def test_a_branch_that_moved_fetches_its_new_commit_linking_unchanged_blobs(
+        ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path, tmp_path: Path, isolated_env,
+        cli_env: dict[str, str]) -> None:
+    """`download` had said "already downloaded" for main's old commit without asking the
+    hub, and only --force (every file again) got the new one, as `huggingface-cli
+    download` and `ollama pull` do with a plain run."""
+    repo_id, old = repo
+    assert ruvllm("download", repo_id).returncode == 0
+    new = commit_changed_config(fake_hub, repo_id, tiny_model_dir, tmp_path)
+    fake_hub.reset()
+    result = ruvllm("download", repo_id)
+    assert result.returncode == 0, result.stderr
+    assert resolve_gets(fake_hub) == ["config.json"]   # the other blobs did not change: linked
+    assert "Fetched 1 file " in result.stderr and "; 5 already in the cache." in result.stderr
+    assert f"Downloaded {repo_id}@main (commit {new[:7]}, safetensors f32)" in result.stderr
+    cache = ModelCache(isolated_env.cache_dir)
+    assert cache.find(repo_id).commit == new and json.loads((cache.find(repo_id).path / "config.json")
+                                                            .read_text())["ruvllm_test_moved"] is True
+    # The old commit stays, complete, until rm; list -d tells the two apart.
+    assert cache.find(repo_id, old).commit == old
+    listed = json.loads(ruvllm("list", "--downloaded", "--json").stdout)
+    rows = {m["commit"]: m["current"] for m in listed["models"] if m["repo_id"] == repo_id}
+    assert rows == {old: False, new: True}
+    table = ruvllm("list", "--downloaded", env={**cli_env, "COLUMNS": "300"}).stdout
+    assert f"main ({new[:7]})" in table and f"{old[:7]} (was main)" in table
+    fake_hub.reset()
+    again = ruvllm("download", repo_id)
+    assert "is already downloaded" in again.stderr and hub_asks(fake_hub) == only_which_commit(repo_id)
+    assert ruvllm("rm", "-y", f"{repo_id}@{old[:7]}").returncode == 0
+    assert cache.find(repo_id).commit == new and cache.find(repo_id, old) is None
+
+
+def test_a_ref_moved_to_an_unrecorded_commit_still_finds_the_branchs_complete_one(
+        fake_hub: FakeHub, repo, isolated_env) -> None:
+    """Disk full between the ref and the manifest: chat keeps the last complete commit of main."""
+    repo_id, commit = repo
+    cache = ModelCache(isolated_env.cache_dir)
+    download_model(resolve_model(repo_id), None, cache)
+    cache.write_ref(repo_id, "main", "f" * 40)
+    assert cache.find(repo_id).commit == commit
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "no network"])
+def test_a_complete_branch_downloads_offline_with_a_note(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
+                                                         isolated_env, cli_env: dict[str, str], how: str) -> None:
+    repo_id, commit = repo
+    assert ruvllm("download", repo_id).returncode == 0
+    with socket_bound_but_closed() as url:
+        env = {**cli_env, "HF_HUB_OFFLINE": "1"} if how == "HF_HUB_OFFLINE" else {**cli_env, "HF_ENDPOINT": url}
+        result = ruvllm("download", repo_id, env=env)
+    reason = ("offline mode is on (HF_HUB_OFFLINE)" if how == "HF_HUB_OFFLINE"
+              else f"cannot reach the Hugging Face hub ({url})")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"Could not check the hub for a newer commit of {repo_id}@main: {reason}; using the downloaded one.",
+        *already_downloaded(repo_id, commit, isolated_env.cache_dir, tiny_model_dir)]
 
 
 def test_two_revisions_in_name_and_option_conflict(ruvllm: Run, repo) -> None:
@@ -346,7 +427,8 @@ def test_gguf_repo_takes_one_file_by_quantization(ruvllm: Run, fake_hub: FakeHub
         "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf"]
     fake_hub.reset()
     again = ruvllm("download", repo_id, "-q", "q8")
-    assert again.returncode == 0 and "already downloaded" in again.stderr and fake_hub.requests == []
+    assert again.returncode == 0 and "already downloaded" in again.stderr
+    assert hub_asks(fake_hub) == only_which_commit(repo_id)
     missing = ruvllm("download", repo_id, "-q", "none")
     assert_one_error(missing, "no F32 GGUF file in the repo (available: tiny-F16.gguf, tiny-Q4_K_M.gguf, "
                               "tiny-Q8_0.gguf)", "choose a --quantization the repo has: q4k, q8, f16")
@@ -370,7 +452,8 @@ def test_a_gguf_repo_of_one_file_named_for_no_q_downloads_and_loads_as_its_type(
     assert [p.name for p in snapshot_of(isolated_env.cache_dir, repo_id, commit).iterdir()] == ["model.gguf"]
     fake_hub.reset()
     again = ruvllm("download", repo_id)
-    assert again.returncode == 0 and "already downloaded" in again.stderr and fake_hub.requests == []
+    assert again.returncode == 0 and "already downloaded" in again.stderr
+    assert hub_asks(fake_hub) == only_which_commit(repo_id)
     chat = ruvllm("chat", repo_id, "--max-tokens", "3", input="hello\n")
     assert chat.returncode == 0 and "model.gguf" in chat.stderr, chat.stderr
 
