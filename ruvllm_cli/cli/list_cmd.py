@@ -181,7 +181,8 @@ def render_unfinished(out: Output, unfinished: list[tuple[str, int]]) -> None:
     noun = "download" if len(unfinished) == 1 else "downloads"
     names = ", ".join(f"{repo} ({format_size(size)})" for repo, size in unfinished)
     out.info(escape(f"Not listed: {len(unfinished)} incomplete or damaged {noun}: {names}. Finish one with "
-                    f"ruvllm download ID, or free the space with ruvllm rm ID."))
+                    f"ruvllm download ID (ID@REV for the revision that stopped), or free the space with "
+                    f"ruvllm rm ID, which removes every revision of ID."))
 
 
 def render_downloaded(out: Output, records: list[dict[str, Any]], long: bool) -> None:

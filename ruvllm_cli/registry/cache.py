@@ -141,18 +141,37 @@ class ModelCache:
         return sorted(complete, key=lambda m: (m.repo_id.lower(), m.downloaded_at))
 
     def unfinished(self, complete: Sequence[DownloadedModel] | None = None) -> list[tuple[str, int]]:
-        """(repo id, bytes on disk) of each repo in the cache with no complete download: a
-        run killed or interrupted, files since deleted or truncated, a damaged manifest.
-        `list -d` names them, since `downloaded` leaves them out."""
+        """(repo id, bytes) of what downloads left in the cache that is no complete
+        download: a whole repo without one (a run killed or interrupted, files since
+        deleted or truncated, a damaged manifest), or, beside a complete revision, a
+        killed run's `*.incomplete` files and snapshots without a complete manifest (a
+        stopped `download ID@dev` with main complete). `list -d` names them, since
+        `downloaded` leaves them out."""
         if not self.hub_dir.is_dir():
             return []
-        done = {m.repo_id for m in (self.downloaded() if complete is None else complete)}
+        done: dict[str, set[str]] = {}
+        for model in self.downloaded() if complete is None else complete:
+            done.setdefault(model.repo_id, set()).add(model.commit)
         found = []
-        for folder in sorted(self.hub_dir.glob("models--*")):
+        for folder in sorted(p for p in self.hub_dir.glob("models--*") if p.is_dir()):
             repo_id = folder.name.removeprefix("models--").replace("--", "/", 1)
-            if repo_id not in done and folder.is_dir():
-                found.append((repo_id, tree_bytes(folder)))
+            size = tree_bytes(folder) if repo_id not in done else self._leftover_bytes(repo_id, done[repo_id])
+            if size is not None:
+                found.append((repo_id, size))
         return found
+
+    def _leftover_bytes(self, repo_id: str, complete: set[str]) -> int | None:
+        """The bytes of a repo's orphaned partial files and of the blobs only its
+        snapshots outside `complete` hold; None when it has neither."""
+        orphans = self.orphaned_incomplete_files(repo_id)
+        snapshots = self.repo_dir(repo_id) / "snapshots"
+        partial = [d for d in snapshots.iterdir() if d.is_dir() and d.name not in complete] \
+            if snapshots.is_dir() else []
+        if not orphans and not partial:
+            return None
+        kept = {p for commit in complete for p in _snapshot_files(snapshots / commit)}
+        only = {p for d in partial for p in _snapshot_files(d)} - kept
+        return sum(file_size(p) for p in orphans) + sum(file_size(p) for p in only)
 
     def find(self, repo_id: str, revision: str | None = None) -> DownloadedModel | None:
         """The complete download of `repo_id` at `revision`, or None.
@@ -389,6 +408,12 @@ def _model_from_manifest(data: dict[str, Any], snapshot: Path) -> DownloadedMode
 
 def _snapshot_entries(revisions: Iterable[Any]) -> tuple[Path, ...]:
     return tuple(sorted(f.file_path for rev in revisions for f in rev.files))
+
+
+def _snapshot_files(snapshot: Path) -> set[Path]:
+    """The files a snapshot dir holds, its links resolved to their blobs."""
+    found = snapshot.rglob("*") if snapshot.is_dir() else ()
+    return {p.resolve() for p in found if p.is_file()}
 
 
 def _snapshot_links(repo_dir: Path) -> tuple[Path, ...]:

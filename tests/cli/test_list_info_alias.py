@@ -115,6 +115,21 @@ def test_list_downloaded_when_empty(ruvllm: Run) -> None:
     assert data == {"models": [], "count": 0, "total_bytes": 0, "unfinished": []}
 
 
+def test_list_downloaded_names_a_stopped_revision_beside_a_complete_one(ruvllm: Run, isolated_env: Any,
+                                                                        tiny_model_dir: Path) -> None:
+    """docs/design.md section 10: `list -d` names what a stopped download left, with its
+    size; with main complete, a killed `download ID@dev`'s 20 MB partial file was not."""
+    repo_id = "org/big"
+    fake_download(isolated_env.cache_dir, tiny_model_dir, repo_id)
+    blobs = ModelCache(isolated_env.cache_dir).repo_dir(repo_id) / "blobs"
+    blobs.mkdir()
+    (blobs / f"{'e' * 64}.0badc0de.incomplete").write_bytes(b"x" * 20_900_000)
+    data = json.loads(ruvllm("list", "-d", "--json").stdout)
+    assert data["count"] == 1 and data["unfinished"] == [{"repo_id": repo_id, "bytes": 20_900_000}]
+    shown = " ".join(ruvllm("list", "-d").stderr.split())
+    assert f"Not listed: 1 incomplete or damaged download: {repo_id} (20.9 MB)." in shown
+
+
 def test_an_alias_with_its_safetensors_downloaded_is_estimated_from_them(ruvllm: Run, isolated_env: Any,
                                                                           tiny_model_dir: Path) -> None:
     """What would load decides the layout: the safetensors once they are in the cache

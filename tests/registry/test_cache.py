@@ -115,6 +115,20 @@ def test_partly_downloaded_is_a_revision_begun_not_another_one(cache: ModelCache
     assert cache.partly_downloaded(other) and not cache.partly_downloaded(other, "v2")
 
 
+def test_unfinished_names_a_stopped_second_revision_beside_a_complete_one(cache: ModelCache) -> None:
+    """A killed `download org/big@dev` with main complete: its partial blob and its
+    snapshot without a manifest were left out, as the repo had a complete download."""
+    record(cache)
+    assert cache.unfinished() == []
+    blobs = cache.repo_dir(REPO) / "blobs"
+    (blobs / f"{'d' * 64}.1234abcd.incomplete").write_bytes(b"p" * 700)
+    assert cache.unfinished() == [(REPO, 700)]
+    # dev's snapshot: config.json shared with main (counted once, under main), one blob of its own
+    put_snapshot(cache, REPO, C2, {"config.json": FILES["config.json"], "dev.safetensors": b"v" * 300}, ref=None)
+    assert cache.unfinished() == [(REPO, 1000)]
+    assert [m.commit for m in cache.downloaded()] == [C1]
+
+
 def test_corrupt_manifest_is_ignored(cache: ModelCache) -> None:
     record(cache)
     cache.manifest_path(REPO, C1).write_text("{not json")
