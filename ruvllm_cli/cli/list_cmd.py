@@ -15,12 +15,13 @@ from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.output import Output
 from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, estimate_memory, format_bytes
-from ruvllm_cli.registry.locate import loads_gguf
+from ruvllm_cli.quantization import Quantization
+from ruvllm_cli.registry.locate import downloaded_gguf, loads_gguf
 from ruvllm_cli.registry.registry import ModelEntry, ModelRef, load_registry
 
-MEMORY_CAPTION = ("Memory: weights as `ruvllm chat` would hold them on a CPU without -q (the GGUF file "
-                  "`ruvllm download` fetches at the recommended quantization where the registry names one, "
-                  "unless the safetensors are downloaded; safetensors as f16) + KV cache for "
+MEMORY_CAPTION = ("Memory: weights as `ruvllm chat` would hold them on a CPU without -q (the downloaded GGUF "
+                  "file, else the one `ruvllm download` fetches at the recommended quantization where the "
+                  "registry names one, unless the safetensors are downloaded; safetensors as f16) + KV cache for "
                   f"{DEFAULT_CONTEXT:,} tokens + runtime overhead.")
 
 
@@ -32,8 +33,9 @@ def format_params(params_b: float | None) -> str:
 
 def entry_memory(entry: ModelEntry, cache: ModelCache) -> dict[str, Any] | None:
     """Memory estimate of what `chat` would load without -q (registry.locate,
-    engine_setup.default_quantization): the GGUF file at the entry's recommended
-    quantization where it would load one, a GGUF path at its own type, safetensors as
+    engine_setup.default_quantization): a downloaded GGUF variant or GGUF path at its
+    own type, else the GGUF file at the entry's recommended quantization where it
+    would load one, safetensors as
     f16; None without a parameter count. (Safetensors had been estimated at the
     recommended quantization, q8 where chat holds f16.)"""
     from ruvllm_cli.cli.engine_setup import DEFAULT_QUANTIZATION, files_quantization
@@ -44,9 +46,25 @@ def entry_memory(entry: ModelEntry, cache: ModelCache) -> dict[str, Any] | None:
         gguf = entry.path.suffix == ".gguf"
         quantization = files_quantization(entry.path) if entry.path.exists() else DEFAULT_QUANTIZATION
     else:
-        gguf = loads_gguf(ModelRef("registry", entry.repo_id, entry=entry), entry.recommended_quantization, cache)
-        quantization = entry.recommended_quantization if gguf else DEFAULT_QUANTIZATION
+        gguf, quantization = _registry_load(entry, cache)
     return estimate_memory(entry.params, quantization, entry.kv_shape, gguf=gguf)
+
+
+def _registry_load(entry: ModelEntry, cache: ModelCache) -> tuple[bool, Quantization]:
+    """(a GGUF file?, its quantization) of what `chat ALIAS` loads without -q, as
+    registry.locate picks it: the safetensors when downloaded, else a downloaded GGUF
+    variant at its own type (only q4k downloaded: q4k, where list had said the
+    recommended q8), else what `download` would fetch."""
+    from ruvllm_cli.cli.engine_setup import DEFAULT_QUANTIZATION, files_quantization
+
+    ref = ModelRef("registry", entry.repo_id, entry=entry)
+    if cache.find(entry.repo_id) is None:
+        downloaded = downloaded_gguf(ref, cache, None)
+        if downloaded is not None:
+            return True, files_quantization(downloaded)
+    if loads_gguf(ref, entry.recommended_quantization, cache):
+        return True, entry.recommended_quantization
+    return False, DEFAULT_QUANTIZATION
 
 
 def downloads_of(entry: ModelEntry, downloaded: list[DownloadedModel]) -> list[DownloadedModel]:

@@ -76,7 +76,7 @@ def locate_model(name: str, cache_dir: Path, quantization: Quantization | None =
     found = cache.find(ref.repo_id, ref.revision)
     if found is not None:
         return LocatedModel(ref, _model_path(ref, found, quantization), served)
-    gguf = _downloaded_gguf(ref, cache, quantization)
+    gguf = downloaded_gguf(ref, cache, quantization)
     if gguf is not None:
         return LocatedModel(ref, gguf, served)
     target = name.split("@")[0] if ref.kind == "registry" else ref.repo_id
@@ -110,7 +110,9 @@ def _model_path(ref: ModelRef, found: DownloadedModel, quantization: Quantizatio
     return found.path / sorted(ggufs)[0]
 
 
-def _downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantization | None) -> Path | None:
+def downloaded_gguf(ref: ModelRef, cache: ModelCache, quantization: Quantization | None) -> Path | None:
+    """The alias's downloaded GGUF variant `locate_model` loads when its safetensors are
+    not in the cache: of `quantization`, else the recommended one, else any other."""
     recommended = ref.entry.recommended_quantization if ref.entry is not None else Quantization.Q4_K_M
     # Without -q: the registry's recommendation (what `download` fetches by default) first.
     wanted = [quantization] if quantization else [recommended, *(q for q in Quantization if q is not recommended)]

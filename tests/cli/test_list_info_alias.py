@@ -146,6 +146,22 @@ def test_an_alias_with_its_safetensors_downloaded_is_estimated_from_them(ruvllm:
     assert weights_from() == ("safetensors", "f16", "safetensors")
 
 
+def test_an_alias_with_only_another_gguf_variant_downloaded_is_estimated_as_chat_loads_it(
+        ruvllm: Run, isolated_env: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Only the q4k file of qwen-0.5b (recommended: q8) downloaded: chat without -q loads
+    it, while list estimated the q8 file."""
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    entry = builtin_entries()["qwen-0.5b"]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_gguf(tiny_model_dir, repo / entry.gguf_files["q4k"], types=lambda _: "Q4_0")
+    fake_download(isolated_env.cache_dir, repo, repo_id=entry.gguf_repo)
+    listed = json.loads(ruvllm("list", "--json").stdout)["models"]
+    memory = next(m for m in listed if m["alias"] == "qwen-0.5b")["memory_estimate"]
+    assert memory == estimate_memory(entry.params, "q4k", entry, 4096, gguf=True)
+
+
 def test_list_downloaded_shows_cached_models(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any,
                                              tiny_model_dir: Path) -> None:
     snapshot = fake_download(isolated_env.cache_dir, tiny_model_dir)
