@@ -441,8 +441,7 @@ def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:
     response = getattr(error, "response", None)
     status = response.status_code if response is not None else None
     if status == 401 and "Invalid credentials" in (response.headers.get("X-Error-Message") or ""):
-        return DownloadError("the hub rejected the token in HF_TOKEN (HTTP 401: invalid credentials)",
-                             "set HF_TOKEN to a valid token, or unset it for public repos")
+        return _rejected_token_error()
     if status == 401:
         # The hub answers a misspelt id so too: the spelling first, for a newcomer
         return RepoUnavailableError(f"{repo_id} needs authentication (HTTP 401): it is private or gated, or does "
@@ -455,6 +454,27 @@ def _http_error(error: Any, repo_id: str, rev: str) -> DownloadError:
         return RepoUnavailableError(f"model repo {repo_id} not found on the hub",
                                     "check the id (org/name); private repos need HF_TOKEN")
     return DownloadError(f"the hub answered HTTP {status} for {repo_id}@{rev}", "try again later")
+
+
+def _rejected_token_error() -> DownloadError:
+    """Names where the rejected token came from, as huggingface_hub looks: HF_TOKEN (or
+    the older HUGGING_FACE_HUB_TOKEN) first, then the file `hf auth login` writes; the
+    message had always blamed HF_TOKEN, whose unsetting does not help a saved token."""
+    import os
+
+    from huggingface_hub import constants
+
+    what = "HTTP 401: invalid credentials"
+    for variable in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if (os.environ.get(variable) or "").strip():
+            return DownloadError(f"the hub rejected the token in {variable} ({what})",
+                                 f"set {variable} to a valid token, or unset it for public repos")
+    path = constants.HF_TOKEN_PATH
+    if Path(path).is_file():
+        return DownloadError(f"the hub rejected the token saved in {path} by `hf auth login` ({what})",
+                             f"log in again with a valid token (hf auth login), or for public repos log out "
+                             f"(hf auth logout, or delete {path})")
+    return DownloadError(f"the hub rejected the token ({what})", "use a valid token, or none for public repos")
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:

@@ -562,6 +562,20 @@ def test_invalid_token(ruvllm: Run, repo, cli_env: dict[str, str]) -> None:
                      "set HF_TOKEN to a valid token, or unset it for public repos")
 
 
+def test_a_rejected_token_from_hf_auth_login_is_blamed_on_its_file(ruvllm: Run, repo, isolated_env) -> None:
+    """A token saved by `hf auth login` (HF_HOME/token) had been blamed on HF_TOKEN, with
+    the hint to unset a variable that was not set."""
+    repo_id, _ = repo
+    saved = isolated_env.hf_home / "token"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text("hf_unknown")
+    result = ruvllm("download", repo_id)
+    assert_one_error(result, f"the hub rejected the token saved in {saved} by `hf auth login` (HTTP 401: "
+                             "invalid credentials)",
+                     f"log in again with a valid token (hf auth login), or for public repos log out "
+                     f"(hf auth logout, or delete {saved})")
+
+
 def test_unknown_repo_is_404(ruvllm: Run, fake_hub: FakeHub, cli_env: dict[str, str]) -> None:
     fake_hub.add_token("valid")
     result = ruvllm("download", "ruvllm-tests/no-such-model", env={**cli_env, "HF_TOKEN": "valid"})
