@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ruvllm_cli.cli.context import app_context, global_options
 from ruvllm_cli.cli.output import Output
+from ruvllm_cli.errors import RuvllmError
 from ruvllm_cli.registry.cache import DownloadedModel, ModelCache
 from ruvllm_cli.registry.memory import DEFAULT_CONTEXT, estimate_memory, format_bytes
 from ruvllm_cli.quantization import Quantization
@@ -26,9 +27,12 @@ MEMORY_CAPTION = ("Memory: weights as `ruvllm chat` would hold them on a CPU wit
 
 
 def format_params(params_b: float | None) -> str:
+    """`7.62B`, `494M`; under a million with one decimal (`0.1M`), where a tiny model had read `0M`."""
     if params_b is None:
         return "-"
-    return f"{params_b:.2f}B" if params_b >= 1 else f"{params_b * 1000:.0f}M"
+    if params_b >= 1:
+        return f"{params_b:.2f}B"
+    return f"{params_b * 1000:.0f}M" if params_b >= 0.001 else f"{params_b * 1000:.1f}M"
 
 
 def entry_memory(entry: ModelEntry, cache: ModelCache) -> dict[str, Any] | None:
@@ -88,18 +92,53 @@ def with_config_facts(entry: ModelEntry, mine: list[DownloadedModel]) -> ModelEn
     except ModelLoadError:
         return entry
     count = count_parameters(shape)
-    return dataclasses.replace(entry, exact_params=count, params_b=round(count / 1e9, 3),
+    return dataclasses.replace(entry, exact_params=count, params_b=_billions(count),
                                num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
                                head_dim=shape.head_dim, architecture=entry.architecture or shape.architecture,
                                context_length=entry.context_length or shape.context_length)
 
 
+def _billions(count: int) -> float:
+    """Six decimals: three had made a 106,816-parameter model 0.0 billion."""
+    return round(count / 1e9, 6)
+
+
+def with_gguf_facts(entry: ModelEntry, cache: ModelCache) -> tuple[ModelEntry, dict[str, Any] | None]:
+    """An entry that does not give its size and loads a GGUF file (its path, or its
+    download's file) with the count and memory estimate `info` reads from that file's
+    header, at the quantization chat loads it with; where there is none, as it was."""
+    from ruvllm_cli.cli.engine_setup import files_quantization
+    from ruvllm_cli.cli.info import gguf_memory, read_gguf
+
+    path = _loaded_gguf(entry, cache)
+    layout = read_gguf(path) if path is not None else None
+    if layout is None or isinstance(layout, RuvllmError):
+        return entry, None
+    count, table = gguf_memory(layout)
+    facts = dataclasses.replace(entry, exact_params=count, params_b=_billions(count))
+    return facts, table[files_quantization(path).value]
+
+
+def _loaded_gguf(entry: ModelEntry, cache: ModelCache) -> Path | None:
+    """The GGUF file `chat ALIAS` loads, or None (not one, or not there)."""
+    from ruvllm_cli.registry.locate import locate_model
+
+    try:
+        path = locate_model(entry.alias, cache.root).path
+    except RuvllmError:
+        return None
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None
+
+
 def registry_record(entry: ModelEntry, downloaded: list[DownloadedModel], cache: ModelCache) -> dict[str, Any]:
     mine = downloads_of(entry, downloaded)
     entry = with_config_facts(entry, mine)
+    memory = entry_memory(entry, cache)
+    if entry.params is None:   # no config.json: a GGUF file's header may say
+        entry, memory = with_gguf_facts(entry, cache)
     return {
         **entry.to_dict(),
-        "memory_estimate": entry_memory(entry, cache),
+        "memory_estimate": memory,
         "downloaded": bool(mine),
         "downloads": [{"repo_id": m.repo_id, "revision": m.revision, "commit": m.commit,
                        "stored_as": m.stored_as, "path": str(m.path)} for m in mine],
@@ -135,8 +174,9 @@ def _alias_cell(record: dict[str, Any]) -> str:
 
 
 def _status_cell(record: dict[str, Any]) -> str:
+    """`local`, or `missing` for an alias whose path is gone (info fails on it), `downloaded`, `-`."""
     if record["path"]:
-        return "local"
+        return "local" if Path(record["path"]).exists() else "missing"
     return "downloaded" if record["downloaded"] else "-"
 
 
@@ -163,7 +203,8 @@ def _long_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
         ("Memory estimate", _memory_cell(record)), ("Sampling", sampling),
         ("GGUF repo", record["gguf_repo"] or "-"), ("GGUF files", gguf),
         ("Notes", record["notes"] or "-"), ("Source", "user alias" if record["user"] else "built-in"),
-        ("Status", "local" if record["path"] else "downloaded" if record["downloaded"] else "not downloaded"),
+        ("Status", _status_cell(record) if record["path"] else "downloaded" if record["downloaded"]
+         else "not downloaded"),
     ]
 
 

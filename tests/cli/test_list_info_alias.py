@@ -447,6 +447,45 @@ def test_info_directory_without_config(ruvllm: Run, tmp_path: Path) -> None:
 
 # --- alias -------------------------------------------------------------------------------------
 
+def list_row(ruvllm: Run, cli_env: dict[str, str], alias: str) -> list[str]:
+    """The cells of the alias's row in `list` (Alias, Name, Params, Memory, Status)."""
+    line = next(line for line in ruvllm("list", env=wide_env(cli_env)).stdout.splitlines() if f" {alias} " in line)
+    return [cell.strip() for cell in line.strip("│ ").split("│")]
+
+
+def test_list_tells_a_tiny_local_alias_and_its_path_deleted(ruvllm: Run, cli_env: dict[str, str],
+                                                             tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A 106,816-parameter model read `0M`; a path deleted since still said `local`."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    assert ruvllm("alias", "set", "mytiny", str(model)).returncode == 0
+    count = count_parameters(read_model_config(model))
+    assert count < 1_000_000
+    alias, _, params, _, status = list_row(ruvllm, cli_env, "mytiny (user)")
+    assert (params, status) == (f"{count / 1e6:.1f}M", "local") and params != "0.0M"
+    shutil.rmtree(model)
+    assert list_row(ruvllm, cli_env, "mytiny (user)")[4] == "missing"
+    assert ruvllm("info", "mytiny").returncode == 1
+
+
+def test_list_reads_an_alias_of_a_downloaded_gguf_repo_as_info_does(ruvllm: Run, cli_env: dict[str, str],
+                                                                     isolated_env: Any, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """No config.json: list showed `-` for params and memory, which info reads from the GGUF header."""
+    from ruvllm_cli.testing.tiny_gguf import write_gguf
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_gguf(tiny_model_dir, repo / "tiny-Q8_0.gguf")
+    fake_download(isolated_env.cache_dir, repo, repo_id="someone/Tiny-GGUF")
+    assert ruvllm("alias", "set", "tg", "someone/Tiny-GGUF").returncode == 0
+    info = json.loads(ruvllm("info", "tg", "--json").stdout)
+    listed = next(m for m in json.loads(ruvllm("list", "--json").stdout)["models"] if m["alias"] == "tg")
+    assert listed["params"] == info["parameters"] == count_parameters(read_model_config(tiny_model_dir))
+    assert listed["memory_estimate"] == info["memory"]["q8"]
+    assert list_row(ruvllm, cli_env, "tg (user)")[3].endswith("(q8)")
+
+
 def test_alias_set_list_rm(ruvllm: Run, cli_env: dict[str, str], isolated_env: Any) -> None:
     result = ruvllm("alias", "set", "mine", "someone/their-model", "--name", "Their model")
     assert result.returncode == 0, result.stderr
