@@ -126,6 +126,11 @@ def _one_split_set(names: Sequence[str]) -> bool:
     return all(SPLIT_GGUF_RE.search(name) for name in names) and len({SPLIT_GGUF_RE.sub("", n) for n in names}) == 1
 
 
+def named_for_a_quantization(name: str) -> bool:
+    """Whether a GGUF file's name carries one of the -q quantizations (see `choose_gguf`)."""
+    return any(_named_for(name, q) for q in Quantization)
+
+
 def _named_for(name: str, quantization: Quantization) -> bool:
     return any(_has_token(Path(name).name, pattern) for pattern in GGUF_PATTERNS[quantization])
 

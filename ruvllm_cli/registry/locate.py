@@ -96,7 +96,7 @@ def _model_path(ref: ModelRef, found: DownloadedModel, quantization: Quantizatio
     if not ggufs or (found.path / "config.json").is_file():
         return found.path
     from ruvllm_cli.errors import DownloadError
-    from ruvllm_cli.registry.download import choose_gguf
+    from ruvllm_cli.registry.download import choose_gguf, named_for_a_quantization
 
     for quant in [quantization] if quantization else list(Quantization):
         try:
@@ -104,9 +104,13 @@ def _model_path(ref: ModelRef, found: DownloadedModel, quantization: Quantizatio
         except DownloadError:
             continue
     if quantization is not None:
+        # A file named for no -q is the repo's only GGUF file (choose_gguf): `download -q`
+        # fails there with "leave out -q", so that is the hint that works.
+        hint = (f"leave out -q to load {', '.join(sorted(ggufs))} as the type it is"
+                if not any(named_for_a_quantization(name) for name in ggufs)
+                else f"run: ruvllm download {ref.repo_id} -q {quantization.value}")
         raise NotDownloadedError(f"{ref.display_name} has no {quantization.label} GGUF file downloaded "
-                                 f"(it has {', '.join(sorted(ggufs))})",
-                                 f"run: ruvllm download {ref.repo_id} -q {quantization.value}")
+                                 f"(it has {', '.join(sorted(ggufs))})", hint)
     return found.path / sorted(ggufs)[0]
 
 

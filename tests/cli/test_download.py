@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from rich.filesize import decimal as format_size
 
+from ruvllm_cli.errors import DownloadError
 from ruvllm_cli.registry.cache import ModelCache
 from ruvllm_cli.registry.download import download_model, map_hub_error
 from ruvllm_cli.registry.registry import resolve_model
@@ -456,6 +457,26 @@ def test_a_gguf_repo_of_one_file_named_for_no_q_downloads_and_loads_as_its_type(
     assert hub_asks(fake_hub) == only_which_commit(repo_id)
     chat = ruvllm("chat", repo_id, "--max-tokens", "3", input="hello\n")
     assert chat.returncode == 0 and "model.gguf" in chat.stderr, chat.stderr
+
+
+def test_asking_a_q_of_a_gguf_download_named_for_no_q_hints_what_works(fake_hub: FakeHub, isolated_env) -> None:
+    """The hint had been `ruvllm download ID -q q4k`, which that repo refuses with "leave out -q"."""
+    from ruvllm_cli.errors import NotDownloadedError
+    from ruvllm_cli.quantization import Quantization
+    from ruvllm_cli.registry.locate import locate_model
+
+    repo_id = unique_repo("gguf-noq")
+    fake_hub.add_repo(repo_id, {"model.gguf": b"GGUF" * 40, "README.md": b"# x"})
+    cache = ModelCache(isolated_env.cache_dir)
+    model = download_model(resolve_model(repo_id), None, cache)
+    with pytest.raises(NotDownloadedError) as error:
+        locate_model(repo_id, cache.root, Quantization.Q4_K_M)
+    assert error.value.message == f"{repo_id} has no Q4_K_M GGUF file downloaded (it has model.gguf)"
+    assert error.value.hint == "leave out -q to load model.gguf as the type it is"
+    with pytest.raises(DownloadError) as refused:   # what the old hint ran into
+        download_model(resolve_model(repo_id), "q4k", cache)
+    assert refused.value.hint == "leave out -q to take the repo's only GGUF file, model.gguf"
+    assert locate_model(repo_id, cache.root).path == model.path / "model.gguf"   # what the new hint runs
 
 
 def test_a_gguf_repo_with_no_file_we_can_choose_says_so(ruvllm: Run, fake_hub: FakeHub) -> None:
