@@ -256,5 +256,15 @@ def count_parameters_from_safetensors(directory: Path) -> int | None:
         for name, info in read_safetensors_header(file).items():
             if name == "__metadata__" or (tied and name == "lm_head.weight"):
                 continue
-            total += math.prod(info.get("shape", []))
+            total += math.prod(_tensor_shape(file, name, info))
     return total
+
+
+def _tensor_shape(path: Path, name: str, info: Any) -> list[int]:
+    """A header entry's shape; a ModelLoadError naming the file where the entry is no
+    object with a list of counts (it had been an AttributeError out of `info`)."""
+    shape = info.get("shape", []) if isinstance(info, dict) else None
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise ModelLoadError(f"{path} has a corrupt safetensors header (tensor {name!r} has no valid shape)")
+    return shape

@@ -171,6 +171,18 @@ def test_no_or_corrupt_safetensors(tmp_path: Path) -> None:
         count_parameters_from_safetensors(tmp_path)
 
 
+@pytest.mark.parametrize("entry", [[1, 2], "F32", None, {"dtype": "F32", "shape": "12"},
+                                   {"dtype": "F32", "shape": [2, "x"]}, {"dtype": "F32", "shape": [-1]}])
+def test_a_header_entry_that_is_no_tensor_is_a_corrupt_header_naming_the_file(tmp_path: Path, entry: Any) -> None:
+    """A header entry that was no JSON object raised AttributeError ('list' has no 'get')."""
+    raw = json.dumps({"weight": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(ModelLoadError) as error:
+        count_parameters_from_safetensors(tmp_path)
+    assert error.value.message == f"{path} has a corrupt safetensors header (tensor 'weight' has no valid shape)"
+
+
 @pytest.mark.parametrize("options", [{}, {"tie_word_embeddings": False, "attention_bias": True}])
 def test_tiny_model_counts_equal_torch(make_tiny_model: Callable[..., Path], options: dict[str, Any]) -> None:
     torch = pytest.importorskip("torch")
