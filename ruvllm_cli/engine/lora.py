@@ -331,6 +331,16 @@ class LoRALinear(nn.Module):
             self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(),
                                   step.mask.shape[1], step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
                                   flat.data_ptr(), torch.get_num_threads())
+        elif step.mask is not None and self._kernel is not None and flat.shape[0] <= C_ROWS:
+            # bfloat16 outputs (int4's): the update in float32 by the same C function,
+            # rounded once into them. torch's float32 matmul gave a row other bits among
+            # other rows than alone, and the tokens of an adapter on q4k moved with the batch.
+            update = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+            rows = rows.contiguous()
+            self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(),
+                                  step.mask.shape[1], step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
+                                  update.data_ptr(), torch.get_num_threads())
+            flat += update.to(flat.dtype)
         elif step.mask is not None:
             width = step.mask.shape[1]
             shrunk = (rows @ self.lora_a.view(-1, self.in_features)[:width].T).mul_(step.mask)
