@@ -151,6 +151,11 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if seg.context_len == 0:
         k = key[:, :, seg.start:seg.start + seg.length]
         v = value[:, :, seg.start:seg.start + seg.length]
+        if k_cache.dtype != k.dtype:
+            # As the cache holds them, as every later chunk and a prefix-cache hit read
+            # them: attended unrounded, a q8 prompt's tokens changed with the prefix
+            # cache on or off and with the chunk budget (2 and 5 of 12, a helper's pass).
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     else:
         k = k_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)      # [1, Hkv, L, D]
         v = v_cache.index_select(1, seg.slots).unsqueeze(0).to(q.dtype)

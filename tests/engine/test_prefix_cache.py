@@ -68,3 +68,38 @@ def test_cache_off_reports_no_hits(make_engine):
     engine.generate([prompt, prompt], GREEDY)
     out = engine.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 0 and engine.block_manager.num_cached_blocks == 0
+
+
+def test_a_float16_cache_gives_the_same_tokens_with_the_prefix_cache_and_in_chunks(tmp_path_factory):
+    """q8 runs float32 activations over a float16 KV cache. A prompt's first chunk had
+    attended its own keys unrounded, every later chunk and a prefix-cache hit read them
+    rounded: the tokens changed with the prefix cache on or off (2 of 12 prompts on this
+    model) and with the chunk budget (5 of 12)."""
+    import torch
+
+    from ruvllm_cli.engine.config import EngineConfig
+    from ruvllm_cli.engine.engine import LLMEngine
+    from ruvllm_cli.engine.loader import load_model
+    from ruvllm_cli.quantization import Quantization
+    from ruvllm_cli.testing.tiny_model import cached_tiny_model
+
+    model = cached_tiny_model(tmp_path_factory.mktemp("wider"), hidden_size=256, intermediate_size=512,
+                              num_layers=4, vocab_size=1024)
+    loaded = load_model(model, "cpu", Quantization.Q8_0, use_cache=False)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (70, 17, 33, 48, 16, 64, 9, 25, 40, 31, 55, 12)]
+
+    def engine(**options):
+        return LLMEngine(loaded, EngineConfig(device="cpu", quantization=Quantization.Q8_0,
+                                              kv_cache_memory=64 << 20, **options))
+
+    assert engine().runner.kv_dtype == torch.float16
+    plain, chunked, cached = engine(enable_prefix_caching=False), engine(enable_prefix_caching=False,
+                                                                         max_num_batched_tokens=8), engine()
+    for prompt in prompts:
+        whole = plain.generate([prompt], greedy)[0].token_ids
+        assert chunked.generate([prompt], greedy)[0].token_ids == whole
+        cached.generate([prompt], greedy)
+        again = cached.generate([prompt], greedy)[0]
+        assert again.token_ids == whole and again.num_cached_tokens == 16 * ((len(prompt) - 1) // 16)
