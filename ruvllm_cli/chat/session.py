@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ruvllm_cli.engine.chat_template import render_chat
-from ruvllm_cli.engine.sampling import SamplingKnobs, SamplingParams
+from ruvllm_cli.engine.sampling import MAX_TEMPERATURE, SamplingKnobs, SamplingParams
 from ruvllm_cli.fsutil import write_text_atomic
 from ruvllm_cli.errors import ModelLoadError, RuvllmError, UsageError
 
@@ -66,6 +66,8 @@ class ChatSettings(SamplingKnobs):
 
     def __post_init__(self) -> None:
         self.sampling_params()  # validates every field, with the parameter's name in the message
+        if self.temperature > MAX_TEMPERATURE:   # the engine takes more (Ollama's options)
+            raise UsageError(f"temperature must be between 0 and {MAX_TEMPERATURE:g} (got {self.temperature})")
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(**dataclasses.asdict(self))

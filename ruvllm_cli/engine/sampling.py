@@ -122,6 +122,9 @@ class SamplingParams(SamplingKnobs):
 # recommendation (vLLM reads the file's difference from transformers' defaults, so
 # `top_k: 50` written out is transformers' default, not the creator's choice).
 SEED_RANGE = (-(2**63), 2**64 - 1)   # what torch.Generator.manual_seed accepts
+# The highest temperature chat and the OpenAI routes take (OpenAI's); the engine takes
+# any, as Ollama's and vLLM's do, for /api's options.
+MAX_TEMPERATURE = 2.0
 
 MODEL_SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
@@ -183,7 +186,7 @@ def gguf_sampling_defaults(metadata: dict[str, Any], source: str) -> dict[str, f
 def _usable(name: str, value: float | int, source: str) -> bool:
     try:
         SamplingParams(**{name: value})
-        if name == "temperature" and value > 2.0:   # what chat and the OpenAI routes take
+        if name == "temperature" and value > MAX_TEMPERATURE:
             raise ValueError(value)
     except (UsageError, TypeError, ValueError, OverflowError):
         log.warning("%s: %s %r is outside what ruvllm samples with; not used", source, name, value)

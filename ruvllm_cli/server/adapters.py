@@ -42,7 +42,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     if name.endswith(LATEST):
         raise ApiError(400, f"'lora_name': {LATEST_RULE}.", param="lora_name", code="invalid_value")
     if name in state.models.adapters_loading:
-        raise ApiError(400, f"The lora adapter '{name}' is being loaded.", param="lora_name", code="invalid_value")
+        raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
+                       code="invalid_value")   # vLLM's words, while its load is still under way too
     if state.models.adapter_owner(name) is not None:
         if values["load_inplace"]:
             return await _replace(state, name, values["lora_path"])
