@@ -237,15 +237,11 @@ def _hub_commit(repo_id: str, revision: str | None, existing: DownloadedModel, t
         progress.not_checked(existing, "offline mode is on (HF_HUB_OFFLINE)")
         return None
     try:
-        info = HfApi(token=token).repo_info(repo_id, revision=revision, repo_type="model",
-                                            timeout=constants.HF_HUB_ETAG_TIMEOUT)
-    except (RuvllmError, KeyboardInterrupt):
-        raise
-    except Exception as error:  # noqa: BLE001 - mapped below, re-raised when unknown
-        mapped = map_hub_error(error, repo_id, revision, cache)
-        if mapped is None:
-            raise
-        progress.not_checked(existing, mapped.message)
+        with hub_errors(repo_id, revision, cache):
+            info = HfApi(token=token).repo_info(repo_id, revision=revision, repo_type="model",
+                                                timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except RuvllmError as error:   # the hub's answer or its absence, mapped
+        progress.not_checked(existing, error.message)
         return None
     return info.sha or None
 

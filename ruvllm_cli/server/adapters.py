@@ -20,8 +20,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from ruvllm_cli.engine.lora import AdapterInUseError, AdapterNotFoundError, read_adapter
-from ruvllm_cli.errors import (CacheError, DownloadError, ModelNotFoundError, RepoUnavailableError, RuvllmError,
-                               UsageError)
+from ruvllm_cli.errors import CacheError, DownloadError, RepoUnavailableError, RuvllmError
 from ruvllm_cli.registry.adapters import LATEST, LATEST_RULE
 from ruvllm_cli.server.body import no_nul, read_json
 from ruvllm_cli.server.engine_client import LocalEngine
@@ -70,15 +69,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             installing = asyncio.ensure_future(install())
             installing.add_done_callback(lambda _: state.models.adapters_loading.discard(name))
             await asyncio.shield(installing)   # a client that leaves does not part engine and record
-    except ApiError:
-        raise
-    except (RepoUnavailableError, UsageError, ModelNotFoundError) as error:
-        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
-    except (DownloadError, CacheError) as error:
-        # The hub out of reach, a full disk: the server's trouble, not the request's.
-        raise ApiError(503, error.message, param="lora_path", code="adapter_download_failed") from error
     except RuvllmError as error:
-        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
+        raise _api_error(name, error) from error
     finally:
         if installing is None:
             state.models.adapters_loading.discard(name)
@@ -105,20 +97,22 @@ async def _replace(state: ServerState, name: str, path: str) -> web.Response:
                 await asyncio.shield(asyncio.ensure_future(swap()))
         else:   # an unloaded model's record: it reloads with the new files
             state.models.keep_adapter(entry, name, located)
-    except ApiError:
-        raise
-    except AdapterInUseError as error:
-        raise ApiError(409, f"The lora adapter '{name}' is in use: {error.message}.", param="lora_name",
-                       code="adapter_in_use") from error
-    except (RepoUnavailableError, UsageError, ModelNotFoundError) as error:
-        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
-    except (DownloadError, CacheError) as error:
-        raise ApiError(503, error.message, param="lora_path", code="adapter_download_failed") from error
     except RuvllmError as error:
-        raise ApiError(400, error.message, param="lora_path", code="invalid_value") from error
+        raise _api_error(name, error) from error
     finally:
         state.models.adapters_loading.discard(name)
     return web.Response(text=f"Success: LoRA adapter '{name}' replaced successfully.")
+
+
+def _api_error(name: str, error: RuvllmError) -> ApiError:
+    """A load's failure in the API's shape: the hub out of reach or a full disk is the
+    server's trouble (503), an adapter in use a 409, the rest the request's (400)."""
+    if isinstance(error, AdapterInUseError):
+        return ApiError(409, f"The lora adapter '{name}' is in use: {error.message}.", param="lora_name",
+                        code="adapter_in_use")
+    if isinstance(error, (DownloadError, CacheError)) and not isinstance(error, RepoUnavailableError):
+        return ApiError(503, error.message, param="lora_path", code="adapter_download_failed")
+    return ApiError(400, error.message, param="lora_path", code="invalid_value")
 
 
 def _locate(state: ServerState, path: str) -> Path:
