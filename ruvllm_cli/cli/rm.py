@@ -52,7 +52,13 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool, force: b
         raise UsageError(f"two revisions given: '{ref.revision}' and '{revision}'", "give only one")
     plans = ModelCache(app.cache_dir).plan_removals(download_repos(ref), revision or ref.revision)
     what = " and ".join(_describe(plan) for plan in plans)
-    users = users_of((path for plan in plans for path in plan.files), app.cache_dir)
+    users = users_of((path for plan in plans for path in (*plan.files, *plan.targets())), app.cache_dir)
+    downloads = [u for u in users if u.get("command") == "download"]
+    users = [u for u in users if u.get("command") != "download"]
+    if downloads and not force and not dry_run:
+        pids = ", ".join(f"pid {u['pid']}" for u in downloads)
+        raise RuvllmError(f"{model} is being downloaded ({pids}): removing its files now fails that download",
+                          "wait for it or stop it first, or pass --force")
     if users and not force and not dry_run:
         servers = ", ".join(f"pid {u['pid']} at {u['url']}" for u in users)
         raise RuvllmError(f"{model} is in use by ruvllm serve ({servers}): a server that unloads it loads it "
@@ -64,6 +70,8 @@ def command(model: str, yes: bool, revision: str | None, dry_run: bool, force: b
         out.info(f"Would remove {what}.")
         for user in users:
             out.warn(f"in use by ruvllm serve (pid {user['pid']} at {user['url']})")
+        for user in downloads:
+            out.warn(f"being downloaded (pid {user['pid']})")
         return
     if not yes and not _confirm(f"Remove {what}?"):
         out.info("Nothing removed.")

@@ -90,12 +90,13 @@ class RemovalPlan:
                 directory.rmdir()
             except OSError:
                 pass
-        left = _left_over(self._targets())
+        left = _left_over(self.targets())
         if left or errors:
             raise _removal_error(self.repo_id, left, errors)
 
-    def _targets(self) -> list[Path]:
-        """Every path the plan deletes: the hub strategy's and ours."""
+    def targets(self) -> list[Path]:
+        """Every path the plan deletes: the hub strategy's and ours (directories whole),
+        which `rm` checks against the processes using the cache."""
         kinds = ("files", "repos", "snapshots", "refs", "blobs")   # getattr: `files` is not in every huggingface_hub
         hub = [path for kind in kinds for path in getattr(self._strategy, kind, ())]
         return [*hub, *self._paths]

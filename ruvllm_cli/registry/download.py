@@ -211,6 +211,19 @@ def download_model(ref: ModelRef, quantization: Quantization | str | None, cache
             progress.already_downloaded(current)
             return current
     _make_cache_dir(cache)
+    from ruvllm_cli.registry.in_use import register
+
+    unregister = register([cache.repo_dir(repo_id)], "", cache.root, command="download")   # `rm` waits
+    try:
+        return _download(repo_id, revision, quantization, cache, force=force, token=token, progress=progress,
+                         file_name=file_name, commit=commit)
+    finally:
+        unregister()
+
+
+def _download(repo_id: str, revision: str | None, quantization: Quantization | None, cache: ModelCache, *,
+              force: bool, token: str | None, progress: DownloadObserver, file_name: str | None,
+              commit: str | None) -> DownloadedModel:
     lost = sum(file_size(path) for path in cache.orphaned_incomplete_files(repo_id))
     progress.removed_orphans(cache.remove_orphaned_incomplete_files(repo_id), lost)
     with hub_errors(repo_id, revision, cache):

@@ -1,7 +1,8 @@
-"""Which models a running `ruvllm serve` uses: each server leaves a record of its
-models' paths in the cache directory while it runs, so that `ruvllm rm` on that cache
-can refuse to pull the files from under it (a server that unloads a model loads it
-again from them). The record lives with the files it protects, not in the data
+"""Which models a running `ruvllm serve` uses, or a `ruvllm download` is writing: each
+leaves a record of its models' paths in the cache directory while it runs, so that
+`ruvllm rm` on that cache can refuse to pull the files from under it (a server that
+unloads a model loads it again from them; a download's partial files had been deleted
+under it, and it failed). The record lives with the files it protects, not in the data
 directory: a server run as a service (another user, another HOME or
 RUVLLM_DATA_DIR) on a shared --cache-dir is seen by every `rm` of that cache.
 Records of processes that are gone are ignored and cleared. Torch-free."""
@@ -18,14 +19,15 @@ def run_dir(cache_dir: Path) -> Path:
     return Path(cache_dir) / "in-use"
 
 
-def register(paths: Iterable[Path], url: str, cache_dir: Path) -> Callable[[], None]:
-    """Record that this process serves `paths` at `url`; returns what removes the record."""
-    record = run_dir(cache_dir) / f"serve-{os.getpid()}.json"
+def register(paths: Iterable[Path], url: str, cache_dir: Path, command: str = "serve") -> Callable[[], None]:
+    """Record that this process serves `paths` at `url` (or, `command` "download",
+    writes them); returns what removes the record."""
+    record = run_dir(cache_dir) / f"{command}-{os.getpid()}.json"
     partial = record.with_suffix(".tmp")
     _live_records(cache_dir)   # clears the records a killed server left
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"pid": os.getpid(), "url": url,
+        partial.write_text(json.dumps({"pid": os.getpid(), "url": url, "command": command,
                                        "paths": [str(Path(p).absolute()) for p in paths]}))
         os.replace(partial, record)
     except OSError:   # a cache we cannot write: serve all the same, unprotected
@@ -54,7 +56,7 @@ def _live_records(cache_dir: Path) -> list[tuple[dict[str, Any], list[Path]]]:
     are gone are deleted on the way."""
     live = []
     records = run_dir(cache_dir)
-    for record in sorted(records.glob("serve-*.json")) if records.is_dir() else []:
+    for record in sorted(records.glob("*-*.json")) if records.is_dir() else []:
         try:
             data = json.loads(record.read_text())
             pid, paths = int(data["pid"]), [Path(p) for p in data["paths"]]

@@ -861,6 +861,31 @@ def wait_held(hub: FakeHub, name: str, after_bytes: int, process: subprocess.Pop
         time.sleep(0.02)
 
 
+def test_rm_waits_for_a_download_under_way(ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path,
+                                          cli_env: dict[str, str]) -> None:
+    """`rm` during another process's download deleted its partial files under it, and
+    the download failed. The download records the repo as in use, as a server does."""
+    repo_id, commit = repo
+    name = TINY_FILES[0]
+    half = (tiny_model_dir / name).stat().st_size // 2
+    fake_hub.hold(repo_id, name, after_bytes=half)
+    process = start_download(repo_id, cli_env)
+    try:
+        wait_held(fake_hub, name, half, process)
+        refused = ruvllm("rm", repo_id, "-y")
+        assert refused.returncode == 1, refused.stderr
+        assert f"{repo_id} is being downloaded (pid {process.pid})" in refused.stderr
+        fake_hub.release()
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+    finally:
+        fake_hub.release()
+        process.kill()
+        process.wait()
+    removed = ruvllm("rm", repo_id, "-y")   # the record went with the download
+    assert removed.returncode == 0, removed.stderr
+
+
 def test_kill_9_in_every_file_in_turn_never_lists_the_model_and_the_next_run_completes(
         ruvllm: Run, fake_hub: FakeHub, repo, tiny_model_dir: Path, cli_env: dict[str, str], isolated_env) -> None:
     repo_id, commit = repo
