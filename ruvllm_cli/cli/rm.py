@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 @click.option("-y", "--yes", is_flag=True, help="Remove without asking.")
 @click.option("--revision", metavar="REV", help="Remove only this branch, tag or commit (default: all).")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed, and remove nothing.")
-@click.option("--force", is_flag=True, help="Remove it even while a running `ruvllm serve` uses it.")
+@click.option("--force", is_flag=True, help="Remove it even while a running `ruvllm serve` uses it or a `ruvllm download` writes it.")
 @global_options
 def command(model: str, yes: bool, revision: str | None, dry_run: bool, force: bool) -> None:
     """Remove MODEL (an alias or org/name) from the cache: its files and manifests.
