@@ -344,6 +344,8 @@ async def stream_response(request: web.Request, streams: Sequence[RequestStream]
             error = bridge.shutting_down()
         except ApiError as failed:   # a replica behind --replicas died mid-stream: a 503 event
             error = failed
+        except ConnectionResetError:
+            raise   # the client left (a write reached its closing transport): a 499 below, not an error
         except Exception as failed:  # noqa: BLE001 - the stream has begun: an error event, not a 500
             # response written into its body (a client read "illegal chunk header")
             log_internal_error(request, failed, get_state(request.app).config.verbose)
