@@ -69,6 +69,9 @@ class ServedModel:
         # What a request's unset sampling knobs take (SamplingFields.with_defaults).
         self.sampling_defaults: dict[str, float | int] = (
             dict(self.client.engine.sampling_defaults) if model_sampling else {})
+        # Its counters as it was unloaded (ModelPool._unload): what a /metrics scrape that
+        # listed it just before counts, once its engine no longer answers.
+        self.final_counts: Any = None
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine thread this process runs for it (if any)."""

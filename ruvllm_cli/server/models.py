@@ -288,11 +288,16 @@ class ModelPool:
         self._start(self._unload(entry, reason), entry, ModelStatus.UNLOADING)
 
     async def _unload(self, entry: ModelEntry, reason: str) -> None:
-        # The only reference left goes into the box, which the release empties before
-        # collecting: a local here would keep the whole model alive through the collection.
-        box, entry.served = [entry.served], None
+        # Its counts are read while it is still listed, then it leaves the list and they
+        # join `retired` in one step, so a /metrics scrape counts them once, never twice
+        # nor not at all (a counter had gone back across each unload: a helper's pass).
         try:
-            final = await asyncio.get_running_loop().run_in_executor(self._executor, final_counts, box[0])
+            final = await asyncio.get_running_loop().run_in_executor(self._executor, final_counts, entry.served)
+            if entry.served is not None:
+                entry.served.final_counts = final
+            # The only reference left goes into the box, which the release empties before
+            # collecting: a local here would keep the whole model alive through the collection.
+            box, entry.served = [entry.served], None
             if final is not None:
                 self.retired = EngineSnapshot.total([self.retired, final])
             await asyncio.get_running_loop().run_in_executor(self._executor, release_engine, box)

@@ -132,14 +132,18 @@ async def metrics(request: web.Request) -> web.Response:
     unloaded before (the pool's own figures are per model)."""
     state = get_state(request.app)
     snapshots = []
+    # The engines listed and those unloaded before, read together (an unload moves one
+    # from the first to the second in one step), so each engine counts once.
+    listed, retired = state.models.loaded(), state.models.retired
     with state.admission.scraping():   # a shutdown waits for it, as for a generation
-        for served in state.models.loaded():
+        for served in listed:
             try:
                 snapshots.append(await engine_snapshot(state, served.client))
-            except EngineFailedError:
-                pass   # unloaded meanwhile (or dead: /health says so)
+            except EngineFailedError:   # unloaded meanwhile: its counts as it left (or dead: /health says so)
+                if served.final_counts is not None:
+                    snapshots.append(served.final_counts)
     # The unloaded engines' counters too (so no counter goes back), and the gauges at 0 with none loaded.
-    body = state.metrics.render(EngineSnapshot.total([*snapshots, state.models.retired]))
+    body = state.metrics.render(EngineSnapshot.total([*snapshots, retired]))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

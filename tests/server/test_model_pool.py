@@ -369,3 +369,33 @@ def test_engine_counters_never_go_back_when_a_model_unloads(pool_server):
     assert engine_counter(live, "ruvllm_engine_steps") >= after_a + 3
     assert engine_counter(live, "ruvllm_prefix_cache_queries") > queries_a
     assert engine_counter(live, "ruvllm_kv_cache_blocks_used") == 0
+
+
+def test_engine_counters_never_go_back_while_scrapes_race_the_unloads(pool_server):
+    """An unload took its engine off the list before its counts joined the retired
+    ones (an executor hop later), and a scrape that awaited an engine could count one
+    twice: a counter read in a tight loop went back at most unloads (a helper's pass)."""
+    live, loads = pool_server(keep_alive=0)   # each request's end unloads its model
+    client = client_for(live)
+    seen: list[float] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            from prometheus_client.parser import text_string_to_metric_families
+
+            while not done.is_set():
+                families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+                seen.append(families["ruvllm_engine_steps"].samples[0].value)
+
+    scraper = threading.Thread(target=scrape)
+    scraper.start()
+    try:
+        for _ in range(8):
+            greedy(client, "a", max_tokens=4)
+            wait_for(lambda: statuses(live)["a"] == "unloaded")
+    finally:
+        done.set()
+        scraper.join(30)
+    assert loads.calls["a"] == 8 and len(seen) > 20
+    assert all(later >= earlier for earlier, later in zip(seen, seen[1:])), seen
