@@ -258,6 +258,10 @@ def test_a_runtime_adapter_comes_back_when_its_model_loads_again(pool_server, ti
     onto_adapter = httpx.post(live.base_url + "/load_lora_adapter", json={
         "lora_name": "x", "lora_path": str(adapter), "model": "sql"})
     assert onto_adapter.status_code == 400 and onto_adapter.json()["error"]["param"] == "model"
+    # Ollama's unload naming the adapter: it had been told the server was started with it
+    unload = httpx.post(live.url + "/api/chat", json={"model": "sql", "messages": [], "keep_alive": 0}, timeout=30)
+    assert unload.status_code == 400
+    assert unload.json()["error"].startswith("'sql' is a LoRA adapter of b: unload b")
     greedy(client, "a")
     assert httpx.post(live.base_url + "/unload_lora_adapter", json={"lora_name": "sql"}).status_code == 200
     assert "sql" not in statuses(live)

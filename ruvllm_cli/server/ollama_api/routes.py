@@ -161,7 +161,11 @@ def _unload(state: ServerState, name: str, job: OllamaJob, kind: str) -> dict[st
     """Ollama's unload request (no messages, keep_alive 0): a model the server loads on
     demand goes now, or when the requests holding it end."""
     entry, adapter = state.models.find(name)
-    if entry.load is None or adapter is not None:
+    if adapter is not None:   # it had been told the server was started with it
+        raise bad_request(f"'{job.model}' is a LoRA adapter of {entry.name}: unload {entry.name} (its adapters "
+                          "go with it), or drop the adapter with POST /v1/unload_lora_adapter.", "keep_alive",
+                          "invalid_value")
+    if entry.load is None:
         raise bad_request(f"'{job.model}' stays loaded: this server was started with it. Serve models with "
                           "`ruvllm serve A B ...` to have them loaded and unloaded on demand.", "keep_alive",
                           "invalid_value")
