@@ -327,19 +327,13 @@ class LoRALinear(nn.Module):
         flat = out.view(-1, self.out_features)
         if step.mask is not None and self.adds_in_c(flat.shape[0], flat.dtype):
             # A decode step's rows: one C call (the C layer loop's), not four torch ones.
-            rows = rows.contiguous()
-            self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(),
-                                  step.mask.shape[1], step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
-                                  flat.data_ptr(), torch.get_num_threads())
+            self._add_in_c(rows, step.mask, flat)
         elif step.mask is not None and self._kernel is not None and flat.shape[0] <= C_ROWS:
             # bfloat16 outputs (int4's): the update in float32 by the same C function,
             # rounded once into them. torch's float32 matmul gave a row other bits among
             # other rows than alone, and the tokens of an adapter on q4k moved with the batch.
             update = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-            rows = rows.contiguous()
-            self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(),
-                                  step.mask.shape[1], step.mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
-                                  update.data_ptr(), torch.get_num_threads())
+            self._add_in_c(rows, step.mask, update)
             flat += update.to(flat.dtype)
         elif step.mask is not None:
             width = step.mask.shape[1]
@@ -352,6 +346,14 @@ class LoRALinear(nn.Module):
         for start, end, mixture, scalings in step.mixtures:
             self._mix(rows[start:end], flat[start:end], mixture, scalings)
         return out
+
+    def _add_in_c(self, rows: torch.Tensor, mask: torch.Tensor, out: torch.Tensor) -> None:
+        """decode_step.c's lora_add: each row's update from its slots (`mask`) added into
+        `out` (float32), a row alone whatever the others."""
+        rows = rows.contiguous()
+        self._kernel.lora_add(rows.data_ptr(), rows.shape[0], self.in_features, self.lora_a.data_ptr(),
+                              mask.shape[1], mask.data_ptr(), self.lora_b.data_ptr(), self.out_features,
+                              out.data_ptr(), torch.get_num_threads())
 
     def adds_in_c(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether the update of `rows` rows of `dtype` outputs is decode_step.c's lora_add
