@@ -45,7 +45,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
                        code="invalid_value")   # vLLM's words, while its load is still under way too
     if state.models.adapter_owner(name) is not None:
         if values["load_inplace"]:
-            return await _replace(state, name, values["lora_path"])
+            return await _replace(state, name, path)
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name",
                        code="invalid_value")
     if name in state.models.all_names():
@@ -84,7 +84,7 @@ async def _replace(state: ServerState, name: str, path: str) -> web.Response:
     assert entry is not None
     state.models.adapters_loading.add(name)
     try:
-        located = await _off_loop(state, lambda: _locate(state, no_nul("lora_path", path)))
+        located = await _off_loop(state, lambda: _locate(state, path))
         adapter = await _off_loop(state, lambda: read_adapter(name, located))
         if entry.status not in (ModelStatus.UNLOADED, ModelStatus.FAILED):
             async with state.model_for(name) as model:
